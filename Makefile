@@ -1,0 +1,39 @@
+# The two commands a newcomer needs: `make demo` and `make test`. Each installs what it needs into .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch 2.13.0 is the CPU build that lies on this kind of machine's disk; any other spec pulls a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+DEMO_RUN_ID ?= demo
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint typecheck clean-demo help
+
+help:
+	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
+	@echo "make test   - run the test suite"
+	@echo "make lint   - ruff + mypy"
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[local,dev]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m datagen.demo --run-id $(DEMO_RUN_ID)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check datagen flows tasks tests benchmarks
+	$(BIN)/ruff format --check datagen flows tasks tests benchmarks
+	$(BIN)/mypy
+
+clean-demo:
+	rm -rf runs datasets

@@ -1,0 +1,362 @@
+"""The run configuration: one typed model per concept, loaded from YAML, hashed for run identity.
+
+`RunConfig` is the flow parameter (Prefect renders it as a form), the content of ``config.json`` in every
+run, and what the CLI loads from ``--config FILE``. Everything is ``extra="forbid"``: a misspelt key is an
+error that names the key, never a silently ignored setting. Secrets never live here (see
+:mod:`datagen.settings`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from datagen.errors import ConfigError
+
+CONFIG_SCHEMA_VERSION = 1
+
+# A run id or dataset name becomes part of an object key: keep it to characters safe everywhere.
+SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,79}$"
+Slug = Annotated[str, Field(pattern=SLUG_PATTERN)]
+
+EngineKind = Literal["transformers", "sglang", "external"]
+DatasetFormat = Literal[
+    "infinity_instruct",
+    "webinstruct",
+    "codefeedback_filtered",
+    "code_feedback",
+    "metamath",
+    "hermes_fc",
+    "agentinstruct",
+    "toucan",
+    "sharegpt",
+    "openai_messages",
+]
+MultiTurnPolicy = Literal["last_turn", "every_turn"]
+TrainingJobKind = Literal["none", "pidfile"]
+
+
+class StrictModel(BaseModel):
+    """Base for every config model: unknown keys are errors, values are validated on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(StrictModel):
+    """The target model served by the fleet and whose chat template renders the training data."""
+
+    path: str = Field(description="Local directory or hub id of the target model, as the engine loads it.")
+    tokenizer_path: str | None = Field(
+        default=None, description="Tokenizer to render and tokenize with; defaults to `path`."
+    )
+    served_name: str | None = Field(
+        default=None, description="Model name sent in API requests; defaults to what the engine reports."
+    )
+    max_model_len_tokens: int | None = Field(
+        default=None, gt=0, description="Context length for the servers; the engine default when unset."
+    )
+
+    @property
+    def tokenizer(self) -> str:
+        """The tokenizer location (``tokenizer_path`` or ``path``)."""
+        return self.tokenizer_path or self.path
+
+
+class SGLangOptions(StrictModel):
+    """SGLang-only launch knobs; the planner fills what is left unset from the probed host."""
+
+    attention_backend: str | None = Field(default=None, description="e.g. fa3, flashinfer; auto by SM.")
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1)
+    max_running_requests: int | None = Field(default=None, gt=0)
+    mamba_cache_strategy: Literal["auto", "no_buffer", "extra_buffer", "extra_buffer_lazy"] | None = Field(
+        default=None,
+        description="Hybrid models' state cache strategy; the flag name is detected from the installed sglang.",
+    )
+    disable_radix_cache: bool = Field(
+        default=True, description="Unique prompts share no prefix; disabling the radix cache raises concurrency."
+    )
+    reasoning_parser: str | None = Field(default="qwen3")
+    tool_call_parser: str | None = Field(default=None)
+    speculative: dict[str, Any] | None = Field(
+        default=None, description="Speculative decoding flags without leading dashes, e.g. {algorithm: EAGLE}."
+    )
+
+
+class FleetConfig(StrictModel):
+    """How many servers, of which engine, where, and how hard the dispatcher may drive each one."""
+
+    engine: EngineKind = "transformers"
+    num_servers: int | None = Field(
+        default=None, gt=0, description="Servers to start; one per GPU when unset (cpu_servers without GPUs)."
+    )
+    cpu_servers: int = Field(default=2, gt=0, description="Servers to start on a host without GPUs.")
+    tensor_parallel: int | None = Field(
+        default=None, gt=0, description="GPUs per server; the planner decides when unset."
+    )
+    host: str = "127.0.0.1"
+    base_port: int = Field(default=30000, gt=1023, lt=65000)
+    external_urls: list[str] = Field(
+        default_factory=list, description="Base URLs of servers already running (engine: external)."
+    )
+    max_inflight_per_server: int = Field(
+        default=64, gt=0, description="Requests the dispatcher keeps in flight on each server."
+    )
+    ready_timeout_s: float = Field(default=900.0, gt=0)
+    max_restarts_per_server: int = Field(default=3, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to every server argv.")
+    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the servers.")
+    sglang: SGLangOptions = Field(default_factory=SGLangOptions)
+
+    @model_validator(mode="after")
+    def _external_needs_urls(self) -> FleetConfig:
+        if self.engine == "external" and not self.external_urls:
+            raise ValueError("engine 'external' needs fleet.external_urls: the base URLs of running servers")
+        return self
+
+
+class SamplingParams(StrictModel):
+    """Sampling parameters of one request; per-dataset overrides are merged over the run defaults."""
+
+    temperature: float = Field(default=0.7, ge=0)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int = Field(default=2048, gt=0)
+    enable_thinking: bool | None = Field(
+        default=None, description="Passed as chat_template_kwargs.enable_thinking; template default if unset."
+    )
+    samples_per_prompt: int = Field(default=1, gt=0, le=64)
+    seed: int | None = None
+
+
+class SamplingOverrides(StrictModel):
+    """Per-dataset sampling changes; unset fields keep the run's defaults."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, gt=0)
+    enable_thinking: bool | None = None
+    samples_per_prompt: int | None = Field(default=None, gt=0, le=64)
+    seed: int | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        """Return ``base`` with every field set here replaced."""
+        changes = self.model_dump(exclude_none=True)
+        return base.model_copy(update=changes)
+
+
+class DatasetConfig(StrictModel):
+    """One prompt source: where it is, its layout, how many prompts to take, how to sample."""
+
+    name: Slug = Field(description="Short name used in object keys and reports, e.g. `metamath`.")
+    format: DatasetFormat
+    path: str = Field(description="Local path, glob, or s3:// URL of the dataset files.")
+    max_prompts: int | None = Field(default=None, gt=0, description="Cap on prompts taken from this dataset.")
+    shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+    multi_turn: MultiTurnPolicy = "last_turn"
+    max_prompt_tokens: int | None = Field(default=None, gt=0, description="Drop longer prompts (tools included).")
+    languages: list[str] | None = Field(default=None, description="Keep rows whose language is listed.")
+    category: str | None = Field(default=None, description="Mix category, e.g. code, math, chat, tools.")
+
+
+class GenerationConfig(StrictModel):
+    """Request-level behaviour of the dispatcher."""
+
+    request_timeout_s: float = Field(default=1800.0, gt=0)
+    max_attempts: int = Field(default=5, gt=0, description="Tries per request before a failure is recorded.")
+    backoff_initial_s: float = Field(default=0.5, ge=0)
+    backoff_max_s: float = Field(default=30.0, ge=0)
+    checkpoint_every: int = Field(
+        default=64, gt=0, description="Completions per write-once part object inside a shard."
+    )
+    checkpoint_interval_s: float = Field(default=30.0, gt=0, description="Flush a part at least this often.")
+    max_concurrent_shards: int | None = Field(
+        default=None, gt=0, description="Shard tasks running at once; enough to keep every slot busy if unset."
+    )
+    no_live_server_timeout_s: float = Field(
+        default=300.0, gt=0, description="How long requests wait for a server to come back before failing."
+    )
+
+
+class TrainingJobConfig(StrictModel):
+    """The training job to halt before the GPUs are taken."""
+
+    kind: TrainingJobKind = "none"
+    pidfile: str | None = Field(default=None, description="File holding the trainer's PID (kind: pidfile).")
+    signal: str = Field(default="SIGTERM", description="Signal asking the trainer to checkpoint and exit.")
+    stop_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for a graceful exit.")
+    escalate: bool = Field(default=False, description="Send SIGKILL when the graceful stop times out.")
+    checkpoint_glob: str | None = Field(
+        default=None, description="Glob of checkpoint files; the newest is recorded as the last checkpoint."
+    )
+
+    @model_validator(mode="after")
+    def _pidfile_needs_path(self) -> TrainingJobConfig:
+        if self.kind == "pidfile" and not self.pidfile:
+            raise ValueError("training.kind 'pidfile' needs training.pidfile: the path of the trainer's pidfile")
+        return self
+
+    @field_validator("signal")
+    @classmethod
+    def _known_signal(cls, value: str) -> str:
+        import signal as signal_module
+
+        name = value.upper() if value.upper().startswith("SIG") else f"SIG{value.upper()}"
+        if not hasattr(signal_module, name):
+            raise ValueError(f"unknown signal {value!r}; use a name such as SIGTERM, SIGINT or SIGUSR1")
+        return name
+
+
+class TokenizeConfig(StrictModel):
+    """How completions become training rows."""
+
+    max_length_tokens: int | None = Field(default=None, gt=0, description="Drop longer rendered rows.")
+    rows_per_part: int = Field(default=10_000, gt=0, description="Rows per Parquet part object.")
+    include_truncated: bool = Field(default=False, description="Keep completions that hit max_tokens.")
+    dataset_name: Slug = Field(default="drafter-expansion", description="Name of the versioned dataset.")
+    base_version: str | None = Field(
+        default=None, description="URL of an existing dataset version manifest to extend (never rewritten)."
+    )
+
+
+class RunConfig(StrictModel):
+    """Everything that defines one data-expansion run; its hash is the run's identity."""
+
+    schema_version: Literal[1] = CONFIG_SCHEMA_VERSION
+    run_id: Slug | None = Field(default=None, description="Generated (timestamp + random) when unset.")
+    model: ModelConfig
+    fleet: FleetConfig = Field(default_factory=FleetConfig)
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    datasets: list[DatasetConfig] = Field(min_length=1)
+    output: str = Field(description="Root URL of the output store: a local directory or s3://bucket/prefix.")
+    protected_prefixes: list[str] = Field(
+        default_factory=list, description="Locations that must never be written (the existing training data)."
+    )
+    training: TrainingJobConfig = Field(default_factory=TrainingJobConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
+    seed: int = Field(default=0, description="Seed of every sampling and shuffling decision.")
+
+    @field_validator("datasets")
+    @classmethod
+    def _unique_dataset_names(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
+        names = [dataset.name for dataset in datasets]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"dataset names must be unique; repeated: {', '.join(duplicates)}")
+        return datasets
+
+    def sampling_for(self, dataset: DatasetConfig) -> SamplingParams:
+        """The resolved sampling parameters of one dataset (run defaults + its overrides)."""
+        return dataset.sampling.apply(self.sampling)
+
+    def dataset(self, name: str) -> DatasetConfig:
+        """The dataset config called ``name``.
+
+        Raises:
+            ConfigError: No dataset has that name.
+        """
+        for dataset in self.datasets:
+            if dataset.name == name:
+                return dataset
+        raise ConfigError(f"no dataset named {name!r} in this config", name=name)
+
+    def identity_dict(self) -> dict[str, Any]:
+        """The fields that define what the run produces (everything but the run id), as JSON data."""
+        return self.model_dump(mode="json", exclude={"run_id"})
+
+    def config_hash(self) -> str:
+        """A stable hash of :meth:`identity_dict`; two configs with equal hashes produce the same run."""
+        canonical = json.dumps(self.identity_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def format_validation_error(error: ValidationError, source: str) -> str:
+    """Turn a pydantic error into one line per problem: the dotted field, what is wrong, how to fix it.
+
+    Args:
+        error: The validation error.
+        source: Where the config came from (file name), for the first line.
+
+    Returns:
+        A message a user can act on without reading a traceback.
+    """
+    lines = [f"Invalid run configuration in {source}:"]
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        kind = item["type"]
+        if kind == "extra_forbidden":
+            hint = "unknown key: remove it or check its spelling against docs/configuration.md"
+        elif kind == "missing":
+            hint = "required: add this key"
+        else:
+            hint = item["msg"]
+            if item.get("input") is not None and kind != "value_error":
+                hint += f" (got {item['input']!r})"
+        lines.append(f"  - {field}: {hint}")
+    return "\n".join(lines)
+
+
+def parse_run_config(data: Any, source: str = "<config>") -> RunConfig:
+    """Validate already-parsed config data.
+
+    Args:
+        data: A mapping (from YAML, JSON, or a Prefect parameter).
+        source: Where the data came from, quoted in errors.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: The data is not a valid run configuration; the message lists every problem.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"Invalid run configuration in {source}: expected a mapping at the top level, "
+            f"got {type(data).__name__}",
+            source=source,
+        )
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source), source=source) from None
+
+
+def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a run configuration from a YAML (or JSON) file.
+
+    Args:
+        path: The file.
+        overrides: Top-level keys replacing those in the file (e.g. ``run_id``, ``output`` from the CLI).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: The file is missing, is not YAML, or does not validate.
+    """
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"Config file {file} does not exist; pass an existing YAML file to --config.")
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"Config file {file} is not valid YAML: {error}") from None
+    if isinstance(data, dict) and overrides:
+        data = {**data, **{key: value for key, value in overrides.items() if value is not None}}
+    return parse_run_config(data, source=str(file))
+
+
+def is_valid_slug(value: str) -> bool:
+    """Tell whether ``value`` may be used as a run id or dataset name."""
+    return re.match(SLUG_PATTERN, value) is not None

@@ -1,0 +1,174 @@
+"""Every error datagen raises on purpose, in one place.
+
+One base class, :class:`DatagenError`. Each subclass also inherits the builtin that matches its meaning
+(so ``except FileExistsError`` still works), carries its context as attributes, and says whether it is
+*transient* (worth retrying: a flaky network, a server restarting) or *fatal* (stop and explain). The
+message of a fatal error always says what to do next.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class DatagenError(Exception):
+    """Base of every datagen error.
+
+    Attributes:
+        transient: True when retrying the same operation may succeed.
+    """
+
+    transient: bool = False
+
+    def __init__(self, message: str, **context: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.context = context
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class TransientError(DatagenError):
+    """An error that a retry may cure (network blip, 5xx, server restarting, write conflict)."""
+
+    transient = True
+
+
+# --- configuration and validation -------------------------------------------------------------
+
+
+class ConfigError(DatagenError, ValueError):
+    """The run configuration is invalid; the message names the field and the fix."""
+
+
+class RunConfigMismatchError(DatagenError, ValueError):
+    """A run id already exists in storage with a different configuration."""
+
+    def __init__(self, message: str, *, run_id: str, stored_hash: str, new_hash: str) -> None:
+        super().__init__(message, run_id=run_id, stored_hash=stored_hash, new_hash=new_hash)
+        self.run_id = run_id
+        self.stored_hash = stored_hash
+        self.new_hash = new_hash
+
+
+class PreflightError(DatagenError, RuntimeError):
+    """One or more checks failed before anything was stopped or started.
+
+    Attributes:
+        problems: One human-readable line per failed check, each with its fix.
+    """
+
+    def __init__(self, problems: list[str]) -> None:
+        lines = "\n".join(f"  - {problem}" for problem in problems)
+        super().__init__(
+            f"Preflight found {len(problems)} problem(s); nothing was stopped or started:\n{lines}",
+            problems=problems,
+        )
+        self.problems = problems
+
+
+# --- storage ----------------------------------------------------------------------------------
+
+
+class StorageError(DatagenError, OSError):
+    """A storage operation failed for a reason a retry will not fix."""
+
+
+class TransientStorageError(TransientError, OSError):
+    """A storage operation failed for a reason a retry may fix (5xx, reset, concurrent create)."""
+
+
+class OutputExistsError(DatagenError, FileExistsError):
+    """A write-once object already exists; datagen never overwrites anything."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            f"Refusing to overwrite existing object {url}: datagen writes every object exactly once.",
+            url=url,
+        )
+        self.url = url
+
+
+class ProtectedPrefixError(DatagenError, PermissionError):
+    """A write was aimed under a protected prefix (the existing training data)."""
+
+    def __init__(self, url: str, prefix: str) -> None:
+        super().__init__(
+            f"Refusing to write {url}: it lies under the protected prefix {prefix}. "
+            "Choose an output location outside every entry of `protected_prefixes`.",
+            url=url,
+            prefix=prefix,
+        )
+        self.url = url
+        self.prefix = prefix
+
+
+# --- datasets and prompts ---------------------------------------------------------------------
+
+
+class DatasetError(DatagenError, ValueError):
+    """A dataset source cannot be read at all (missing file, wrong format); bad rows are counted instead."""
+
+
+# --- engines, servers, generation -------------------------------------------------------------
+
+
+class EngineUnavailableError(DatagenError, RuntimeError):
+    """The configured engine cannot run on this host (package missing, wrong platform)."""
+
+
+class ServerStartError(DatagenError, RuntimeError):
+    """A generation server did not become ready; the message quotes its log."""
+
+
+class ServerDiedError(TransientError, RuntimeError):
+    """A generation server process exited while requests were in flight."""
+
+
+class RequestFailedError(DatagenError, RuntimeError):
+    """A generation request failed for good (bad request, retries exhausted)."""
+
+
+class TransientRequestError(TransientError, RuntimeError):
+    """A generation request failed in a way a retry may fix (connection reset, 5xx, empty body)."""
+
+
+class NoLiveServersError(DatagenError, RuntimeError):
+    """Every server of the fleet is down and none came back within the deadline."""
+
+
+# --- training job, host -----------------------------------------------------------------------
+
+
+class TrainingHaltError(DatagenError, RuntimeError):
+    """The training job could not be stopped as configured."""
+
+
+class ProbeError(DatagenError, RuntimeError):
+    """The environment probe could not read what it needs."""
+
+
+class PlanError(DatagenError, ValueError):
+    """No server plan fits this host and model (e.g. the model does not fit in GPU memory)."""
+
+
+# --- tokenize and merge -----------------------------------------------------------------------
+
+
+class TokenizeError(DatagenError, ValueError):
+    """A completion cannot be rendered or masked with the target tokenizer's chat template."""
+
+
+def is_transient(error: BaseException) -> bool:
+    """Tell whether retrying the operation that raised ``error`` may succeed.
+
+    Args:
+        error: Any exception.
+
+    Returns:
+        True for datagen's transient errors and for the builtin network errors a retry can cure.
+    """
+    if isinstance(error, DatagenError):
+        return error.transient
+    return isinstance(error, ConnectionError | TimeoutError)

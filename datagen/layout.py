@@ -1,0 +1,136 @@
+"""The storage layout of a run: every object key datagen writes, in one place.
+
+Keys are relative to the output root (a local directory or ``s3://bucket/prefix``)::
+
+    runs/<run_id>/config.json                       first object: the resolved config (run identity)
+    runs/<run_id>/training.json                     what was halted, last checkpoint
+    runs/<run_id>/env.json                          probe report
+    runs/<run_id>/plan.json                         server plan
+    runs/<run_id>/prompts/<dataset>/shard-00000.jsonl
+    runs/<run_id>/prompts/<dataset>/summary.json    prepare summary (written after its shards)
+    runs/<run_id>/parts/<dataset>/shard-00000/completions-00000.jsonl   in-shard checkpoints
+    runs/<run_id>/parts/<dataset>/shard-00000/failures-00000.jsonl
+    runs/<run_id>/completions/<dataset>/shard-00000.jsonl
+    runs/<run_id>/failures/<dataset>/shard-00000.jsonl
+    runs/<run_id>/done/<dataset>/shard-00000.json   shard marker, written after both files above
+    runs/<run_id>/tokenized/part-00000.parquet
+    runs/<run_id>/tokenized/summary.json
+    runs/<run_id>/report.json, report.md
+    runs/<run_id>/manifest.json                     written last: every object, counts, checksums
+    datasets/<name>/v0001.json                      dataset versions (old shards referenced, never rewritten)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SHARD_DIGITS = 5
+VERSION_DIGITS = 4
+
+
+def shard_name(index: int) -> str:
+    """``shard-00000``: zero-padded so listings sort."""
+    return f"shard-{index:0{SHARD_DIGITS}d}"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Object keys of one run, relative to the store root."""
+
+    run_id: str
+
+    @property
+    def root(self) -> str:
+        """The run's prefix."""
+        return f"runs/{self.run_id}"
+
+    @property
+    def config(self) -> str:
+        """The resolved config, the run's first object."""
+        return f"{self.root}/config.json"
+
+    @property
+    def training(self) -> str:
+        """The halt record."""
+        return f"{self.root}/training.json"
+
+    @property
+    def env(self) -> str:
+        """The probe report."""
+        return f"{self.root}/env.json"
+
+    @property
+    def plan(self) -> str:
+        """The server plan."""
+        return f"{self.root}/plan.json"
+
+    def prompt_shard(self, dataset: str, index: int) -> str:
+        """One prompt shard."""
+        return f"{self.root}/prompts/{dataset}/{shard_name(index)}.jsonl"
+
+    def prompts_summary(self, dataset: str) -> str:
+        """The prepare summary of one dataset, written after all its shards."""
+        return f"{self.root}/prompts/{dataset}/summary.json"
+
+    def shard_parts_prefix(self, dataset: str, index: int) -> str:
+        """The folder of one shard's in-progress checkpoint parts."""
+        return f"{self.root}/parts/{dataset}/{shard_name(index)}"
+
+    def completions_part(self, dataset: str, index: int, part: int) -> str:
+        """One checkpoint part of completions inside a shard."""
+        return f"{self.shard_parts_prefix(dataset, index)}/completions-{part:0{SHARD_DIGITS}d}.jsonl"
+
+    def failures_part(self, dataset: str, index: int, part: int) -> str:
+        """One checkpoint part of failures inside a shard."""
+        return f"{self.shard_parts_prefix(dataset, index)}/failures-{part:0{SHARD_DIGITS}d}.jsonl"
+
+    def completions(self, dataset: str, index: int) -> str:
+        """The final completions of one shard."""
+        return f"{self.root}/completions/{dataset}/{shard_name(index)}.jsonl"
+
+    def failures(self, dataset: str, index: int) -> str:
+        """The final failures of one shard."""
+        return f"{self.root}/failures/{dataset}/{shard_name(index)}.jsonl"
+
+    def shard_done(self, dataset: str, index: int) -> str:
+        """The done marker of one shard (a ShardSummary), written after its two final files."""
+        return f"{self.root}/done/{dataset}/{shard_name(index)}.json"
+
+    @property
+    def completions_prefix(self) -> str:
+        """Where all final completion shards live."""
+        return f"{self.root}/completions"
+
+    @property
+    def done_prefix(self) -> str:
+        """Where all shard markers live."""
+        return f"{self.root}/done"
+
+    def tokenized_part(self, index: int) -> str:
+        """One Parquet part of tokenized training rows."""
+        return f"{self.root}/tokenized/part-{index:0{SHARD_DIGITS}d}.parquet"
+
+    @property
+    def tokenized_summary(self) -> str:
+        """The tokenize summary, written after all parts."""
+        return f"{self.root}/tokenized/summary.json"
+
+    @property
+    def report_json(self) -> str:
+        """The machine-readable report."""
+        return f"{self.root}/report.json"
+
+    @property
+    def report_md(self) -> str:
+        """The human-readable report."""
+        return f"{self.root}/report.md"
+
+    @property
+    def manifest(self) -> str:
+        """The run manifest, written last."""
+        return f"{self.root}/manifest.json"
+
+
+def dataset_version(name: str, version: int) -> str:
+    """The key of one dataset version manifest, e.g. ``datasets/drafter-expansion/v0001.json``."""
+    return f"datasets/{name}/v{version:0{VERSION_DIGITS}d}.json"

@@ -1,0 +1,199 @@
+"""Records that cross a boundary: prompts, completions, failures, shard summaries.
+
+Every record is a versioned pydantic model written as one JSON line. docs/records.md documents the
+schema; change both together and bump ``schema_version`` on incompatible changes.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.config import SamplingParams
+
+RECORD_SCHEMA_VERSION = 1
+
+Role = Literal["system", "user", "assistant", "tool"]
+FinishReason = Literal["stop", "length", "tool_calls", "abort", "content_filter", "unknown"]
+
+
+def utc_now() -> dt.datetime:
+    """The current time, timezone-aware UTC (every timestamp datagen writes)."""
+    return dt.datetime.now(dt.UTC)
+
+
+class Record(BaseModel):
+    """Base of every record: unknown fields are rejected so schema drift is caught on read."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class FunctionCall(Record):
+    """The function part of a tool call; ``arguments`` is always a dict (parsed from JSON if needed)."""
+
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class ToolCall(Record):
+    """One structured tool call made by an assistant turn."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(Record):
+    """One neutral chat message (OpenAI style), the form every dataset row is normalised to."""
+
+    role: Role
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def to_chat_dict(self) -> dict[str, Any]:
+        """The message as a chat-template / OpenAI-API dict, without unset fields."""
+        data: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
+        if self.reasoning_content:
+            data["reasoning_content"] = self.reasoning_content
+        if self.tool_calls:
+            data["tool_calls"] = [call.model_dump(exclude_none=True) for call in self.tool_calls]
+        if self.tool_call_id:
+            data["tool_call_id"] = self.tool_call_id
+        if self.name:
+            data["name"] = self.name
+        return data
+
+
+class PromptRecord(Record):
+    """One prompt to answer: messages ending with the turn the model must answer, plus tools.
+
+    Attributes:
+        prompt_id: Stable id derived from the normalised content (same prompt, same id, any run).
+        source_index: Row number in the source, for tracing a prompt back to its dataset row.
+    """
+
+    schema_version: Literal[1] = RECORD_SCHEMA_VERSION
+    prompt_id: str
+    dataset: str
+    messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    source_index: int | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class TokenUsage(Record):
+    """Token counts reported by the engine for one request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int | None = None
+
+
+class AssistantCompletion(Record):
+    """What the target model generated for one request."""
+
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    output_token_ids: list[int] | None = Field(
+        default=None, description="Exact generated token ids, when the engine returns them (SGLang /generate)."
+    )
+
+
+class CompletionRecord(Record):
+    """One successful generation, everything needed to train on it and to trace it."""
+
+    schema_version: Literal[1] = RECORD_SCHEMA_VERSION
+    prompt_id: str
+    sample_index: int = 0
+    dataset: str
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None = None
+    completion: AssistantCompletion
+    finish_reason: FinishReason
+    usage: TokenUsage
+    model: str
+    engine: str
+    server: str
+    sampling: SamplingParams
+    attempts: int = 1
+    latency_s: float
+    created_at: dt.datetime = Field(default_factory=utc_now)
+
+    @property
+    def key(self) -> str:
+        """The request key, unique within a run: ``<prompt_id>/<sample_index>``."""
+        return request_key(self.prompt_id, self.sample_index)
+
+
+class FailureRecord(Record):
+    """A request that failed for good; counted in the report, never silently dropped."""
+
+    schema_version: Literal[1] = RECORD_SCHEMA_VERSION
+    prompt_id: str
+    sample_index: int = 0
+    dataset: str
+    reason: str
+    error_type: str
+    attempts: int
+    last_status: int | None = None
+    server: str | None = None
+    created_at: dt.datetime = Field(default_factory=utc_now)
+
+    @property
+    def key(self) -> str:
+        """The request key, unique within a run: ``<prompt_id>/<sample_index>``."""
+        return request_key(self.prompt_id, self.sample_index)
+
+
+class PromptShardRef(Record):
+    """Where one written prompt shard lives and how many prompts it holds."""
+
+    dataset: str
+    shard_index: int
+    path: str
+    prompts: int
+
+
+class PreparedDataset(Record):
+    """What prepare_prompts produced for one dataset."""
+
+    dataset: str
+    rows_read: int
+    prompts: int
+    rejections: dict[str, int] = Field(default_factory=dict)
+    rejection_samples: list[dict[str, Any]] = Field(default_factory=list)
+    shards: list[PromptShardRef] = Field(default_factory=list)
+
+
+class ShardSummary(Record):
+    """The small result of one generate_shard task (and the content of its done marker)."""
+
+    schema_version: Literal[1] = RECORD_SCHEMA_VERSION
+    dataset: str
+    shard_index: int
+    requests: int
+    completions: int
+    failures: int
+    prompt_tokens: int
+    completion_tokens: int
+    resent_requests: int = Field(
+        default=0, description="Requests sent again because an earlier attempt of this shard was interrupted."
+    )
+    retried_attempts: int = Field(default=0, description="Extra attempts spent on transient errors.")
+    generation_s: float
+    completions_path: str
+    failures_path: str
+    finish_reasons: dict[str, int] = Field(default_factory=dict)
+    failure_reasons: dict[str, int] = Field(default_factory=dict)
+    skipped: bool = Field(default=False, description="True when the shard was already complete in storage.")
+
+
+def request_key(prompt_id: str, sample_index: int) -> str:
+    """The unique key of one request in a run."""
+    return f"{prompt_id}/{sample_index}"

@@ -1,0 +1,39 @@
+"""Environment settings and secrets (prefix ``DATAGEN_``), separate from the per-run config.
+
+Per-run knobs live in :class:`datagen.config.RunConfig` (a flow parameter, shown in the UI). What belongs
+to the host or is secret lives here and is read from the environment, never logged.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from pydantic import Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Host-level settings, read from ``DATAGEN_*`` environment variables."""
+
+    model_config = SettingsConfigDict(env_prefix="DATAGEN_", env_nested_delimiter="__", extra="ignore")
+
+    state_dir: str = Field(
+        default="~/.datagen", description="Host-local state: server pidfiles, server logs, locks."
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="Endpoint of an S3-compatible store (MinIO, moto, R2); AWS when unset."
+    )
+    s3_region: str | None = Field(default=None, description="Region for S3 requests.")
+    aws_credentials_block: str | None = Field(
+        default=None, description="Name of a Prefect AwsCredentials block to take S3 credentials from."
+    )
+    server_api_key: SecretStr | None = Field(
+        default=None, description="API key the generation servers require (sent as a bearer token)."
+    )
+    log_server_output: bool = Field(default=False, description="Echo server logs into the run log.")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read once from the environment."""
+    return Settings()
