@@ -1,0 +1,30 @@
+"""Shared fixtures: a tiny model built once per session, a fresh output store per test."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 model + tokenizer, built once for the whole session."""
+    from datagen.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture()
+def store_root(tmp_path: Path) -> Path:
+    """An empty local output root."""
+    root = tmp_path / "store"
+    root.mkdir()
+    return root
