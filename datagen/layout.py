@@ -3,9 +3,10 @@
 Keys are relative to the output root (a local directory or ``s3://bucket/prefix``)::
 
     runs/<run_id>/config.json                       first object: the resolved config (run identity)
-    runs/<run_id>/training.json                     what was halted, last checkpoint
-    runs/<run_id>/env.json                          probe report
-    runs/<run_id>/plan.json                         server plan
+    runs/<run_id>/attempts/<attempt>/preflight.json  one folder per flow attempt (never overwritten):
+    runs/<run_id>/attempts/<attempt>/training.json   what was halted, last checkpoint
+    runs/<run_id>/attempts/<attempt>/env.json        probe report
+    runs/<run_id>/attempts/<attempt>/plan.json       server plan
     runs/<run_id>/prompts/<dataset>/shard-00000.jsonl
     runs/<run_id>/prompts/<dataset>/summary.json    prepare summary (written after its shards)
     runs/<run_id>/parts/<dataset>/shard-00000/completions-00000.jsonl   in-shard checkpoints
@@ -49,20 +50,9 @@ class RunLayout:
         """The resolved config, the run's first object."""
         return f"{self.root}/config.json"
 
-    @property
-    def training(self) -> str:
-        """The halt record."""
-        return f"{self.root}/training.json"
-
-    @property
-    def env(self) -> str:
-        """The probe report."""
-        return f"{self.root}/env.json"
-
-    @property
-    def plan(self) -> str:
-        """The server plan."""
-        return f"{self.root}/plan.json"
+    def attempt_object(self, attempt_id: str, name: str) -> str:
+        """A record of one flow attempt (preflight, training, env, plan): reruns add, never overwrite."""
+        return f"{self.root}/attempts/{attempt_id}/{name}"
 
     def prompt_shard(self, dataset: str, index: int) -> str:
         """One prompt shard."""

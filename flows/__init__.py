@@ -1,0 +1,1 @@
+"""Prefect flows: the DAG only; every stage's work lives in the Prefect-free ``datagen`` package."""

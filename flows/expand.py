@@ -1,0 +1,293 @@
+"""The `expand` flow: halt training, serve the target on every GPU, generate, land, tokenize, report.
+
+The DAG (see docs/architecture.md)::
+
+    preflight -> open-run -> prepare-prompts (per dataset, starts at once, CPU only)
+                          -> halt-training -> probe-environment -> plan-servers -> start-fleet
+                          -> generate-shard (per dataset x shard, a rolling window, one shared dispatcher)
+                          -> stop-fleet (always) -> merge-and-tokenize -> report -> manifest (last)
+
+This module only orchestrates and decides the final state; every stage's work is in ``datagen``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.client.schemas.objects import FlowRun
+from prefect.context import FlowRunContext
+from prefect.futures import PrefectFuture, wait
+from prefect.logging.loggers import flow_run_logger
+from prefect.runtime import flow_run as runtime_flow_run
+from prefect.states import State
+from prefect.task_runners import ThreadPoolTaskRunner
+from pydantic import BaseModel, ConfigDict
+
+from datagen.config import RunConfig
+from datagen.dispatch import Dispatcher
+from datagen.fleet import Fleet, fleet_pidfile, stop_fleet_from_pidfile
+from datagen.layout import RunLayout
+from datagen.manifest import read_manifest
+from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
+from datagen.report import RunReport
+from datagen.runs import make_run_id, open_store
+from datagen.settings import get_settings
+from tasks.data import generate_shard, merge_and_tokenize, prepare_prompts
+from tasks.host import halt_training, plan_servers, probe_environment, start_fleet, stop_fleet
+from tasks.run import finalize_manifest, open_run, preflight, write_attempt_record, write_report
+
+# Threads for concurrently running tasks: prepare tasks plus the rolling window of shard tasks. Each shard
+# task mostly waits on the dispatcher, so threads are cheap; the window below bounds what is submitted.
+FLOW_TASK_WORKERS = 64
+# How often the flow refreshes the progress bar and the terminal progress line.
+PROGRESS_INTERVAL_S = 5.0
+# Seconds between checks that restart a server whose process died mid-run.
+FLEET_MONITOR_INTERVAL_S = 5.0
+
+
+class RunSummary(BaseModel):
+    """What the flow returns (and the CLI prints)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    run_url: str
+    already_complete: bool
+    prompts: int
+    requests: int
+    completions: int
+    failures: int
+    tokenized_rows: int
+    output_tokens_per_s: float
+    dataset_version: str | None
+    report_url: str
+    manifest_url: str
+
+
+def _flow_run_name() -> str:
+    parameters = runtime_flow_run.parameters or {}
+    config = parameters.get("config")
+    run_id = getattr(config, "run_id", None) or (config or {}).get("run_id") if config is not None else None
+    return f"expand-{run_id}" if run_id else "expand-new-run"
+
+
+def _fleet_state_dir(flow_run_id: str) -> Path:
+    """Host-local folder of one flow run's servers (pidfile, logs), known to the hooks too."""
+    return Path(get_settings().state_dir).expanduser() / "fleets" / flow_run_id
+
+
+def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
+    """Cancellation/crash hook: may run in another process, so it stops servers through the pidfile."""
+    stopped = stop_fleet_from_pidfile(fleet_pidfile(_fleet_state_dir(str(flow_run.id))))
+    flow_run_logger(flow_run, flow).warning("stopped servers after %s count=%d", state.type.value, stopped)
+
+
+def _shard_window(config: RunConfig, servers: int, shard_size: int) -> int:
+    """Shard tasks to keep running so every server slot stays busy while one shard drains its tail."""
+    if config.generation.max_concurrent_shards:
+        return config.generation.max_concurrent_shards
+    slots = servers * config.fleet.max_inflight_per_server
+    return max(2, -(-slots // max(1, shard_size)) + 1)
+
+
+def _summary_from_report(report: RunReport, config: RunConfig, layout: RunLayout, complete: bool) -> RunSummary:
+    store = open_store(config)
+    return RunSummary(
+        run_id=layout.run_id,
+        run_url=store.url(layout.root),
+        already_complete=complete,
+        prompts=report.totals.prompts,
+        requests=report.totals.requests,
+        completions=report.totals.completions,
+        failures=report.totals.failures,
+        tokenized_rows=report.totals.tokenized_rows,
+        output_tokens_per_s=report.output_tokens_per_s,
+        dataset_version=report.tokenize.get("dataset_version"),
+        report_url=store.url(layout.report_md),
+        manifest_url=store.url(layout.manifest),
+    )
+
+
+def _all_shards_done(config: RunConfig, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
+    store = open_store(config)
+    return all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for p in prepared for s in p.shards)
+
+
+def _generate_all(
+    config: RunConfig,
+    run: Any,
+    prepared_futures: list[PrefectFuture[PreparedDataset]],
+    dispatcher: Dispatcher,
+    servers: int,
+) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
+    """Run every shard through a rolling window of tasks, feeding shards as their datasets are prepared."""
+    logger = get_run_logger()
+    pending: deque[PromptShardRef] = deque()
+    waiting_prepare = list(prepared_futures)
+    prepared: list[PreparedDataset] = []
+    running: dict[PrefectFuture[ShardSummary], PromptShardRef] = {}
+    summaries: list[ShardSummary] = []
+    errors: list[BaseException] = []
+    total_requests = 0
+    progress_id = create_progress_artifact(0.0, key="generation-progress", description="Requests answered")
+    started = time.monotonic()
+
+    def take_prepared(block: bool) -> None:
+        nonlocal total_requests
+        while waiting_prepare and (block or waiting_prepare[0].state.is_final()):
+            item = waiting_prepare.pop(0).result()
+            prepared.append(item)
+            samples = config.sampling_for(config.dataset(item.dataset)).samples_per_prompt
+            total_requests += item.prompts * samples
+            pending.extend(item.shards)
+            block = False
+
+    while waiting_prepare or pending or running:
+        take_prepared(block=not pending and not running)
+        window = _shard_window(config, servers, max((shard.prompts for shard in pending), default=1))
+        while pending and len(running) < window:
+            shard = pending.popleft()
+            running[generate_shard.submit(config, run, shard, dispatcher)] = shard
+        if not running:
+            continue
+        done = wait(list(running), timeout=PROGRESS_INTERVAL_S).done
+        for future in done:
+            shard = running.pop(future)
+            try:
+                summaries.append(future.result())
+            except BaseException as error:  # keep the other shards going; the run fails at the end
+                logger.error("shard failed dataset=%s shard=%05d error=%s", shard.dataset, shard.shard_index, error)
+                errors.append(error)
+        stats = dispatcher.stats()
+        answered = sum(s.completions + s.failures for s in summaries if s.skipped) + stats.completed + stats.failed
+        percent = min(100.0, 100.0 * answered / total_requests) if total_requests else 0.0
+        update_progress_artifact(progress_id, percent)
+        logger.info(
+            "progress %.1f%% answered=%d/%d in_flight=%d queued=%d shards_done=%d/%d tok/s=%.1f elapsed_s=%.0f",
+            percent,
+            answered,
+            total_requests,
+            stats.in_flight,
+            stats.queued,
+            len(summaries),
+            len(summaries) + len(running) + len(pending),
+            stats.output_tokens_per_s,
+            time.monotonic() - started,
+        )
+    update_progress_artifact(progress_id, 100.0)
+    return prepared, summaries, errors
+
+
+@flow(
+    name="expand",
+    flow_run_name=_flow_run_name,
+    task_runner=ThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),
+    on_cancellation=[_stop_servers_hook],
+    on_crashed=[_stop_servers_hook],
+    validate_parameters=True,
+)
+def expand(config: RunConfig) -> RunSummary:
+    """Expand the drafter's training data with completions of the target model.
+
+    Args:
+        config: The run configuration (validated; rendered as a form in the Prefect UI).
+
+    Returns:
+        Where the run landed and its headline counts.
+    """
+    logger = get_run_logger()
+    context = FlowRunContext.get()
+    flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
+    attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
+    config = config.model_copy(update={"run_id": config.run_id or make_run_id(seed=flow_run_id)})
+    state_dir = _fleet_state_dir(flow_run_id)
+
+    preflight(config)
+    run = open_run(config)
+    layout = run.layout
+    store = open_store(config)
+    if read_manifest(store, layout) is not None:
+        logger.info("run run_id=%s is already complete: nothing to do", run.run_id)
+        report = RunReport.model_validate(store.read_json(layout.report_json))
+        return _summary_from_report(report, config, layout, complete=True)
+
+    prepared_futures: list[PrefectFuture[PreparedDataset]] = []
+    for dataset in config.datasets:
+        prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, list(prepared_futures)))
+
+    if run.resumed and _all_shards_done(config, layout, [future.result() for future in prepared_futures]):
+        logger.info("every shard is already generated: training is not halted, no server is started")
+        prepared = [future.result() for future in prepared_futures]
+        shard_summaries = [
+            ShardSummary.model_validate(store.read_json(layout.shard_done(s.dataset, s.shard_index)))
+            for p in prepared
+            for s in p.shards
+        ]
+        servers, generation_wall_s, errors = 0, 0.0, []
+    else:
+        halt = halt_training(config.training)
+        write_attempt_record(config, run, attempt_id, "training", halt)
+        env = probe_environment()
+        write_attempt_record(config, run, attempt_id, "env", env)
+        plan = plan_servers(env, config, state_dir)
+        write_attempt_record(config, run, attempt_id, "plan", plan)
+        servers = len(plan.servers)
+        fleet = Fleet(
+            plan,
+            state_dir,
+            ready_timeout_s=config.fleet.ready_timeout_s,
+            max_restarts_per_server=config.fleet.max_restarts_per_server,
+        )
+        try:
+            urls = start_fleet(fleet, state_dir)
+            fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
+            api_key = get_settings().server_api_key
+            with Dispatcher(
+                urls,
+                model=config.model.served_name or config.model.path,
+                engine=config.fleet.engine,
+                max_inflight_per_server=config.fleet.max_inflight_per_server,
+                generation=config.generation,
+                liveness=fleet.is_alive,
+                api_key=api_key.get_secret_value() if api_key else None,
+            ) as dispatcher:
+                generation_started = time.monotonic()
+                prepared, shard_summaries, errors = _generate_all(
+                    config, run, prepared_futures, dispatcher, servers
+                )
+                generation_wall_s = time.monotonic() - generation_started
+        finally:
+            stop_fleet(fleet)
+    if errors:
+        raise RuntimeError(
+            f"{len(errors)} shard(s) failed (first: {errors[0]}); everything else is stored. "
+            f"Rerun with --run-id {run.run_id} to resume: finished shards are not generated again."
+        )
+    tokenize_summary = merge_and_tokenize(config, run, shard_summaries)
+    report = write_report(
+        config, run, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s
+    )
+    finalize_manifest(config, run, report)
+    summary = _summary_from_report(report, config, layout, complete=False)
+    logger.info(
+        "run complete run_id=%s completions=%d failures=%d tokenized_rows=%d url=%s",
+        summary.run_id,
+        summary.completions,
+        summary.failures,
+        summary.tokenized_rows,
+        summary.run_url,
+    )
+    return summary
+
+
+if __name__ == "__main__":
+    import sys
+
+    from datagen.config import load_run_config
+
+    expand(load_run_config(sys.argv[1]))

@@ -1,0 +1,37 @@
+"""What every task shares: the transient-only retry rule, cache keys, artifact helpers."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from prefect import Task
+from prefect.client.schemas.objects import TaskRun
+from prefect.context import TaskRunContext
+from prefect.states import State
+
+from datagen.errors import is_transient
+
+# Retry schedule for transient errors (storage hiccups, a server restarting): seconds before each retry.
+TRANSIENT_RETRY_DELAYS_S = [2, 10, 30]
+
+
+def retry_only_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Prefect retry condition: retry when the failure is transient, never on a fatal error."""
+    try:
+        state.result(raise_on_failure=True)
+    except BaseException as error:  # the state's exception, re-raised to be classified
+        return is_transient(error)
+    return False
+
+
+def stage_cache_key(stage: str, *parts: object) -> str:
+    """A cache key over the stage name and its identifying inputs (run id, incarnation, config hash...)."""
+    text = "|".join([stage, *(str(part) for part in parts)])
+    return f"{stage}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
+
+
+def run_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    """Cache key of a run-level stage: stage name + run identity (id, incarnation, config hash)."""
+    run = parameters["run"]
+    return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash)

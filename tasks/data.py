@@ -1,0 +1,104 @@
+"""Data tasks: prepare prompts per dataset, generate per shard, merge and tokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.context import TaskRunContext
+
+from datagen.config import RunConfig
+from datagen.dispatch import Dispatcher
+from datagen.generate import generate_shard as generate_shard_core
+from datagen.merge import merge_and_tokenize as merge_and_tokenize_core
+from datagen.prompts import load_prompt_ids
+from datagen.prompts import prepare_prompts as prepare_prompts_core
+from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
+from datagen.runs import RunHandle, open_store
+from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient, run_cache_key, stage_cache_key
+
+
+def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    run: RunHandle = parameters["run"]
+    return stage_cache_key("prepare", run.run_id, run.incarnation, run.config_hash, parameters["dataset"])
+
+
+def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    run: RunHandle = parameters["run"]
+    shard: PromptShardRef = parameters["shard"]
+    return stage_cache_key(
+        "generate", run.run_id, run.incarnation, run.config_hash, shard.dataset, shard.shard_index
+    )
+
+
+@task(
+    name="prepare-prompts",
+    task_run_name="prepare-{dataset}",
+    cache_key_fn=_dataset_cache_key,
+    retries=len(TRANSIENT_RETRY_DELAYS_S),
+    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
+    retry_condition_fn=retry_only_transient,
+)
+def prepare_prompts(
+    config: RunConfig, run: RunHandle, dataset: str, earlier: list[PreparedDataset]
+) -> PreparedDataset:
+    """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards."""
+    store = open_store(config)
+    exclude: set[str] = set()
+    for previous in earlier:
+        exclude |= load_prompt_ids(store, previous)
+    prepared = prepare_prompts_core(store, run.layout, config, dataset, exclude_prompt_ids=exclude)
+    get_run_logger().info(
+        "prepared dataset=%s rows_read=%d prompts=%d shards=%d rejected=%s",
+        dataset,
+        prepared.rows_read,
+        prepared.prompts,
+        len(prepared.shards),
+        prepared.rejections,
+    )
+    return prepared
+
+
+@task(
+    name="generate-shard",
+    task_run_name="generate-{shard.dataset}-{shard.shard_index:05d}",
+    cache_key_fn=_shard_cache_key,
+    retries=len(TRANSIENT_RETRY_DELAYS_S),
+    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
+    retry_condition_fn=retry_only_transient,
+)
+def generate_shard(config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher) -> ShardSummary:
+    """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once."""
+    summary = generate_shard_core(open_store(config), run.layout, config, shard, dispatcher)
+    get_run_logger().info(
+        "shard dataset=%s shard=%05d skipped=%s completions=%d failures=%d resent=%d output_tokens=%d",
+        summary.dataset,
+        summary.shard_index,
+        summary.skipped,
+        summary.completions,
+        summary.failures,
+        summary.resent_requests,
+        summary.completion_tokens,
+    )
+    return summary
+
+
+@task(
+    name="merge-and-tokenize",
+    task_run_name="merge-and-tokenize-{run.run_id}",
+    cache_key_fn=run_cache_key,
+    retries=len(TRANSIENT_RETRY_DELAYS_S),
+    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
+    retry_condition_fn=retry_only_transient,
+)
+def merge_and_tokenize(config: RunConfig, run: RunHandle, shards: list[ShardSummary]) -> dict[str, Any]:
+    """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""
+    summary = merge_and_tokenize_core(open_store(config), run.layout, config)
+    data: dict[str, Any] = summary.model_dump(mode="json")
+    get_run_logger().info(
+        "tokenized rows=%s loss_tokens=%s dataset_version=%s",
+        data.get("rows"),
+        data.get("loss_tokens"),
+        data.get("dataset_version"),
+    )
+    return data

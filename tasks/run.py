@@ -1,0 +1,101 @@
+"""Run-level tasks: preflight, opening the run, the report and the manifest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
+
+from datagen.config import RunConfig
+from datagen.layout import RunLayout
+from datagen.manifest import RunManifest, write_manifest
+from datagen.preflight import PreflightReport
+from datagen.preflight import run_preflight as run_preflight_checks
+from datagen.records import PreparedDataset, ShardSummary
+from datagen.report import RunReport, build_report
+from datagen.runs import RunHandle
+from datagen.runs import open_run as open_run_in_store
+from datagen.runs import open_store
+from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient
+
+
+@task(name="preflight", task_run_name="preflight-{config.run_id}", cache_policy=NO_CACHE)
+def preflight(config: RunConfig) -> PreflightReport:
+    """Check everything that needs no GPU before training is stopped; fail with every problem listed."""
+    report = run_preflight_checks(config)
+    create_markdown_artifact(report.to_markdown(), key="preflight", description="Checks run before halting training")
+    get_run_logger().info("preflight passed checks=%d", len(report.checks))
+    return report
+
+
+@task(
+    name="open-run",
+    task_run_name="open-run-{config.run_id}",
+    cache_policy=NO_CACHE,
+    retries=len(TRANSIENT_RETRY_DELAYS_S),
+    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
+    retry_condition_fn=retry_only_transient,
+)
+def open_run(config: RunConfig) -> RunHandle:
+    """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
+    run = open_run_in_store(open_store(config), config)
+    get_run_logger().info(
+        "run run_id=%s resumed=%s config_hash=%s output=%s", run.run_id, run.resumed, run.config_hash, run.output
+    )
+    return run
+
+
+@task(name="write-attempt-record", task_run_name="record-{name}", cache_policy=NO_CACHE)
+def write_attempt_record(config: RunConfig, run: RunHandle, attempt_id: str, name: str, value: Any) -> str:
+    """Store one record of this flow attempt (training, env, plan) under attempts/<attempt_id>/."""
+    key = run.layout.attempt_object(attempt_id, f"{name}.json")
+    return open_store(config).write_json(key, value).url
+
+
+@task(name="report", task_run_name="report-{run.run_id}", cache_policy=NO_CACHE)
+def write_report(
+    config: RunConfig,
+    run: RunHandle,
+    prepared: list[PreparedDataset],
+    shards: list[ShardSummary],
+    tokenize_summary: dict[str, Any],
+    servers: int,
+    generation_wall_s: float,
+) -> RunReport:
+    """Build the report, store it (JSON + markdown) once, and publish it as table and markdown artifacts."""
+    store = open_store(config)
+    layout: RunLayout = run.layout
+    if store.exists(layout.report_json):
+        report = RunReport.model_validate(store.read_json(layout.report_json))
+    else:
+        report = build_report(
+            run_id=run.run_id,
+            config=config,
+            prepared=prepared,
+            shards=shards,
+            tokenize_summary=tokenize_summary,
+            servers=servers,
+            generation_wall_s=generation_wall_s,
+        )
+        store.write_json(layout.report_json, report)
+        if not store.exists(layout.report_md):
+            store.write_text(layout.report_md, report.to_markdown())
+    create_table_artifact(report.table_rows(), key="datagen-counts", description=f"Counts of run {run.run_id}")
+    create_markdown_artifact(report.to_markdown(), key="datagen-report", description=f"Report of run {run.run_id}")
+    return report
+
+
+@task(name="manifest", task_run_name="manifest-{run.run_id}", cache_policy=NO_CACHE)
+def finalize_manifest(config: RunConfig, run: RunHandle, report: RunReport) -> RunManifest:
+    """Write manifest.json last: every object of the run with size and checksum."""
+    manifest = write_manifest(
+        open_store(config),
+        run.layout,
+        config_hash=run.config_hash,
+        counts=report.totals.model_dump(),
+        dataset_version=report.tokenize.get("dataset_version"),
+    )
+    get_run_logger().info("manifest objects=%d run_id=%s", len(manifest.objects), run.run_id)
+    return manifest
