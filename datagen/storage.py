@@ -284,10 +284,14 @@ class Store:
         """The full URL of ``key``."""
         return self.backend.url(key)
 
-    def _check_protected(self, key: str) -> None:
+    def _check_key(self, key: str) -> None:
+        """Refuse keys that could land outside the root, then keys under a protected prefix."""
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in parts):
+            raise StorageError(f"invalid object key {key!r}: use a relative path without '.', '..' or '//'")
         url = self.url(key)
         for prefix in self.protected_prefixes:
-            if overlaps(url, prefix) and normalise_url(url).startswith(normalise_url(prefix)):
+            if overlaps(url, prefix):
                 raise ProtectedPrefixError(url, prefix)
 
     def write_bytes(self, key: str, data: bytes) -> ObjectInfo:
@@ -298,7 +302,7 @@ class Store:
             ProtectedPrefixError: ``key`` lies under a protected prefix.
             TransientStorageError: A retry may succeed.
         """
-        self._check_protected(key)
+        self._check_key(key)
         self.backend.create(key, data)
         logger.debug("wrote key=%s bytes=%d", key, len(data))
         return ObjectInfo(key=key, url=self.url(key), size_bytes=len(data))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,13 @@ def store_root(tmp_path: Path) -> Path:
     root = tmp_path / "store"
     root.mkdir()
     return root
+
+
+@pytest.fixture(scope="session")
+def prefect_api() -> Iterator[str]:
+    """Prefect's real test harness (a temporary API server on SQLite); yields its API URL."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield str(PREFECT_API_URL.value())

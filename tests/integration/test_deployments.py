@@ -1,0 +1,82 @@
+"""deployments/prefect.yaml is valid: Prefect's own model accepts it, the entrypoint loads, the parameters
+validate as a RunConfig, and `prefect deploy --all` against a real Prefect API creates both deployments."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from datagen.config import RunConfig
+
+REPO = Path(__file__).resolve().parents[2]
+PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
+
+
+def _load() -> dict[str, Any]:
+    return yaml.safe_load(PREFECT_FILE.read_text())
+
+
+def test_prefect_yaml_is_accepted_by_prefects_model_and_parameters_are_run_configs() -> None:
+    from prefect.cli.deploy._models import PrefectYamlModel
+
+    model = PrefectYamlModel.model_validate(_load())
+    names = sorted(deployment.name or "" for deployment in model.deployments)
+    assert names == ["expand-manual", "expand-nightly"]
+    for deployment in model.deployments:
+        assert deployment.entrypoint == "flows/expand.py:expand"
+        RunConfig.model_validate(deployment.parameters["config"])
+
+
+def test_entrypoint_loads_the_expand_flow_with_a_config_parameter() -> None:
+    from prefect.flows import load_flow_from_entrypoint
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        flow = load_flow_from_entrypoint("flows/expand.py:expand")
+    finally:
+        os.chdir(cwd)
+    assert flow.name == "expand"
+    assert list(flow.parameters.properties) == ["config"]
+
+
+def test_deploy_all_creates_manual_and_nightly_deployments_with_one_run_at_a_time(prefect_api: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    async def create_pool() -> None:
+        async with get_client() as client:
+            await client.create_work_pool(WorkPoolCreate(name="gpu-box", type="process"), overwrite=True)
+
+    asyncio.run(create_pool())
+    env = {**os.environ, "PREFECT_API_URL": prefect_api}
+    result = subprocess.run(
+        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_FILE)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    async def read() -> dict[str, Any]:
+        async with get_client() as client:
+            manual = await client.read_deployment_by_name("expand/expand-manual")
+            nightly = await client.read_deployment_by_name("expand/expand-nightly")
+            return {"manual": manual, "nightly": nightly}
+
+    deployments = asyncio.run(read())
+    nightly = deployments["nightly"]
+    assert [schedule.schedule.cron for schedule in nightly.schedules] == ["0 1 * * *"]
+    for deployment in deployments.values():
+        assert deployment.work_pool_name == "gpu-box"
+        assert deployment.global_concurrency_limit is not None
+        assert deployment.global_concurrency_limit.limit == 1
+        RunConfig.model_validate(deployment.parameters["config"])

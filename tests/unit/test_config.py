@@ -1,0 +1,97 @@
+"""Run configs: the examples validate, mistakes are reported with the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from datagen.config import RunConfig, load_run_config, parse_run_config
+from datagen.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+
+MINIMAL = {
+    "model": {"path": "/models/m"},
+    "datasets": [{"name": "metamath", "format": "metamath", "path": "/data/m.json"}],
+    "output": "/tmp/out",
+}
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "qwen36-27b-8xgpu.yaml"])
+def test_example_configs_validate(name: str) -> None:
+    config = load_run_config(REPO / "configs" / name)
+    assert config.datasets
+
+
+def test_unknown_key_is_named_with_the_fix() -> None:
+    data = {**MINIMAL, "fleet": {"engine": "transformers", "max_inflight": 4}}
+    with pytest.raises(ConfigError) as raised:
+        parse_run_config(data, source="run.yaml")
+    message = str(raised.value)
+    assert "run.yaml" in message
+    assert "fleet.max_inflight: unknown key" in message
+
+
+def test_missing_required_field_and_bad_value_are_both_reported() -> None:
+    data = {"datasets": [{"name": "Bad Name!", "format": "metamath", "path": "x"}], "output": "/o"}
+    with pytest.raises(ConfigError) as raised:
+        parse_run_config(data)
+    message = str(raised.value)
+    assert "model: required" in message
+    assert "datasets.0.name" in message
+
+
+def test_unknown_dataset_format_lists_the_allowed_ones() -> None:
+    data = {**MINIMAL, "datasets": [{"name": "x", "format": "alpaca", "path": "x"}]}
+    with pytest.raises(ConfigError, match="infinity_instruct"):
+        parse_run_config(data)
+
+
+def test_external_engine_without_urls_is_refused() -> None:
+    with pytest.raises(ConfigError, match="external_urls"):
+        parse_run_config({**MINIMAL, "fleet": {"engine": "external"}})
+
+
+def test_duplicate_dataset_names_are_refused() -> None:
+    dataset = MINIMAL["datasets"][0]
+    with pytest.raises(ConfigError, match="repeated: metamath"):
+        parse_run_config({**MINIMAL, "datasets": [dataset, dataset]})
+
+
+def test_missing_file_and_bad_yaml_give_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_run_config(tmp_path / "nope.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_run_config(broken)
+
+
+def test_config_hash_ignores_run_id_but_not_content() -> None:
+    first = RunConfig.model_validate({**MINIMAL, "run_id": "a"})
+    second = RunConfig.model_validate({**MINIMAL, "run_id": "b"})
+    third = RunConfig.model_validate({**MINIMAL, "run_id": "a", "seed": 1})
+    assert first.config_hash() == second.config_hash()
+    assert first.config_hash() != third.config_hash()
+
+
+def test_per_dataset_sampling_overrides_only_what_they_set() -> None:
+    data = {
+        **MINIMAL,
+        "sampling": {"temperature": 0.6, "max_tokens": 100},
+        "datasets": [
+            {"name": "a", "format": "metamath", "path": "x", "sampling": {"max_tokens": 7, "enable_thinking": False}}
+        ],
+    }
+    config = parse_run_config(data)
+    sampling = config.sampling_for(config.datasets[0])
+    assert (sampling.temperature, sampling.max_tokens, sampling.enable_thinking) == (0.6, 7, False)
+
+
+def test_cli_overrides_replace_top_level_keys(tmp_path: Path) -> None:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(MINIMAL))
+    config = load_run_config(path, overrides={"run_id": "night-1", "output": "s3://b/x", "seed": None})
+    assert (config.run_id, config.output, config.seed) == ("night-1", "s3://b/x", 0)

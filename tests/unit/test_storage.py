@@ -1,0 +1,112 @@
+"""The write-once store: local and S3 (a real moto server on loopback) refuse overwrites and protected prefixes."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from datagen.errors import OutputExistsError, ProtectedPrefixError, StorageError
+from datagen.storage import S3Backend, Store, make_s3_client, overlaps
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
+
+
+@pytest.fixture()
+def s3_store(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Store:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    client = make_s3_client(endpoint_url=s3_endpoint, region="us-east-1")
+    bucket = f"bucket-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    root = f"s3://{bucket}"
+    return Store(root, protected_prefixes=[f"s3://{bucket}/train"], backend=S3Backend(root, client=client))
+
+
+@pytest.fixture()
+def local_store(tmp_path: Path) -> Store:
+    return Store(str(tmp_path / "out"), protected_prefixes=[str(tmp_path / "out" / "train")])
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest) -> Store:
+    return request.getfixturevalue(f"{request.param}_store")
+
+
+def test_second_write_of_a_key_is_refused_and_first_content_kept(store: Store) -> None:
+    store.write_text("runs/a/config.json", "first")
+    with pytest.raises(OutputExistsError) as raised:
+        store.write_text("runs/a/config.json", "second")
+    assert isinstance(raised.value, FileExistsError)
+    assert store.read_text("runs/a/config.json") == "first"
+
+
+def test_write_under_protected_prefix_is_refused_before_any_byte(store: Store) -> None:
+    with pytest.raises(ProtectedPrefixError) as raised:
+        store.write_text("train/part-0.parquet", "x")
+    assert isinstance(raised.value, PermissionError)
+    assert "protected" in str(raised.value)
+    assert not store.exists("train/part-0.parquet")
+    store.write_text("training-notes/a.txt", "a sibling prefix that merely starts alike is writable")
+
+
+@pytest.mark.parametrize("key", ["../escape.txt", "/abs.txt", "runs//x", "runs/./x", "", "runs/a/.."])
+def test_keys_that_could_escape_the_root_are_refused(store: Store, key: str) -> None:
+    with pytest.raises(StorageError):
+        store.write_text(key, "x")
+
+
+def test_listing_returns_sorted_keys_and_jsonl_streams_back(store: Store) -> None:
+    store.write_jsonl("runs/r/b.jsonl", [{"i": 2}, {"i": 3}])
+    store.write_jsonl("runs/r/a.jsonl", [{"i": 1}])
+    assert store.list("runs/r") == ["runs/r/a.jsonl", "runs/r/b.jsonl"]
+    assert [row["i"] for row in store.iter_jsonl("runs/r/b.jsonl")] == [2, 3]
+    assert store.exists("runs/r/a.jsonl") and not store.exists("runs/r/c.jsonl")
+
+
+def test_concurrent_creates_of_one_key_have_exactly_one_winner(store: Store) -> None:
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def attempt(index: int) -> None:
+        try:
+            store.write_text("runs/race/object.txt", f"writer-{index}")
+            result = "won"
+        except OutputExistsError:
+            result = "lost"
+        with lock:
+            outcomes.append(result)
+
+    threads = [threading.Thread(target=attempt, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert outcomes.count("won") == 1
+    assert store.read_text("runs/race/object.txt").startswith("writer-")
+
+
+def test_local_store_leaves_no_temporary_or_partial_files(local_store: Store) -> None:
+    local_store.write_bytes("runs/x/blob.bin", b"\0" * 100_000)
+    root = Path(local_store.root)
+    assert [p.name for p in (root / "runs" / "x").iterdir()] == ["blob.bin"]
+
+
+def test_overlap_detects_nesting_in_both_directions() -> None:
+    assert overlaps("s3://b/train", "s3://b/train/part")
+    assert overlaps("s3://b/train/part", "s3://b/train")
+    assert not overlaps("s3://b/training", "s3://b/train")
+    assert not overlaps("s3://b/expansion", "s3://b/train")
