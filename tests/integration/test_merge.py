@@ -1,0 +1,245 @@
+"""merge_and_tokenize over a real local store laid out like a run, read back with pyarrow."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from datagen.config import RunConfig, SamplingParams
+from datagen.errors import TokenizeError
+from datagen.layout import RunLayout, dataset_version
+from datagen.merge import DatasetVersion, TokenizedPartRef, TokenizeSummary, merge_and_tokenize
+from datagen.records import AssistantCompletion, CompletionRecord, Message, ShardSummary, TokenUsage
+from datagen.storage import Store
+from datagen.tokenize import load_tokenizer
+
+RUN_ID = "merge-test"
+
+
+def completion(dataset: str, index: int, content: str, finish_reason: str = "stop") -> CompletionRecord:
+    return CompletionRecord(
+        prompt_id=f"{dataset}-{index:03d}",
+        sample_index=0,
+        dataset=dataset,
+        messages=[Message(role="user", content=f"Question {index} of {dataset}?")],
+        completion=AssistantCompletion(content=content),
+        finish_reason=finish_reason,  # type: ignore[arg-type]
+        usage=TokenUsage(prompt_tokens=12, completion_tokens=6),
+        model="tiny",
+        engine="transformers",
+        server="http://127.0.0.1:1",
+        sampling=SamplingParams(enable_thinking=False),
+        latency_s=0.2,
+    )
+
+
+def write_shard(
+    store: Store, layout: RunLayout, dataset: str, index: int, records: list[CompletionRecord]
+) -> None:
+    """Write a shard the way generate_shard does: completions, failures, then the done marker."""
+    store.write_jsonl(layout.completions(dataset, index), records)
+    store.write_jsonl(layout.failures(dataset, index), [])
+    summary = ShardSummary(
+        dataset=dataset,
+        shard_index=index,
+        requests=len(records),
+        completions=len(records),
+        failures=0,
+        prompt_tokens=0,
+        completion_tokens=0,
+        generation_s=1.0,
+        completions_path=layout.completions(dataset, index),
+        failures_path=layout.failures(dataset, index),
+    )
+    store.write_json(layout.shard_done(dataset, index), summary)
+
+
+def make_config(root: Path, model_dir: Path, **tokenize: Any) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "run_id": RUN_ID,
+            "model": {"path": str(model_dir)},
+            "datasets": [
+                {"name": "alpha", "format": "openai_messages", "path": "unused"},
+                {"name": "beta", "format": "openai_messages", "path": "unused"},
+            ],
+            "output": str(root),
+            "tokenize": {"rows_per_part": 3, **tokenize},
+        }
+    )
+
+
+def populate(store: Store, layout: RunLayout) -> dict[str, str]:
+    """Two finished shards of alpha, one of beta, one unfinished shard; returns expected answer per prompt."""
+    alpha0 = [completion("alpha", i, f"Answer {i} from alpha.") for i in range(3)]
+    alpha0.append(completion("alpha", 3, "cut off mid", finish_reason="length"))
+    alpha1 = [completion("alpha", i, f"Answer {i} from alpha.") for i in range(4, 7)]
+    alpha1.append(completion("alpha", 7, "   "))
+    beta0 = [completion("beta", i, f"Beta says {i}.") for i in range(2)]
+    write_shard(store, layout, "alpha", 0, alpha0)
+    write_shard(store, layout, "alpha", 1, alpha1)
+    write_shard(store, layout, "beta", 0, beta0)
+    # A shard whose marker is missing (its task died after writing the file) must not be read.
+    store.write_jsonl(layout.completions("beta", 1), [completion("beta", 9, "Never merged.")])
+    return {
+        record.prompt_id: record.completion.content or "" for record in [*alpha0[:3], *alpha1[:3], *beta0]
+    }
+
+
+def read_rows(root: Path, summary: TokenizeSummary) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for part in summary.parts:
+        assert part.key is not None
+        table = pq.read_table(root / part.key)
+        assert table.schema.field("input_ids").type.value_type.bit_width == 32
+        assert table.schema.field("loss_mask").type.value_type.bit_width == 8
+        assert table.num_rows == part.rows
+        rows.extend(table.to_pylist())
+    return rows
+
+
+def tree(root: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(root.rglob("*"))
+        if path.is_file()
+    }
+
+
+@pytest.fixture()
+def run(store_root: Path, tiny_model_dir: Path) -> tuple[Store, RunLayout, RunConfig, dict[str, str]]:
+    store = Store(str(store_root))
+    layout = RunLayout(RUN_ID)
+    expected = populate(store, layout)
+    return store, layout, make_config(store_root, tiny_model_dir), expected
+
+
+def test_merge_writes_parquet_whose_masks_decode_to_the_answers(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path, tiny_model_dir: Path
+) -> None:
+    store, layout, config, expected = run
+    summary = merge_and_tokenize(store, layout, config)
+
+    assert summary.rows == len(expected) == 8
+    assert summary.completions_read == 10
+    assert summary.shards_read == 3
+    assert summary.shards_incomplete == [layout.completions("beta", 1)]
+    assert summary.dropped_by_reason == {"empty_completion": 1, "truncated": 1}
+    assert summary.rows_by_dataset == {"alpha": 6, "beta": 2}
+    assert [part.rows for part in summary.parts] == [3, 3, 2]
+    assert [part.key for part in summary.parts] == [layout.tokenized_part(i) for i in range(3)]
+
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    rows = read_rows(store_root, summary)
+    assert [row["prompt_id"] for row in rows] == sorted(expected)
+    for row in rows:
+        assert len(row["input_ids"]) == len(row["loss_mask"]) == row["num_tokens"]
+        assert sum(row["loss_mask"]) == row["num_loss_tokens"]
+        loss_ids = [token for token, bit in zip(row["input_ids"], row["loss_mask"], strict=True) if bit]
+        assert tokenizer.decode(loss_ids) == expected[row["prompt_id"]] + "<|im_end|>"
+        assert row["finish_reason"] == "stop"
+    assert summary.total_tokens == sum(row["num_tokens"] for row in rows)
+    assert summary.loss_tokens == sum(row["num_loss_tokens"] for row in rows)
+
+    version = DatasetVersion.model_validate(store.read_json(summary.dataset_version))
+    assert summary.dataset_version == dataset_version("drafter-expansion", 1)
+    assert version.rows == 8
+    assert [shard.key for shard in version.shards] == [part.key for part in summary.parts]
+    assert TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary)) == summary
+
+
+def test_rerun_of_a_finished_merge_writes_nothing(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+) -> None:
+    store, layout, config, _ = run
+    first = merge_and_tokenize(store, layout, config)
+    before = tree(store_root)
+    assert merge_and_tokenize(store, layout, config) == first
+    assert tree(store_root) == before
+
+
+def test_interrupted_merge_keeps_written_parts_and_finishes_identically(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+) -> None:
+    store, layout, config, _ = run
+    complete = merge_and_tokenize(store, layout, config)
+    first_part = (store_root / layout.tokenized_part(0)).read_bytes()
+    # Simulate a crash after the first part: only part 0 survives.
+    for key in [
+        layout.tokenized_summary,
+        complete.dataset_version,
+        layout.tokenized_part(1),
+        layout.tokenized_part(2),
+    ]:
+        (store_root / key).unlink()
+
+    resumed = merge_and_tokenize(store, layout, config)
+
+    assert resumed.resumed_parts == 1
+    assert (store_root / layout.tokenized_part(0)).read_bytes() == first_part
+    same = {"created_at", "resumed_parts"}
+    assert resumed.model_dump(exclude=same) == complete.model_dump(exclude=same)
+    assert tree(store_root)[layout.tokenized_part(2)]
+
+
+def test_resume_refuses_parts_that_no_longer_match_the_completions(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+) -> None:
+    store, layout, config, _ = run
+    complete = merge_and_tokenize(store, layout, config)
+    for key in [layout.tokenized_summary, complete.dataset_version, layout.tokenized_part(2)]:
+        (store_root / key).unlink()
+    # A shard that sorts first appears after the parts were written: the rows they cover shift.
+    write_shard(store, layout, "aaa", 0, [completion("aaa", 0, "New first row.")])
+
+    with pytest.raises(TokenizeError, match="changed since"):
+        merge_and_tokenize(store, layout, config)
+
+
+def test_new_version_references_a_protected_base_and_never_overwrites_versions(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path, tiny_model_dir: Path
+) -> None:
+    store, layout, _, _ = run
+    # The existing training data: a version manifest under a protected prefix.
+    protected = store_root / "existing"
+    base_parts = [
+        TokenizedPartRef(url=str(protected / f"part-{i}.parquet"), rows=451_000, source="legacy")
+        for i in range(2)
+    ]
+    base = DatasetVersion(name="legacy", version=1, run_id="legacy", rows=902_000, shards=base_parts)
+    Store(str(protected)).write_json("v0001.json", base)
+    base_bytes = (protected / "v0001.json").read_bytes()
+    # Another run already published version 1 of our dataset name.
+    other = DatasetVersion(name="drafter-expansion", version=1, run_id="other-run", rows=0, shards=[])
+    store.write_json(dataset_version("drafter-expansion", 1), other)
+    other_bytes = (store_root / dataset_version("drafter-expansion", 1)).read_bytes()
+
+    guarded = Store(str(store_root), protected_prefixes=[str(protected)])
+    config = make_config(store_root, tiny_model_dir, base_version=str(protected / "v0001.json"))
+    summary = merge_and_tokenize(guarded, layout, config)
+
+    assert summary.dataset_version == dataset_version("drafter-expansion", 2)
+    version = DatasetVersion.model_validate(json.loads((store_root / summary.dataset_version).read_text()))
+    assert version.rows == 902_000 + summary.rows
+    assert [shard.url for shard in version.shards[:2]] == [part.url for part in base_parts]
+    assert all(shard.source == f"base:{protected / 'v0001.json'}" for shard in version.shards[:2])
+    assert (protected / "v0001.json").read_bytes() == base_bytes
+    assert sorted(path.name for path in protected.iterdir()) == ["v0001.json"]
+    assert (store_root / dataset_version("drafter-expansion", 1)).read_bytes() == other_bytes
+
+
+def test_truncated_rows_are_kept_when_configured(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path, tiny_model_dir: Path
+) -> None:
+    store, layout, _, _ = run
+    config = make_config(store_root, tiny_model_dir, include_truncated=True, max_length_tokens=10_000)
+    summary = merge_and_tokenize(store, layout, config)
+    assert summary.rows == 9
+    assert summary.dropped_by_reason == {"empty_completion": 1}
+    truncated = [row for row in read_rows(store_root, summary) if row["finish_reason"] == "length"]
+    assert len(truncated) == 1
