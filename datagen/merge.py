@@ -152,7 +152,7 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
     settings = config.tokenize
     tokenizer = load_tokenizer(config.model.tokenizer)
     existing = _existing_parts(store, layout, settings.rows_per_part)
-    base = _read_base_version(store, settings.base_version) if settings.base_version else None
+    base = read_base_version(store, settings.base_version) if settings.base_version else None
     shard_keys, incomplete = _finished_shards(store, layout)
 
     tally = _Tally()
@@ -372,7 +372,7 @@ def _check_resumed_boundary(boundaries: dict[int, _ExistingPart], row_count: int
         )
 
 
-def _read_base_version(store: Store, reference: str) -> tuple[str, DatasetVersion]:
+def read_base_version(store: Store, reference: str) -> tuple[str, DatasetVersion]:
     """Read the base dataset version: a key in this store, or a full URL (local path or s3://)."""
     try:
         if "://" in reference or reference.startswith("/"):

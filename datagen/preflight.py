@@ -17,7 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
 from datagen.errors import DatagenError, PreflightError
-from datagen.runs import check_run_config
+from datagen.layout import RunLayout
+from datagen.runs import check_run_config, open_store
 from datagen.storage import Store, normalise_url, overlaps
 
 logger = logging.getLogger(__name__)
@@ -54,14 +55,28 @@ class PreflightReport(BaseModel):
 
 
 def _check_output_location(config: RunConfig) -> str:
+    # What matters is where this run writes: its run folder and its dataset's version folder. An output root
+    # that merely contains a protected prefix (s3://bucket beside s3://bucket/train) is fine, since the store
+    # refuses every write under a protected prefix; an output inside one, or a run that would write into one,
+    # is refused here, before anything is stopped.
+    assert config.run_id is not None
+    store = Store(config.output, protected_prefixes=config.protected_prefixes)
+    write_roots = [
+        config.output,
+        store.url(RunLayout(config.run_id).root),
+        store.url(f"datasets/{config.tokenize.dataset_name}"),
+    ]
     for prefix in config.protected_prefixes:
-        if overlaps(config.output, prefix):
-            raise DatagenError(
-                f"output {config.output} overlaps the protected prefix {prefix}; "
-                "write the expansion to a separate prefix (e.g. .../expansion/)"
+        for root in write_roots:
+            inside = normalise_url(root) == normalise_url(prefix) or normalise_url(root).startswith(
+                normalise_url(prefix).rstrip("/") + "/"
             )
+            if inside or (root != config.output and overlaps(root, prefix)):
+                raise DatagenError(
+                    f"this run would write under {root}, which overlaps the protected prefix {prefix}; "
+                    "choose an `output` outside the existing data (e.g. s3://bucket/expansion)"
+                )
     if config.output.startswith("s3://"):
-        store = Store(config.output, protected_prefixes=config.protected_prefixes)
         backend = store.backend
         client = getattr(backend, "client", None)
         bucket = getattr(backend, "bucket", None)
@@ -72,7 +87,7 @@ def _check_output_location(config: RunConfig) -> str:
                 raise DatagenError(
                     f"bucket {bucket} is not reachable ({error}); check credentials (AWS_* env, profile, "
                     "DATAGEN_AWS_CREDENTIALS_BLOCK) and DATAGEN_S3_ENDPOINT_URL"
-                )
+                ) from None
         return f"bucket {bucket} reachable"
     path = Path(normalise_url(config.output))
     try:
@@ -149,12 +164,22 @@ def _check_training(config: RunConfig) -> str:
     return f"training job: {config.training.kind}"
 
 
+def _check_base_version(config: RunConfig) -> str:
+    if not config.tokenize.base_version:
+        return "none (a first dataset version)"
+    from datagen.merge import read_base_version
+
+    url, version = read_base_version(open_store(config), config.tokenize.base_version)
+    return f"extends {url} ({version.rows} rows)"
+
+
 CHECKS: list[tuple[str, Callable[[RunConfig], str]]] = [
     ("output location", _check_output_location),
     ("run identity", _check_run_identity),
     ("datasets readable", _check_datasets),
     ("model and tokenizer", _check_model),
     ("engine", _check_engine),
+    ("base dataset version", _check_base_version),
     ("training job", _check_training),
 ]
 

@@ -1,0 +1,278 @@
+"""The dispatcher against real HTTP servers that inject faults (tests/support/fault_server.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, wait
+
+import pytest
+
+from datagen.config import GenerationConfig, SamplingParams
+from datagen.dispatch import Dispatcher, DispatcherStats, GenerationRequest, GenerationResult
+from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord
+from tests.support.fault_server import FaultPlan, FaultServer
+
+FAST_RETRIES = GenerationConfig(
+    backoff_initial_s=0.01,
+    backoff_max_s=0.05,
+    max_attempts=5,
+    request_timeout_s=10,
+    no_live_server_timeout_s=30,
+)
+RESULT_TIMEOUT_S = 20
+
+
+def make_request(content: str, *, sample_index: int = 0, **sampling: object) -> GenerationRequest:
+    prompt = PromptRecord(
+        prompt_id=f"id-{content}", dataset="unit", messages=[Message(role="user", content=content)]
+    )
+    params = SamplingParams.model_validate({"max_tokens": 8, **sampling})
+    return GenerationRequest(prompt=prompt, sample_index=sample_index, sampling=params, dataset="unit")
+
+
+def results(futures: list[Future[GenerationResult]]) -> list[GenerationResult]:
+    return [future.result(RESULT_TIMEOUT_S) for future in futures]
+
+
+def wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+def servers_up(dispatcher: Dispatcher) -> list[str]:
+    stats: DispatcherStats = dispatcher.stats()
+    return stats.servers_up
+
+
+@pytest.fixture()
+def server() -> Iterator[FaultServer]:
+    with FaultServer() as fault_server:
+        yield fault_server
+
+
+def dispatcher_for(
+    urls: list[str],
+    *,
+    cap: int = 4,
+    generation: GenerationConfig = FAST_RETRIES,
+    engine: str = "sglang",
+    liveness: Callable[[str], bool] | None = None,
+) -> Dispatcher:
+    return Dispatcher(
+        urls,
+        model="test-model",
+        engine=engine,
+        max_inflight_per_server=cap,
+        generation=generation,
+        liveness=liveness,
+    )
+
+
+def test_transient_faults_are_retried_until_a_completion(server: FaultServer) -> None:
+    with dispatcher_for([server.url]) as dispatcher:
+        [record] = results([dispatcher.submit(make_request("[[500,empty,reset,429]] hello"))])
+
+    assert isinstance(record, CompletionRecord)
+    assert record.attempts == 5
+    assert record.completion.content == "echo: [[500,empty,reset,429]] hello"
+    assert [r.fault for r in server.chat_requests()] == ["500", "empty", "reset", "429", "ok"]
+    assert dispatcher.stats().retries == 4
+
+
+def test_bad_request_is_a_failure_record_without_retry(server: FaultServer) -> None:
+    with dispatcher_for([server.url]) as dispatcher:
+        [record] = results([dispatcher.submit(make_request("[[400]] nope"))])
+
+    assert isinstance(record, FailureRecord)
+    assert record.error_type == "http_400"
+    assert record.last_status == 400
+    assert record.attempts == 1
+    assert "400" in record.reason and "injected: bad request" in record.reason
+    assert record.key == "id-[[400]] nope/0"
+    assert len(server.chat_requests()) == 1
+
+
+def test_exhausted_retries_record_the_last_error() -> None:
+    generation = FAST_RETRIES.model_copy(update={"max_attempts": 3})
+    with FaultServer() as server, dispatcher_for([server.url], generation=generation) as dispatcher:
+        [record] = results([dispatcher.submit(make_request("[[500,500,500,500]] x"))])
+
+    assert isinstance(record, FailureRecord)
+    assert record.error_type == "retries_exhausted"
+    assert record.attempts == 3
+    assert record.last_status == 500
+    assert "HTTP 500" in record.reason
+    assert len(server.chat_requests()) == 3
+
+
+def test_tool_call_arguments_are_parsed_and_unparseable_ones_are_failures(server: FaultServer) -> None:
+    with dispatcher_for([server.url]) as dispatcher:
+        good, bad = results(
+            [dispatcher.submit(make_request("#toolcall #think")), dispatcher.submit(make_request("#badtool"))]
+        )
+
+    assert isinstance(good, CompletionRecord)
+    assert good.finish_reason == "tool_calls"
+    assert good.completion.tool_calls is not None
+    assert good.completion.tool_calls[0].function.name == "get_weather"
+    assert good.completion.tool_calls[0].function.arguments == {"city": "Paris"}
+    assert good.completion.reasoning_content == "thinking about it"
+    assert good.usage.prompt_tokens == 7 and good.usage.completion_tokens == 5
+    assert good.server == server.url and good.model == "test-model" and good.engine == "sglang"
+    assert isinstance(bad, FailureRecord)
+    assert bad.error_type == "invalid_tool_arguments"
+    assert "not valid JSON" in bad.reason
+
+
+def test_request_body_carries_messages_sampling_and_thinking_switch(server: FaultServer) -> None:
+    request = make_request(
+        "body", temperature=0.3, top_p=0.9, top_k=20, min_p=0.05, seed=7, enable_thinking=False
+    )
+    with dispatcher_for([server.url]) as dispatcher:
+        results([dispatcher.submit(request)])
+
+    [seen] = server.chat_requests()
+    assert seen.body == {
+        "model": "test-model",
+        "messages": [{"role": "user", "content": "body"}],
+        "temperature": 0.3,
+        "top_p": 0.9,
+        "top_k": 20,
+        "min_p": 0.05,
+        "max_tokens": 8,
+        "seed": 7,
+        "stream": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+
+
+def test_transformers_engine_omits_the_sampling_fields_it_rejects(server: FaultServer) -> None:
+    with dispatcher_for([server.url], engine="transformers") as dispatcher:
+        results([dispatcher.submit(make_request("tf", top_k=20, min_p=0.05))])
+
+    [seen] = server.chat_requests()
+    assert seen.body is not None
+    assert "top_k" not in seen.body and "min_p" not in seen.body
+    assert seen.body["top_p"] == 0.95
+
+
+def test_least_outstanding_routing_fills_every_server_up_to_its_cap() -> None:
+    plan = FaultPlan(base_delay_s=0.05)
+    with FaultServer(plan) as first, FaultServer(plan) as second:
+        with dispatcher_for([first.url, second.url], cap=3) as dispatcher:
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            records = results([dispatcher.submit(make_request(f"r{i}")) for i in range(40)])
+
+        assert all(isinstance(record, CompletionRecord) for record in records)
+        assert first.max_in_flight == 3 and second.max_in_flight == 3
+        assert len(first.chat_requests()) + len(second.chat_requests()) == 40
+        assert abs(len(first.chat_requests()) - len(second.chat_requests())) <= 4
+
+
+def test_every_future_resolves_under_random_faults_and_every_try_is_accounted() -> None:
+    plan = FaultPlan(rates={"500": 0.15, "empty": 0.1, "reset": 0.1, "429": 0.05}, seed=3)
+    generation = FAST_RETRIES.model_copy(update={"max_attempts": 12})
+    with FaultServer(plan) as first, FaultServer(plan) as second:
+        with dispatcher_for([first.url, second.url], cap=8, generation=generation) as dispatcher:
+            futures = [dispatcher.submit(make_request(f"m{i}")) for i in range(200)]
+            records = results(futures)
+            stats = dispatcher.stats()
+        tries = len(first.chat_requests()) + len(second.chat_requests())
+
+    assert all(isinstance(record, CompletionRecord) for record in records)
+    assert sorted(record.key for record in records) == sorted(f"id-m{i}/0" for i in range(200))
+    assert sum(record.attempts for record in records) == tries
+    assert stats.completed == 200 and stats.failed == 0 and stats.retries == tries - 200 > 0
+    assert stats.queued == 0 and stats.backing_off == 0 and sum(stats.in_flight.values()) == 0
+
+
+def test_two_shards_share_slots_without_a_barrier(server: FaultServer) -> None:
+    # Shard A holds one slow request; shard B's requests must flow through the other slots meanwhile.
+    submitted: dict[str, list[Future[GenerationResult]]] = {}
+    with dispatcher_for([server.url], cap=3) as dispatcher:
+        wait_until(lambda: len(servers_up(dispatcher)) == 1)
+
+        def shard(name: str, contents: list[str]) -> None:
+            submitted[name] = [dispatcher.submit(make_request(content)) for content in contents]
+
+        slow = threading.Thread(target=shard, args=("a", ["#sleep=1.5 slow", "a1", "a2"]))
+        slow.start()
+        slow.join()
+        fast = threading.Thread(target=shard, args=("b", [f"#sleep=0.05 b{i}" for i in range(12)]))
+        fast.start()
+        fast.join()
+        wait(submitted["b"], timeout=RESULT_TIMEOUT_S)
+        slow_future = submitted["a"][0]
+        assert all(future.done() for future in submitted["b"])
+        assert not slow_future.done(), "shard B waited for shard A's slow request"
+        results(submitted["a"])
+    assert server.max_in_flight == 3
+
+
+def test_server_that_goes_away_loses_its_requests_to_the_others_and_rejoins_after_restart() -> None:
+    plan = FaultPlan(base_delay_s=0.1)
+    with FaultServer(plan) as steady:
+        flaky = FaultServer(plan)
+        flaky.start()
+        with dispatcher_for([steady.url, flaky.url], cap=4) as dispatcher:
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            futures = [dispatcher.submit(make_request(f"g{i}")) for i in range(40)]
+            wait_until(lambda: flaky.in_flight > 0)
+            flaky.stop()
+            records = results(futures)
+            assert all(isinstance(record, CompletionRecord) for record in records)
+            assert servers_up(dispatcher) == [steady.url]
+            assert all(record.attempts <= 2 for record in records)
+
+            flaky.start()  # same port: the health checker must bring it back
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            later = results([dispatcher.submit(make_request(f"later{i}")) for i in range(8)])
+        flaky.stop()
+    assert {record.server for record in later if isinstance(record, CompletionRecord)} == {
+        steady.url,
+        flaky.url,
+    }
+
+
+def test_liveness_false_keeps_a_server_out_of_rotation(server: FaultServer) -> None:
+    with FaultServer() as dead:
+        with dispatcher_for([dead.url, server.url], liveness=lambda url: url != dead.url) as dispatcher:
+            records = results([dispatcher.submit(make_request(f"l{i}")) for i in range(10)])
+        assert dead.chat_requests() == []
+    assert {record.server for record in records if isinstance(record, CompletionRecord)} == {server.url}
+
+
+def test_requests_fail_with_no_live_servers_after_the_deadline() -> None:
+    with FaultServer() as gone:
+        url = gone.url
+    generation = FAST_RETRIES.model_copy(update={"no_live_server_timeout_s": 0.5})
+    started = time.monotonic()
+    with dispatcher_for([url], generation=generation) as dispatcher:
+        records = results([dispatcher.submit(make_request(f"n{i}")) for i in range(3)])
+
+    assert all(
+        isinstance(record, FailureRecord) and record.error_type == "no_live_servers" for record in records
+    )
+    assert time.monotonic() - started < 5
+
+
+def test_close_resolves_requests_still_in_flight(server: FaultServer) -> None:
+    dispatcher = dispatcher_for([server.url], cap=1).start()
+    futures = [dispatcher.submit(make_request(f"#sleep=5 c{i}")) for i in range(3)]
+    wait_until(lambda: server.in_flight == 1)
+    dispatcher.close()
+
+    records = results(futures)
+    assert all(
+        isinstance(record, FailureRecord) and record.error_type == "dispatcher_closed" for record in records
+    )
+
+
+def test_submit_before_start_is_refused() -> None:
+    dispatcher = dispatcher_for(["http://127.0.0.1:9"])
+    with pytest.raises(RuntimeError, match="start"):
+        dispatcher.submit(make_request("early"))
