@@ -1,0 +1,47 @@
+"""Generation engines as launch recipes behind one protocol (:class:`Engine`).
+
+``get_engine(kind)`` returns the recipe for ``fleet.engine``. Nothing here imports an engine package:
+availability is checked with ``importlib.util.find_spec`` so the orchestrator stays light.
+"""
+
+from __future__ import annotations
+
+from datagen.config import EngineKind
+from datagen.engines.base import COMMON_FATAL_LOG_PATTERNS, Engine, LaunchCommand, ServerSlot
+from datagen.engines.external import ExternalEngine
+from datagen.engines.sglang import SGLangEngine
+from datagen.engines.transformers import TransformersEngine
+from datagen.errors import ConfigError
+
+__all__ = [
+    "COMMON_FATAL_LOG_PATTERNS",
+    "Engine",
+    "ExternalEngine",
+    "LaunchCommand",
+    "SGLangEngine",
+    "ServerSlot",
+    "TransformersEngine",
+    "get_engine",
+]
+
+
+def get_engine(kind: EngineKind | str) -> Engine:
+    """The launch recipe of an engine kind.
+
+    Args:
+        kind: ``transformers``, ``sglang`` or ``external`` (as in ``fleet.engine``).
+
+    Returns:
+        The recipe; the sglang one has its flag names detected from the installed sglang.
+
+    Raises:
+        ConfigError: Unknown kind.
+
+    """
+    if kind == "transformers":
+        return TransformersEngine()
+    if kind == "sglang":
+        return SGLangEngine.for_installed()
+    if kind == "external":
+        return ExternalEngine()
+    raise ConfigError(f"unknown engine {kind!r}; use one of: transformers, sglang, external", kind=kind)

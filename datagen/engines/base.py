@@ -1,0 +1,117 @@
+"""The engine seam: what every generation engine must tell the planner and the fleet.
+
+An engine is a *launch recipe*, not a process owner: it turns one planned server slot into an argv and an
+environment, says where readiness is probed, and which log lines mean the server will never become ready.
+The :class:`datagen.fleet.Fleet` owns the processes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.config import FleetConfig, ModelConfig
+
+DeviceKind = Literal["cpu", "cuda"]
+
+# Log lines that mean a starting server is dead or will never serve; shared by every engine.
+COMMON_FATAL_LOG_PATTERNS: tuple[str, ...] = (
+    r"^Traceback \(most recent call last\)",
+    r"CUDA out of memory",
+    r"torch\.OutOfMemoryError",
+    r"Address already in use",
+    r"error while attempting to bind on address",
+)
+
+
+class LaunchCommand(BaseModel):
+    """The exact process to start for one server: argv plus the environment added to the parent's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    argv: list[str] = Field(min_length=1, description="Program and arguments, no shell involved.")
+    env: dict[str, str] = Field(default_factory=dict, description="Variables set on top of the parent env.")
+
+    def shell_line(self) -> str:
+        """The command as one shell-quoted line (env first), for artifacts and runbooks."""
+        import shlex
+
+        env_part = " ".join(f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items()))
+        argv_part = shlex.join(self.argv)
+        return f"{env_part} {argv_part}".strip()
+
+
+class ServerSlot(BaseModel):
+    """Where one server runs: the planner's decision that a recipe turns into a :class:`LaunchCommand`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    index: int = Field(ge=0)
+    host: str
+    port: int = Field(gt=0, lt=65536)
+    device: DeviceKind
+    gpu_ids: list[int] = Field(default_factory=list, description="Physical GPU ids to pin")
+    compute_capability: str | None = Field(default=None, description="SM of the slot's GPUs, e.g. '9.0'.")
+    cpu_threads: int | None = Field(
+        default=None, gt=0, description="Intra-op threads of a CPU server, so servers share the cores."
+    )
+    cache_memory_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Share of the device's free memory for the KV cache; the engine default when unset.",
+    )
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A generation engine as a launch recipe (see module docstring)."""
+
+    name: str
+    """Engine kind as written in ``fleet.engine``."""
+    health_path: str
+    """HTTP path answering 200 once the server serves."""
+    fatal_log_patterns: tuple[re.Pattern[str], ...]
+    """A match in a starting server's log means it will never become ready."""
+    supports_tensor_parallel: bool
+    """Whether one server may span several GPUs."""
+    launches_processes: bool
+    """False for engines that attach to servers someone else runs."""
+
+    def check_available(self) -> list[str]:
+        """Problems that stop this engine from running here, each with its fix; empty when usable."""
+        ...
+
+    def build_launch(self, slot: ServerSlot, model: ModelConfig, fleet: FleetConfig) -> LaunchCommand:
+        """The argv and env that start the server of ``slot``."""
+        ...
+
+    def served_model_name(self, model: ModelConfig) -> str:
+        """The model name clients must send in requests to a server of this engine."""
+        ...
+
+
+def compile_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    """Compile log patterns in multi-line mode so ``^`` anchors at every line start."""
+    return tuple(re.compile(pattern, re.MULTILINE) for pattern in patterns)
+
+
+def gpu_env(slot: ServerSlot) -> dict[str, str]:
+    """Pin a server to its GPUs, or hide every GPU from a CPU server.
+
+    Args:
+        slot: The planned slot.
+
+    Returns:
+        ``CUDA_VISIBLE_DEVICES`` (and thread caps for CPU servers).
+
+    """
+    if slot.device == "cpu":
+        env = {"CUDA_VISIBLE_DEVICES": ""}
+        if slot.cpu_threads is not None:
+            threads = str(slot.cpu_threads)
+            env |= {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
+        return env
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(gpu) for gpu in slot.gpu_ids)}

@@ -1,0 +1,33 @@
+"""Attach to servers someone else runs (an SGLang router, a shared endpoint): no process is started."""
+
+from __future__ import annotations
+
+from datagen.config import FleetConfig, ModelConfig
+from datagen.engines.base import LaunchCommand, ServerSlot, compile_patterns
+
+
+class ExternalEngine:
+    """The engine of ``fleet.external_urls``: readiness is probed, nothing is launched or stopped."""
+
+    name = "external"
+    health_path = "/health"
+    fatal_log_patterns = compile_patterns(())
+    supports_tensor_parallel = False
+    launches_processes = False
+
+    def check_available(self) -> list[str]:
+        """Nothing to install: reachability is checked when the fleet starts."""
+        return []
+
+    def build_launch(self, slot: ServerSlot, model: ModelConfig, fleet: FleetConfig) -> LaunchCommand:
+        """Never called for external servers.
+
+        Raises:
+            TypeError: Always; external servers have no launch command.
+
+        """
+        raise TypeError("engine 'external' starts no process; the plan lists fleet.external_urls instead")
+
+    def served_model_name(self, model: ModelConfig) -> str:
+        """The configured served name, else the model path."""
+        return model.served_name or model.path

@@ -1,0 +1,97 @@
+"""``transformers serve --continuous-batching``: CPU engine (laptops, CI, demo), GPU engine of the H200 hosts.
+
+Only flags present in both transformers 5.17 (the H200 hosts) and 5.24 (the project venv) are used.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+from datagen.config import FleetConfig, ModelConfig
+from datagen.engines.base import (
+    COMMON_FATAL_LOG_PATTERNS,
+    LaunchCommand,
+    ServerSlot,
+    compile_patterns,
+    gpu_env,
+)
+
+# What `transformers[serving]` adds on top of transformers (see transformers.utils.is_serve_available).
+SERVING_MODULES: tuple[str, ...] = ("torch", "fastapi", "uvicorn", "openai", "pydantic")
+INSTALL_HINT = "pip install 'datagen[local]'"
+
+TRANSFORMERS_FATAL_LOG_PATTERNS: tuple[str, ...] = (
+    *COMMON_FATAL_LOG_PATTERNS,
+    r"Missing dependencies for serving",
+)
+
+
+class TransformersEngine:
+    """Launch recipe for ``python -m transformers.cli.transformers serve``."""
+
+    name = "transformers"
+    health_path = "/health"
+    fatal_log_patterns = compile_patterns(TRANSFORMERS_FATAL_LOG_PATTERNS)
+    # One server is one model on one device: transformers serve has no tensor parallelism.
+    supports_tensor_parallel = False
+    launches_processes = True
+
+    def check_available(self) -> list[str]:
+        """Report missing serving packages, with the install command.
+
+        Returns:
+            One problem line per missing module group; empty when the engine can start.
+
+        """
+        missing = [module for module in ("transformers", *SERVING_MODULES) if not _importable(module)]
+        if missing:
+            return [f"transformers serving deps missing ({', '.join(missing)}): {INSTALL_HINT}"]
+        return []
+
+    def build_launch(self, slot: ServerSlot, model: ModelConfig, fleet: FleetConfig) -> LaunchCommand:
+        """The argv and env of one ``transformers serve`` process.
+
+        Args:
+            slot: Where the server runs; GPU slots are pinned with ``CUDA_VISIBLE_DEVICES`` and then see
+                their GPU as ``cuda:0``.
+            model: The served model (its path is the model the server preloads and names itself after).
+            fleet: ``extra_args`` are appended and ``env`` merged over the engine's own variables.
+
+        Returns:
+            The launch command.
+
+        """
+        device = "cpu" if slot.device == "cpu" else "cuda:0"
+        argv = [
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
+            "serve",
+            "--continuous-batching",
+            "--device",
+            device,
+            "--host",
+            slot.host,
+            "--port",
+            str(slot.port),
+            model.path,
+        ]
+        if slot.cache_memory_fraction is not None:
+            # Unset, each CPU server's paged cache takes 60% of free RAM: two servers exhaust the host.
+            argv += ["--cb-max-memory-percent", f"{slot.cache_memory_fraction:g}"]
+        # Last, so a flag repeated in extra_args overrides the recipe's (click keeps the last value).
+        argv += fleet.extra_args
+        return LaunchCommand(argv=argv, env={**gpu_env(slot), **fleet.env})
+
+    def served_model_name(self, model: ModelConfig) -> str:
+        """The name ``transformers serve`` gives the preloaded model: the path it was given."""
+        return model.path
+
+
+def _importable(module: str) -> bool:
+    # find_spec locates the package without importing it (importing torch costs seconds).
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False

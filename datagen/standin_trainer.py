@@ -1,0 +1,88 @@
+"""A stand-in training job: a real process that "trains", checkpoints on a signal, and exits.
+
+Used by the demo and the tests in place of a GPU trainer::
+
+    python -m datagen.standin_trainer --pidfile P --checkpoint-dir D [--ignore-first-signal]
+
+It writes its pid to ``--pidfile``, counts steps into ``<checkpoint-dir>/step.txt``, and on the stop
+signal (SIGTERM unless ``--signal`` says otherwise) writes ``checkpoint-<step>.pt`` and exits 0.
+``--ignore-first-signal`` makes it stubborn: the first signal is only acknowledged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+logger = logging.getLogger("datagen.standin_trainer")
+
+DEFAULT_STEP_INTERVAL_S = 0.2
+STEP_FILE = "step.txt"
+# Looks like a checkpoint to whoever lists the folder; the content does not matter.
+CHECKPOINT_BYTES = b"datagen stand-in checkpoint\n"
+
+
+class _StopRequest:
+    """Signal bookkeeping shared with the handler."""
+
+    def __init__(self, ignore_first: bool) -> None:
+        self.ignore_first = ignore_first
+        self.signals_seen = 0
+        self.stop = False
+
+    def handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.signals_seen += 1
+        if self.ignore_first and self.signals_seen == 1:
+            logger.warning("received %s, ignoring the first one", signal.Signals(signum).name)
+            return
+        self.stop = True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse the command line."""
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--pidfile", required=True, type=Path, help="Where to write this process's pid.")
+    parser.add_argument("--checkpoint-dir", required=True, type=Path, help="Where checkpoints are written.")
+    parser.add_argument("--ignore-first-signal", action="store_true", help="Ignore the first stop signal.")
+    parser.add_argument("--step-interval-s", type=float, default=DEFAULT_STEP_INTERVAL_S)
+    parser.add_argument("--signal", default="SIGTERM", help="Signal that asks for checkpoint and exit.")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the stand-in trainer until the stop signal; returns the exit code."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s standin-trainer %(message)s", stream=sys.stderr
+    )
+    stop_signal = signal.Signals[args.signal if args.signal.startswith("SIG") else f"SIG{args.signal}"]
+    request = _StopRequest(ignore_first=args.ignore_first_signal)
+    signal.signal(stop_signal, request.handle)
+    args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    args.pidfile.parent.mkdir(parents=True, exist_ok=True)
+    # Written after the handler is installed: once the pid is visible, a signal is handled.
+    temporary = args.pidfile.with_name(args.pidfile.name + ".tmp")
+    temporary.write_text(f"{os.getpid()}\n")
+    temporary.replace(args.pidfile)
+    logger.info("training pid=%d stop_signal=%s", os.getpid(), stop_signal.name)
+    step = 0
+    while not request.stop:
+        step += 1
+        (args.checkpoint_dir / STEP_FILE).write_text(f"{step}\n")
+        time.sleep(args.step_interval_s)
+    checkpoint = args.checkpoint_dir / f"checkpoint-{step}.pt"
+    checkpoint.write_bytes(CHECKPOINT_BYTES)
+    logger.info("checkpoint written path=%s; exiting", checkpoint)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+
+import pytest
+
+from datagen.config import FleetConfig, ModelConfig, SGLangOptions
+from datagen.engines import (
+    ExternalEngine,
+    ServerSlot,
+    SGLangEngine,
+    TransformersEngine,
+    get_engine,
+)
+from datagen.engines.sglang import (
+    MAMBA_FLAG_NEW,
+    MAMBA_FLAG_OLD,
+    detect_mamba_strategy_flag,
+    speculative_args,
+)
+from datagen.errors import ConfigError
+
+MODEL = ModelConfig(path="/models/qwen3")
+CPU_SLOT = ServerSlot(index=0, host="127.0.0.1", port=30000, device="cpu", cpu_threads=2)
+GPU_SLOT = ServerSlot(
+    index=3, host="0.0.0.0", port=30003, device="cuda", gpu_ids=[3], compute_capability="9.0"
+)
+TP_SLOT = ServerSlot(
+    index=0, host="127.0.0.1", port=30000, device="cuda", gpu_ids=[0, 1], compute_capability="9.0"
+)
+
+
+def _flag_value(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_transformers_cpu_launch_is_the_serve_cli_with_cpu_device_and_hidden_gpus() -> None:
+    launch = TransformersEngine().build_launch(CPU_SLOT, MODEL, FleetConfig())
+
+    assert launch.argv == [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        "--continuous-batching",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30000",
+        "/models/qwen3",
+    ]
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+
+
+def test_transformers_gpu_launch_pins_the_gpu_and_appends_extra_args_and_env() -> None:
+    fleet = FleetConfig(extra_args=["--dtype", "bfloat16"], env={"HF_HOME": "/cache"})
+
+    launch = TransformersEngine().build_launch(GPU_SLOT, MODEL, fleet)
+
+    assert _flag_value(launch.argv, "--device") == "cuda:0"
+    assert launch.argv[-3:] == ["/models/qwen3", "--dtype", "bfloat16"]
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "3", "HF_HOME": "/cache"}
+
+
+def test_transformers_recipe_uses_only_options_the_installed_serve_command_has() -> None:
+    from transformers.cli.serve import Serve
+
+    parameters = set(inspect.signature(Serve.__init__).parameters)
+    launch = TransformersEngine().build_launch(GPU_SLOT, MODEL, FleetConfig())
+    flags = [arg for arg in launch.argv if arg.startswith("--")]
+
+    assert flags
+    for flag in flags:
+        assert flag[2:].replace("-", "_") in parameters, flag
+
+
+def test_transformers_engine_is_available_in_the_project_venv() -> None:
+    assert TransformersEngine().check_available() == []
+
+
+def test_sglang_launch_carries_every_configured_knob() -> None:
+    fleet = FleetConfig(
+        engine="sglang",
+        sglang=SGLangOptions(
+            attention_backend="fa3",
+            mem_fraction_static=0.85,
+            max_running_requests=512,
+            mamba_cache_strategy="extra_buffer",
+            disable_radix_cache=True,
+            reasoning_parser="qwen3",
+            tool_call_parser="qwen25",
+            speculative={"algorithm": "EAGLE", "num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+        ),
+        extra_args=["--random-seed", "7"],
+    )
+    model = ModelConfig(path="/m", tokenizer_path="/t", served_name="target", max_model_len_tokens=8192)
+
+    launch = SGLangEngine(mamba_strategy_flag=MAMBA_FLAG_NEW).build_launch(TP_SLOT, model, fleet)
+    argv = launch.argv
+
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert _flag_value(argv, "--model-path") == "/m"
+    assert _flag_value(argv, "--tokenizer-path") == "/t"
+    assert _flag_value(argv, "--host") == "127.0.0.1"
+    assert _flag_value(argv, "--port") == "30000"
+    assert _flag_value(argv, "--tp-size") == "2"
+    assert _flag_value(argv, "--served-model-name") == "target"
+    assert _flag_value(argv, "--context-length") == "8192"
+    assert _flag_value(argv, "--attention-backend") == "fa3"
+    assert _flag_value(argv, "--mem-fraction-static") == "0.85"
+    assert _flag_value(argv, "--max-running-requests") == "512"
+    assert _flag_value(argv, "--reasoning-parser") == "qwen3"
+    assert _flag_value(argv, "--tool-call-parser") == "qwen25"
+    assert _flag_value(argv, MAMBA_FLAG_NEW) == "extra_buffer"
+    assert MAMBA_FLAG_OLD not in argv
+    assert "--disable-radix-cache" in argv
+    assert "--enable-metrics" in argv
+    assert _flag_value(argv, "--speculative-algorithm") == "EAGLE"
+    assert _flag_value(argv, "--speculative-num-steps") == "3"
+    assert _flag_value(argv, "--speculative-eagle-topk") == "1"
+    assert _flag_value(argv, "--speculative-num-draft-tokens") == "4"
+    assert argv[-2:] == ["--random-seed", "7"]
+    assert launch.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
+
+
+def test_sglang_old_release_gets_the_old_mamba_flag() -> None:
+    fleet = FleetConfig(engine="sglang", sglang=SGLangOptions(mamba_cache_strategy="no_buffer"))
+
+    argv = SGLangEngine(mamba_strategy_flag=MAMBA_FLAG_OLD).build_launch(GPU_SLOT, MODEL, fleet).argv
+
+    assert _flag_value(argv, MAMBA_FLAG_OLD) == "no_buffer"
+    assert MAMBA_FLAG_NEW not in argv
+
+
+def test_sglang_without_any_mamba_flag_refuses_a_configured_strategy() -> None:
+    fleet = FleetConfig(engine="sglang", sglang=SGLangOptions(mamba_cache_strategy="no_buffer"))
+
+    with pytest.raises(ValueError, match="mamba_cache_strategy"):
+        SGLangEngine(mamba_strategy_flag=None).build_launch(GPU_SLOT, MODEL, fleet)
+
+
+def test_sglang_defaults_leave_optional_flags_out() -> None:
+    fleet = FleetConfig(
+        engine="sglang", sglang=SGLangOptions(disable_radix_cache=False, reasoning_parser=None)
+    )
+
+    argv = SGLangEngine().build_launch(GPU_SLOT, MODEL, fleet).argv
+
+    for flag in (
+        "--attention-backend",
+        "--mem-fraction-static",
+        "--disable-radix-cache",
+        "--reasoning-parser",
+    ):
+        assert flag not in argv
+    assert _flag_value(argv, "--served-model-name") == "/models/qwen3"
+
+
+def test_sglang_on_sm120_defaults_to_flashinfer_attention() -> None:
+    slot = GPU_SLOT.model_copy(update={"compute_capability": "12.0"})
+
+    argv = SGLangEngine().build_launch(slot, MODEL, FleetConfig(engine="sglang")).argv
+
+    assert _flag_value(argv, "--attention-backend") == "flashinfer"
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        (None, MAMBA_FLAG_NEW),
+        ('parser.add_argument("--mamba-radix-cache-strategy", choices=[...])', MAMBA_FLAG_NEW),
+        (
+            'add_argument("--mamba-radix-cache-strategy")\nadd_argument("--mamba-scheduler-strategy")',
+            MAMBA_FLAG_NEW,
+        ),
+        ('parser.add_argument("--mamba-scheduler-strategy", type=str)', MAMBA_FLAG_OLD),
+        ('parser.add_argument("--tp-size")', None),
+    ],
+)
+def test_mamba_flag_is_detected_from_server_args_source(source: str | None, expected: str | None) -> None:
+    assert detect_mamba_strategy_flag(source) == expected
+
+
+def test_speculative_options_become_prefixed_flags() -> None:
+    assert speculative_args(
+        {"algorithm": "NGRAM", "speculative_num_steps": 2, "adaptive": True, "x": None}
+    ) == [
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-steps",
+        "2",
+        "--speculative-adaptive",
+    ]
+
+
+def test_sglang_availability_matches_whether_the_package_is_installed() -> None:
+    problems = SGLangEngine().check_available()
+
+    if importlib.util.find_spec("sglang") is None:
+        assert len(problems) == 1
+        assert "pip install" in problems[0]
+    else:
+        assert problems == []
+
+
+def test_fatal_patterns_catch_tracebacks_and_busy_ports_but_not_a_normal_startup() -> None:
+    patterns = get_engine("transformers").fatal_log_patterns
+    normal = (
+        "[transformers] Loading /tmp/tiny\nINFO:     Started server process [4363]\n"
+        "INFO:     Uvicorn running on http://127.0.0.1:31999 (Press CTRL+C to quit)\n"
+    )
+    crashed = "Loading weights\nTraceback (most recent call last):\n  File x\nOSError: no such model\n"
+    busy = (
+        "ERROR:    [Errno 98] error while attempting to bind on address ('127.0.0.1', 8000): address in use\n"
+    )
+
+    assert not any(pattern.search(normal) for pattern in patterns)
+    assert any(pattern.search(crashed) for pattern in patterns)
+    assert any(pattern.search(busy) for pattern in patterns)
+
+
+def test_get_engine_returns_each_recipe_and_rejects_unknown_kinds() -> None:
+    assert isinstance(get_engine("transformers"), TransformersEngine)
+    assert isinstance(get_engine("sglang"), SGLangEngine)
+    external = get_engine("external")
+    assert isinstance(external, ExternalEngine)
+    assert not external.launches_processes
+    with pytest.raises(ConfigError, match="unknown engine"):
+        get_engine("vllm")
+
+
+def test_external_engine_has_nothing_to_launch() -> None:
+    with pytest.raises(TypeError, match="no process"):
+        ExternalEngine().build_launch(CPU_SLOT, MODEL, FleetConfig())
