@@ -7,6 +7,7 @@ answers at once.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -31,8 +32,19 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+# Quiet, offline defaults for Prefect in this process; a user's own environment wins.
+PREFECT_ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
 def run_flow(config: Any) -> Any:
     """Run the `expand` flow in this process (Prefect's local or configured API) and return its summary."""
+    for name, value in PREFECT_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     from flows.expand import expand
 
     return expand(config)

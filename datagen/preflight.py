@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.config import RunConfig
 from datagen.errors import DatagenError, PreflightError
 from datagen.layout import RunLayout
-from datagen.runs import check_run_config, open_store
+from datagen.runs import check_run_config, open_store, read_stored_config
 from datagen.storage import Store, normalise_url, overlaps
 
 logger = logging.getLogger(__name__)
@@ -159,6 +159,12 @@ def _check_training(config: RunConfig) -> str:
     from datagen.training import validate_training_job
 
     problems = validate_training_job(config.training)
+    pidfile = config.training.pidfile
+    assert config.run_id is not None
+    existing = read_stored_config(Store(config.output, protected_prefixes=config.protected_prefixes), config.run_id)
+    if problems and existing is not None and pidfile and not Path(pidfile).exists():
+        # An earlier attempt of this run halted the trainer, which may have removed its pidfile: nothing to stop.
+        return f"pidfile {pidfile} is gone: the trainer was halted by an earlier attempt of this run"
     if problems:
         raise DatagenError("; ".join(problems))
     return f"training job: {config.training.kind}"

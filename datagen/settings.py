@@ -23,9 +23,14 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = Field(
         default=None, description="Endpoint of an S3-compatible store (MinIO, moto, R2); AWS when unset."
     )
-    s3_region: str | None = Field(default=None, description="Region for S3 requests.")
+    s3_region: str | None = Field(default=None, description="S3 region; the AWS chain's when unset.")
     aws_credentials_block: str | None = Field(
-        default=None, description="Name of a Prefect AwsCredentials block to take S3 credentials from."
+        default=None,
+        description=(
+            "Name of a Prefect AwsCredentials block to take S3 credentials from (read by the flow through "
+            "the Prefect API; prefect-aws need not be installed). Unset: the standard AWS chain "
+            "(AWS_* environment variables, AWS_PROFILE and ~/.aws files, an instance or container role)."
+        ),
     )
     server_api_key: SecretStr | None = Field(
         default=None, description="API key the generation servers require (sent as a bearer token)."

@@ -8,7 +8,14 @@ Every write is an exclusive create enforced by the backend itself, never check-t
 * S3: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the key exists (raised as
   :class:`~datagen.errors.OutputExistsError`) and 409 when a concurrent create of the same key is in
   progress (raised as :class:`~datagen.errors.TransientStorageError`). A single ``PutObject`` is atomic:
-  a failed upload leaves no object behind.
+  a failed upload leaves no object behind. botocore's standard retries absorb 5xx answers and
+  connection resets (each retry is logged); when a put landed but its response was lost, the retry
+  meets 412, and the store then compares the stored object with its bytes: the same bytes are our own
+  write (success, an idempotent create), other bytes are someone else's (``OutputExistsError``).
+
+Credentials: the standard AWS chain, or explicit :class:`S3Credentials` (per client, or a process
+default set by the orchestration layer, e.g. from a Prefect AwsCredentials block). Secrets never reach
+reprs, logs or error messages.
 
 Protected prefixes (the existing training data) are refused before any byte is sent.
 """
@@ -16,6 +23,7 @@ Protected prefixes (the existing training data) are refused before any byte is s
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -25,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from datagen.errors import (
     OutputExistsError,
@@ -37,8 +45,22 @@ from datagen.errors import (
 logger = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"
-# boto3's own retry loop absorbs throttling, 5xx and connection resets before we ever see them.
+# Attempts per S3 request in botocore's standard retry mode (exponential backoff with jitter, at most
+# 20 s apart): it absorbs throttling, 5xx answers and connection resets before we ever see them.
 S3_MAX_ATTEMPTS = 10
+# GETs whose body is cut short mid-stream are sent again this many times in all (botocore retries only
+# up to the response headers).
+S3_BODY_READ_ATTEMPTS = 3
+HTTP_NOT_FOUND = 404
+HTTP_CONFLICT = 409
+HTTP_PRECONDITION_FAILED = 412
+HTTP_TOO_MANY_REQUESTS = 429
+HTTP_SERVER_ERROR = 500
+THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+)
+# Key in botocore's per-request context where the failure of the previous attempt is kept for the log.
+RETRY_CAUSE_CONTEXT_KEY = "datagen_retry_cause"
 
 
 @dataclass(frozen=True)
@@ -154,8 +176,89 @@ class LocalBackend:
         return sorted(keys)
 
 
+class S3Credentials(BaseModel):
+    """Explicit S3 credentials, for when the standard AWS chain is not what should be used.
+
+    Either a key pair (with an optional session token) or a named profile. The secrets are ``SecretStr``:
+    they never appear in a repr, a log line or an error message.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    access_key_id: str | None = Field(default=None, description="AWS access key id.")
+    secret_access_key: SecretStr | None = Field(default=None, description="AWS secret access key.")
+    session_token: SecretStr | None = Field(default=None, description="Token of temporary credentials.")
+    profile_name: str | None = Field(default=None, description="A profile of ~/.aws/config to use instead.")
+    region: str | None = Field(default=None, description="Region these credentials belong to, if any.")
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint they are for.")
+
+    @model_validator(mode="after")
+    def _key_pair_complete(self) -> S3Credentials:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
+        return self
+
+
+_default_credentials: S3Credentials | None = None
+
+
+def set_default_s3_credentials(credentials: S3Credentials | None) -> None:
+    """Make every S3 client this process creates without explicit credentials use ``credentials``.
+
+    The orchestration layer calls this once per process after resolving a credentials source that the
+    core cannot read itself (a Prefect AwsCredentials block: see ``tasks/credentials.py``); None goes back
+    to the standard AWS chain (environment, shared config/profile, instance or container role).
+    """
+    global _default_credentials
+    _default_credentials = credentials
+
+
+def default_s3_credentials() -> S3Credentials | None:
+    """The credentials set by :func:`set_default_s3_credentials`, None for the standard AWS chain."""
+    return _default_credentials
+
+
+def _error_facts(error: Exception) -> tuple[str, int]:
+    """The S3 error code and HTTP status of a botocore ClientError (empty and 0 when absent)."""
+    response: dict[str, Any] = getattr(error, "response", {}) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _is_transient_status(code: str, status: int) -> bool:
+    return (
+        status >= HTTP_SERVER_ERROR
+        or status in {HTTP_CONFLICT, HTTP_TOO_MANY_REQUESTS}
+        or code in THROTTLE_CODES
+    )
+
+
+def _storage_error(action: str, url: str, error: Exception) -> StorageError | TransientStorageError:
+    """The datagen error for an S3 failure left after botocore's retries (codes and class names only).
+
+    Transient (5xx, throttling, 409 conflict, connection trouble) gives a TransientStorageError, anything
+    else a StorageError; neither quotes a request, so no credential can leak into the message.
+    """
+    code, status = _error_facts(error)
+    if not code and not status:
+        return TransientStorageError(
+            f"S3 {action} of {url} failed after retries ({type(error).__name__}); retry later", url=url
+        )
+    if _is_transient_status(code, status) or code == "ConditionalRequestConflict":
+        return TransientStorageError(
+            f"S3 {action} of {url} failed ({code or status}) after retries; retry later", url=url
+        )
+    return StorageError(f"S3 {action} of {url} failed: {code or status} {error}", url=url)
+
+
 class S3Backend:
-    """An S3 prefix; exclusive create through conditional ``PutObject``."""
+    """An S3 prefix; exclusive create through conditional ``PutObject``.
+
+    Reads and writes go through botocore's standard retry mode, which absorbs 5xx answers, throttling and
+    connection resets; every retry is logged (``s3 retry operation=... attempt=...``). What is left after
+    those retries surfaces as :class:`~datagen.errors.TransientStorageError`.
+    """
 
     def __init__(
         self,
@@ -164,6 +267,7 @@ class S3Backend:
         endpoint_url: str | None = None,
         region: str | None = None,
         client: Any | None = None,
+        credentials: S3Credentials | None = None,
     ) -> None:
         without_scheme = root.removeprefix("s3://")
         bucket, _, prefix = without_scheme.partition("/")
@@ -171,7 +275,14 @@ class S3Backend:
             raise StorageError(f"S3 URL {root!r} names no bucket; use s3://bucket/prefix")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
-        self.client = client if client is not None else make_s3_client(endpoint_url=endpoint_url, region=region)
+        if client is None:
+            client = make_s3_client(endpoint_url=endpoint_url, region=region, credentials=credentials)
+        else:
+            install_retry_logging(client)
+        self.client = client
+
+    def __repr__(self) -> str:
+        return f"S3Backend(bucket={self.bucket!r}, prefix={self.prefix!r})"
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -181,71 +292,178 @@ class S3Backend:
         return f"s3://{self.bucket}/{self._key(key)}"
 
     def create(self, key: str, data: bytes) -> None:
-        """Create ``key`` with a conditional put; 412 means it exists, 409 a concurrent create."""
+        """Create ``key`` with a conditional put; 412 means it exists, 409 a concurrent create.
+
+        A 412 can also answer our own write: the put landed, its response was lost (a reset, a timeout),
+        and botocore's retry of the same put found the object. So on 412 the object is compared with
+        ``data``: the same bytes mean the create is done (idempotent create), other bytes raise
+        :class:`~datagen.errors.OutputExistsError`.
+        """
         from botocore.exceptions import BotoCoreError, ClientError
 
         try:
             self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
         except ClientError as error:
-            code = str(error.response.get("Error", {}).get("Code", ""))
-            status = int(error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-            if status == 412 or code == "PreconditionFailed":
+            code, status = _error_facts(error)
+            if status == HTTP_PRECONDITION_FAILED or code == "PreconditionFailed":
+                if self._holds(key, data):
+                    logger.warning(
+                        "s3 conditional put found the object already holding the same bytes: an earlier "
+                        "attempt of this write landed; treating it as written key=%s bytes=%d retries=%s",
+                        self._key(key),
+                        len(data),
+                        error.response.get("ResponseMetadata", {}).get("RetryAttempts"),
+                    )
+                    return
                 raise OutputExistsError(self.url(key)) from None
-            if status == 409 or code == "ConditionalRequestConflict" or status >= 500:
-                raise TransientStorageError(f"S3 write of {self.url(key)} failed ({code}); retry", url=key) from error
-            raise StorageError(f"S3 write of {self.url(key)} failed: {code} {error}", url=key) from error
+            raise _storage_error("write", self.url(key), error) from error
         except BotoCoreError as error:
-            raise TransientStorageError(f"S3 write of {self.url(key)} failed: {error}; retry") from error
+            raise _storage_error("write", self.url(key), error) from error
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        """Tell whether the object ``key`` holds exactly ``data`` (size, then MD5 ETag, then the bytes)."""
+        head = self._call("read", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        if int(head.get("ContentLength", -1)) != len(data):
+            return False
+        # A single-part upload without KMS encryption has its MD5 as ETag; anything else is compared byte
+        # by byte (an ETag that is not our MD5 proves nothing on its own).
+        if str(head.get("ETag", "")).strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest():
+            return True
+        return self.read(key) == data
+
+    def _call(self, action: str, key: str, method: Any, **params: Any) -> Any:
+        """Call a read-side S3 operation, mapping what is left after botocore's retries to our errors."""
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        try:
+            return method(**params)
+        except ClientError as error:
+            code, status = _error_facts(error)
+            if code in {"NoSuchKey", "404", "NotFound"} or status == HTTP_NOT_FOUND:
+                raise FileNotFoundError(self.url(key)) from None
+            raise _storage_error(action, self.url(key), error) from error
+        except BotoCoreError as error:
+            raise _storage_error(action, self.url(key), error) from error
 
     def read(self, key: str) -> bytes:
-        """The bytes of ``key``."""
-        with self.open_read(key) as body:
-            return body.read()
+        """The bytes of ``key``.
+
+        botocore retries the request but not the body once it streams; a body cut short is read again
+        with a new request, up to ``S3_BODY_READ_ATTEMPTS`` times.
+        """
+        from botocore.exceptions import BotoCoreError
+
+        for attempt in range(1, S3_BODY_READ_ATTEMPTS + 1):
+            with self.open_read(key) as body:
+                try:
+                    return body.read()
+                except (BotoCoreError, OSError) as error:
+                    if attempt == S3_BODY_READ_ATTEMPTS:
+                        raise TransientStorageError(
+                            f"S3 read of {self.url(key)} was cut short {attempt} times "
+                            f"({type(error).__name__}); retry later",
+                            url=key,
+                        ) from error
+                    logger.warning(
+                        "s3 retry operation=GetObjectBody key=%s attempt=%d cause=%s",
+                        self._key(key),
+                        attempt + 1,
+                        type(error).__name__,
+                    )
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def open_read(self, key: str) -> IO[bytes]:
         """A streaming body of ``key``."""
-        from botocore.exceptions import ClientError
-
-        try:
-            response = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as error:
-            code = str(error.response.get("Error", {}).get("Code", ""))
-            if code in {"NoSuchKey", "404"}:
-                raise FileNotFoundError(self.url(key)) from None
-            raise
+        response = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
         body: IO[bytes] = response["Body"]
         return body
 
     def exists(self, key: str) -> bool:
         """Tell whether ``key`` exists (a HEAD request)."""
-        from botocore.exceptions import ClientError
-
         try:
-            self.client.head_object(Bucket=self.bucket, Key=self._key(key))
-        except ClientError as error:
-            if str(error.response.get("Error", {}).get("Code", "")) in {"404", "NoSuchKey", "NotFound"}:
-                return False
-            raise
+            self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        except FileNotFoundError:
+            return False
         return True
 
     def list(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` relative to the store root, sorted."""
         full = self._key(prefix).rstrip("/") + "/"
-        keys: list[str] = []
         paginator = self.client.get_paginator("list_objects_v2")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=full):
-            for item in page.get("Contents", []):
-                key = str(item["Key"])
-                keys.append(key[len(self.prefix) + 1 :] if self.prefix else key)
-        return sorted(keys)
+
+        def every_key() -> list[str]:
+            # Pages are fetched lazily while iterating, so the whole iteration is the call to guard.
+            pages = paginator.paginate(Bucket=self.bucket, Prefix=full)
+            return [str(item["Key"]) for page in pages for item in page.get("Contents", [])]
+
+        keys: list[str] = self._call("list", prefix, every_key)
+        return sorted(key[len(self.prefix) + 1 :] if self.prefix else key for key in keys)
 
 
-def make_s3_client(endpoint_url: str | None = None, region: str | None = None) -> Any:
-    """A boto3 S3 client using the standard credential chain and an adaptive retry policy.
+def _describe_failure(response: Any, caught_exception: BaseException | None) -> str | None:
+    """What went wrong in one attempt, without anything secret (class name, status, S3 error code)."""
+    if caught_exception is not None:
+        return type(caught_exception).__name__
+    if response is None:
+        return None
+    http_response, parsed = response
+    status = int(getattr(http_response, "status_code", 0) or 0)
+    code = str((parsed or {}).get("Error", {}).get("Code", ""))
+    if _is_transient_status(code, status):
+        return f"{status} {code}".strip()
+    return None
+
+
+def _record_failure(
+    response: Any = None,
+    caught_exception: BaseException | None = None,
+    request_dict: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """``needs-retry`` hook: remember why an attempt failed, for the retry's log line."""
+    cause = _describe_failure(response, caught_exception)
+    if cause and request_dict is not None:
+        request_dict.setdefault("context", {})[RETRY_CAUSE_CONTEXT_KEY] = cause
+
+
+def _log_retry(request: Any = None, operation_name: str = "", **_: Any) -> None:
+    """``request-created`` hook: log every attempt after the first, with the cause of the one before."""
+    context = getattr(request, "context", None) or {}
+    attempt = int(context.get("retries", {}).get("attempt", 1))
+    if attempt > 1:
+        logger.warning(
+            "s3 retry operation=%s attempt=%d max_attempts=%d cause=%s",
+            operation_name,
+            attempt,
+            S3_MAX_ATTEMPTS,
+            context.get(RETRY_CAUSE_CONTEXT_KEY, "unknown"),
+        )
+
+
+def install_retry_logging(client: Any) -> None:
+    """Log each botocore retry of ``client`` (idempotent: installing twice logs once)."""
+    events = client.meta.events
+    events.register("needs-retry.s3", _record_failure, unique_id="datagen-record-failure")
+    events.register("request-created.s3", _log_retry, unique_id="datagen-log-retry")
+
+
+def make_s3_client(
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    credentials: S3Credentials | None = None,
+) -> Any:
+    """A boto3 S3 client with botocore's standard retry mode and logged retries.
+
+    Credentials come from, in order: ``credentials``; the process default set by
+    :func:`set_default_s3_credentials` (e.g. from a Prefect AwsCredentials block); the standard AWS chain
+    (``AWS_*`` environment variables, ``AWS_PROFILE`` and the shared config files, an instance or
+    container role).
 
     Args:
-        endpoint_url: An S3-compatible endpoint; ``DATAGEN_S3_ENDPOINT_URL`` or AWS when unset.
-        region: The region; ``DATAGEN_S3_REGION`` or the chain's default when unset.
+        endpoint_url: An S3-compatible endpoint; else ``DATAGEN_S3_ENDPOINT_URL``, else the credentials'
+            endpoint, else AWS.
+        region: The region; else ``DATAGEN_S3_REGION``, else the credentials' region, else the chain's.
+        credentials: Explicit credentials for this client.
     """
     import boto3
     from botocore.config import Config
@@ -253,12 +471,58 @@ def make_s3_client(endpoint_url: str | None = None, region: str | None = None) -
     from datagen.settings import get_settings
 
     settings = get_settings()
-    return boto3.client(
+    chosen = credentials if credentials is not None else _default_credentials
+    session_kwargs: dict[str, Any] = {}
+    if chosen is not None:
+        if chosen.profile_name:
+            session_kwargs["profile_name"] = chosen.profile_name
+        if chosen.access_key_id and chosen.secret_access_key:
+            session_kwargs["aws_access_key_id"] = chosen.access_key_id
+            session_kwargs["aws_secret_access_key"] = chosen.secret_access_key.get_secret_value()
+            if chosen.session_token:
+                session_kwargs["aws_session_token"] = chosen.session_token.get_secret_value()
+    session = boto3.session.Session(**session_kwargs)
+    client = session.client(
         "s3",
-        endpoint_url=endpoint_url or settings.s3_endpoint_url,
-        region_name=region or settings.s3_region,
+        endpoint_url=endpoint_url or settings.s3_endpoint_url or (chosen.endpoint_url if chosen else None),
+        region_name=region or settings.s3_region or (chosen.region if chosen else None),
         config=Config(retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}),
     )
+    install_retry_logging(client)
+    return client
+
+
+def s3_storage_options(credentials: S3Credentials | None = None) -> dict[str, Any]:
+    """Options for fsspec/s3fs matching :func:`make_s3_client`: endpoint, region, credentials, retries.
+
+    Pass them to ``fsspec.open``/``fsspec.filesystem("s3", ...)`` so reads through s3fs use the same
+    endpoint and credentials as the store, and botocore's standard retry mode. The result holds secrets:
+    hand it to fsspec, never log it.
+    """
+    from datagen.settings import get_settings
+
+    settings = get_settings()
+    chosen = credentials if credentials is not None else _default_credentials
+    client_kwargs: dict[str, Any] = {}
+    endpoint = settings.s3_endpoint_url or (chosen.endpoint_url if chosen else None)
+    region = settings.s3_region or (chosen.region if chosen else None)
+    if endpoint:
+        client_kwargs["endpoint_url"] = endpoint
+    if region:
+        client_kwargs["region_name"] = region
+    options: dict[str, Any] = {
+        "client_kwargs": client_kwargs,
+        "config_kwargs": {"retries": {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}},
+    }
+    if chosen is not None:
+        if chosen.profile_name:
+            options["profile"] = chosen.profile_name
+        if chosen.access_key_id and chosen.secret_access_key:
+            options["key"] = chosen.access_key_id
+            options["secret"] = chosen.secret_access_key.get_secret_value()
+            if chosen.session_token:
+                options["token"] = chosen.session_token.get_secret_value()
+    return options
 
 
 class Store:
@@ -270,7 +534,9 @@ class Store:
         backend: A ready backend (tests); chosen from ``root`` when omitted.
     """
 
-    def __init__(self, root: str, protected_prefixes: Iterable[str] = (), backend: Backend | None = None) -> None:
+    def __init__(
+        self, root: str, protected_prefixes: Iterable[str] = (), backend: Backend | None = None
+    ) -> None:
         self.root = root
         self.protected_prefixes = list(protected_prefixes)
         if backend is not None:

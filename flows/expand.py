@@ -76,9 +76,14 @@ def _flow_run_name() -> str:
     return f"expand-{run_id}" if run_id else "expand-new-run"
 
 
+def _fleets_root() -> Path:
+    """Host-local folder holding one subfolder per flow run's servers."""
+    return Path(get_settings().state_dir).expanduser() / "fleets"
+
+
 def _fleet_state_dir(flow_run_id: str) -> Path:
     """Host-local folder of one flow run's servers (pidfile, logs), known to the hooks too."""
-    return Path(get_settings().state_dir).expanduser() / "fleets" / flow_run_id
+    return _fleets_root() / flow_run_id
 
 
 def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
@@ -172,11 +177,11 @@ def _generate_all(
             percent,
             answered,
             total_requests,
-            stats.in_flight,
+            sum(stats.in_flight.values()),
             stats.queued,
             len(summaries),
             len(summaries) + len(running) + len(pending),
-            stats.output_tokens_per_s,
+            stats.tokens_per_s,
             time.monotonic() - started,
         )
     update_progress_artifact(progress_id, 100.0)
@@ -207,7 +212,7 @@ def expand(config: RunConfig) -> RunSummary:
     config = config.model_copy(update={"run_id": config.run_id or make_run_id(seed=flow_run_id)})
     state_dir = _fleet_state_dir(flow_run_id)
 
-    preflight(config)
+    preflight_report = preflight(config)
     run = open_run(config)
     layout = run.layout
     store = open_store(config)
@@ -215,6 +220,7 @@ def expand(config: RunConfig) -> RunSummary:
         logger.info("run run_id=%s is already complete: nothing to do", run.run_id)
         report = RunReport.model_validate(store.read_json(layout.report_json))
         return _summary_from_report(report, config, layout, complete=True)
+    write_attempt_record(config, run, attempt_id, "preflight", preflight_report)
 
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     for dataset in config.datasets:
@@ -244,12 +250,12 @@ def expand(config: RunConfig) -> RunSummary:
             max_restarts_per_server=config.fleet.max_restarts_per_server,
         )
         try:
-            urls = start_fleet(fleet, state_dir)
+            urls = start_fleet(fleet, _fleets_root())
             fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
             api_key = get_settings().server_api_key
             with Dispatcher(
                 urls,
-                model=config.model.served_name or config.model.path,
+                model=plan.served_model_name,
                 engine=config.fleet.engine,
                 max_inflight_per_server=config.fleet.max_inflight_per_server,
                 generation=config.generation,

@@ -52,10 +52,10 @@ def plan_servers(env: EnvReport, config: RunConfig, state_dir: Path) -> ServerPl
 
 
 @task(name="start-fleet", cache_policy=NO_CACHE)
-def start_fleet(fleet: Fleet, state_dir: Path) -> list[str]:
-    """Stop servers orphaned by a crashed earlier run, then start every server in parallel until ready."""
+def start_fleet(fleet: Fleet, fleets_root: Path) -> list[str]:
+    """Stop servers orphaned by crashed earlier runs on this host, then start every server until ready."""
     logger = get_run_logger()
-    orphans = cleanup_orphans(state_dir)
+    orphans = cleanup_orphans(fleets_root, recursive=True)
     if orphans:
         logger.warning("stopped orphaned servers count=%d", orphans)
     fleet.start()
