@@ -53,7 +53,8 @@ def run_flow(config: Any) -> Any:
 def print_summary(summary: Any) -> None:
     """Print where a run landed, for the terminal."""
     lines = [
-        f"run {summary.run_id}: " + ("already complete, nothing regenerated" if summary.already_complete else "done"),
+        f"run {summary.run_id}: "
+        + ("already complete, nothing regenerated" if summary.already_complete else "done"),
         f"  output        {summary.run_url}",
         f"  prompts       {summary.prompts}",
         f"  completions   {summary.completions} of {summary.requests} requests ({summary.failures} failures)",
@@ -70,7 +71,9 @@ def print_summary(summary: Any) -> None:
 def run(
     config: Annotated[Path, typer.Option("--config", "-c", help="Run configuration (YAML).")],
     run_id: Annotated[str | None, typer.Option(help="Run id; reuse one to resume that run.")] = None,
-    output: Annotated[str | None, typer.Option(help="Output root: a directory or s3://bucket/prefix.")] = None,
+    output: Annotated[
+        str | None, typer.Option(help="Output root: a directory or s3://bucket/prefix.")
+    ] = None,
 ) -> None:
     """Run the whole expansion flow (the same flow the Prefect deployments run)."""
     from datagen.config import load_run_config

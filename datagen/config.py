@@ -12,14 +12,14 @@ import hashlib
 import json
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from datagen.errors import ConfigError
 
-CONFIG_SCHEMA_VERSION = 1
+CONFIG_SCHEMA_VERSION: Final = 1
 
 # A run id or dataset name becomes part of an object key: keep it to characters safe everywhere.
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,79}$"
@@ -79,12 +79,14 @@ class SGLangOptions(StrictModel):
         description="Hybrid models' state cache strategy; the flag name is detected from the installed sglang.",
     )
     disable_radix_cache: bool = Field(
-        default=True, description="Unique prompts share no prefix; disabling the radix cache raises concurrency."
+        default=True,
+        description="Unique prompts share no prefix; disabling the radix cache raises concurrency.",
     )
     reasoning_parser: str | None = Field(default="qwen3")
     tool_call_parser: str | None = Field(default=None)
     speculative: dict[str, Any] | None = Field(
-        default=None, description="Speculative decoding flags without leading dashes, e.g. {algorithm: EAGLE}."
+        default=None,
+        description="Speculative decoding flags without leading dashes, e.g. {algorithm: EAGLE}.",
     )
 
 
@@ -164,7 +166,9 @@ class DatasetConfig(StrictModel):
     shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
     multi_turn: MultiTurnPolicy = "last_turn"
-    max_prompt_tokens: int | None = Field(default=None, gt=0, description="Drop longer prompts (tools included).")
+    max_prompt_tokens: int | None = Field(
+        default=None, gt=0, description="Drop longer prompts (tools included)."
+    )
     languages: list[str] | None = Field(default=None, description="Keep rows whose language is listed.")
     category: str | None = Field(default=None, description="Mix category, e.g. code, math, chat, tools.")
 
@@ -181,7 +185,9 @@ class GenerationConfig(StrictModel):
     )
     checkpoint_interval_s: float = Field(default=30.0, gt=0, description="Flush a part at least this often.")
     max_concurrent_shards: int | None = Field(
-        default=None, gt=0, description="Shard tasks running at once; enough to keep every slot busy if unset."
+        default=None,
+        gt=0,
+        description="Shard tasks running at once; enough to keep every slot busy if unset.",
     )
     no_live_server_timeout_s: float = Field(
         default=300.0, gt=0, description="How long requests wait for a server to come back before failing."
@@ -203,7 +209,9 @@ class TrainingJobConfig(StrictModel):
     @model_validator(mode="after")
     def _pidfile_needs_path(self) -> TrainingJobConfig:
         if self.kind == "pidfile" and not self.pidfile:
-            raise ValueError("training.kind 'pidfile' needs training.pidfile: the path of the trainer's pidfile")
+            raise ValueError(
+                "training.kind 'pidfile' needs training.pidfile: the path of the trainer's pidfile"
+            )
         return self
 
     @field_validator("signal")

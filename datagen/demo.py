@@ -30,21 +30,22 @@ def _start_standin_trainer() -> subprocess.Popen[bytes]:
     """Start the stand-in training job that the flow will halt; return its process."""
     TRAINER_PIDFILE.unlink(missing_ok=True)
     CHECKPOINT_DIR.mkdir(parents=True, exist_ok=True)
-    log = open(DEMO_HOME / "trainer.log", "ab")
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "datagen.standin_trainer",
-            "--pidfile",
-            str(TRAINER_PIDFILE),
-            "--checkpoint-dir",
-            str(CHECKPOINT_DIR),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    # The child keeps its own copy of the descriptor; ours can close as soon as it is started.
+    with open(DEMO_HOME / "trainer.log", "ab") as log:
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "datagen.standin_trainer",
+                "--pidfile",
+                str(TRAINER_PIDFILE),
+                "--checkpoint-dir",
+                str(CHECKPOINT_DIR),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
     while not TRAINER_PIDFILE.exists():
         if process.poll() is not None or time.monotonic() > deadline:

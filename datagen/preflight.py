@@ -95,7 +95,9 @@ def _check_output_location(config: RunConfig) -> str:
     except OSError as error:
         raise DatagenError(f"cannot create output directory {path}: {error}") from None
     if not os.access(path, os.W_OK):
-        raise DatagenError(f"output directory {path} is not writable; fix its permissions or choose another --output")
+        raise DatagenError(
+            f"output directory {path} is not writable; fix its permissions or choose another --output"
+        )
     return f"writable directory {path}"
 
 
@@ -161,7 +163,9 @@ def _check_training(config: RunConfig) -> str:
     problems = validate_training_job(config.training)
     pidfile = config.training.pidfile
     assert config.run_id is not None
-    existing = read_stored_config(Store(config.output, protected_prefixes=config.protected_prefixes), config.run_id)
+    existing = read_stored_config(
+        Store(config.output, protected_prefixes=config.protected_prefixes), config.run_id
+    )
     if problems and existing is not None and pidfile and not Path(pidfile).exists():
         # An earlier attempt of this run halted the trainer, which may have removed its pidfile: nothing to stop.
         return f"pidfile {pidfile} is gone: the trainer was halted by an earlier attempt of this run"

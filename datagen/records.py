@@ -7,13 +7,13 @@ schema; change both together and bump ``schema_version`` on incompatible changes
 from __future__ import annotations
 
 import datetime as dt
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import SamplingParams
 
-RECORD_SCHEMA_VERSION = 1
+RECORD_SCHEMA_VERSION: Final = 1
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "content_filter", "unknown"]
@@ -57,7 +57,10 @@ class Message(Record):
 
     def to_chat_dict(self) -> dict[str, Any]:
         """The message as a chat-template / OpenAI-API dict, without unset fields."""
-        data: dict[str, Any] = {"role": self.role, "content": self.content if self.content is not None else ""}
+        data: dict[str, Any] = {
+            "role": self.role,
+            "content": self.content if self.content is not None else "",
+        }
         if self.reasoning_content:
             data["reasoning_content"] = self.reasoning_content
         if self.tool_calls:
@@ -101,7 +104,8 @@ class AssistantCompletion(Record):
     reasoning_content: str | None = None
     tool_calls: list[ToolCall] | None = None
     output_token_ids: list[int] | None = Field(
-        default=None, description="Exact generated token ids, when the engine returns them (SGLang /generate)."
+        default=None,
+        description="Exact generated token ids, when the engine returns them (SGLang /generate).",
     )
 
 

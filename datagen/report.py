@@ -88,7 +88,9 @@ class RunReport(BaseModel):
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
             f"- tokenized rows: **{self.totals.tokenized_rows}**"
-            + (f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else ""),
+            + (
+                f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else ""
+            ),
             "",
             "| dataset | prompts | rejected | requests | completions | failures | output tokens | rows | mix |",
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -149,7 +151,8 @@ def build_report(
         generation_wall_s: Wall time from the first request to the last result.
     """
     by_name = {
-        dataset.name: DatasetReport(dataset=dataset.name, category=dataset.category) for dataset in config.datasets
+        dataset.name: DatasetReport(dataset=dataset.name, category=dataset.category)
+        for dataset in config.datasets
     }
     samples: dict[str, list[dict[str, Any]]] = {}
     for item in prepared:

@@ -68,7 +68,11 @@ def make_run_id(seed: str | None = None, now: dt.datetime | None = None) -> str:
         now: The time to stamp; the current UTC time when None.
     """
     stamp = (now or utc_now()).strftime("%Y%m%d-%H%M%S")
-    suffix = seed.replace("-", "")[:RUN_ID_RANDOM_HEX].lower() if seed else secrets.token_hex(RUN_ID_RANDOM_HEX // 2)
+    suffix = (
+        seed.replace("-", "")[:RUN_ID_RANDOM_HEX].lower()
+        if seed
+        else secrets.token_hex(RUN_ID_RANDOM_HEX // 2)
+    )
     run_id = f"{stamp}-{suffix}"
     if not is_valid_slug(run_id):
         raise ConfigError(f"generated run id {run_id!r} is not a valid slug; pass --run-id explicitly")

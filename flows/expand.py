@@ -15,16 +15,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
-from prefect.client.schemas.objects import FlowRun
+from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture, wait
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
-from prefect.states import State
 from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict
 
@@ -100,7 +100,9 @@ def _shard_window(config: RunConfig, servers: int, shard_size: int) -> int:
     return max(2, -(-slots // max(1, shard_size)) + 1)
 
 
-def _summary_from_report(report: RunReport, config: RunConfig, layout: RunLayout, complete: bool) -> RunSummary:
+def _summary_from_report(
+    report: RunReport, config: RunConfig, layout: RunLayout, complete: bool
+) -> RunSummary:
     store = open_store(config)
     return RunSummary(
         run_id=layout.run_id,
@@ -139,7 +141,9 @@ def _generate_all(
     summaries: list[ShardSummary] = []
     errors: list[BaseException] = []
     total_requests = 0
-    progress_id = create_progress_artifact(0.0, key="generation-progress", description="Requests answered")
+    progress_id = cast(
+        UUID, create_progress_artifact(0.0, key="generation-progress", description="Requests answered")
+    )
     started = time.monotonic()
 
     def take_prepared(block: bool) -> None:
@@ -166,10 +170,14 @@ def _generate_all(
             try:
                 summaries.append(future.result())
             except BaseException as error:  # keep the other shards going; the run fails at the end
-                logger.error("shard failed dataset=%s shard=%05d error=%s", shard.dataset, shard.shard_index, error)
+                logger.error(
+                    "shard failed dataset=%s shard=%05d error=%s", shard.dataset, shard.shard_index, error
+                )
                 errors.append(error)
         stats = dispatcher.stats()
-        answered = sum(s.completions + s.failures for s in summaries if s.skipped) + stats.completed + stats.failed
+        answered = (
+            sum(s.completions + s.failures for s in summaries if s.skipped) + stats.completed + stats.failed
+        )
         percent = min(100.0, 100.0 * answered / total_requests) if total_requests else 0.0
         update_progress_artifact(progress_id, percent)
         logger.info(
@@ -191,7 +199,7 @@ def _generate_all(
 @flow(
     name="expand",
     flow_run_name=_flow_run_name,
-    task_runner=ThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),
+    task_runner=ThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),  # type: ignore[arg-type]
     on_cancellation=[_stop_servers_hook],
     on_crashed=[_stop_servers_hook],
     validate_parameters=True,
@@ -224,7 +232,9 @@ def expand(config: RunConfig) -> RunSummary:
 
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     for dataset in config.datasets:
-        prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, list(prepared_futures)))
+        # Passing the earlier futures makes each dataset wait for (and dedupe against) the ones before it.
+        earlier: Any = list(prepared_futures)
+        prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier))
 
     if run.resumed and _all_shards_done(config, layout, [future.result() for future in prepared_futures]):
         logger.info("every shard is already generated: training is not halted, no server is started")
@@ -234,7 +244,8 @@ def expand(config: RunConfig) -> RunSummary:
             for p in prepared
             for s in p.shards
         ]
-        servers, generation_wall_s, errors = 0, 0.0, []
+        servers, generation_wall_s = 0, 0.0
+        errors: list[BaseException] = []
     else:
         halt = halt_training(config.training)
         write_attempt_record(config, run, attempt_id, "training", halt)

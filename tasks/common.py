@@ -6,14 +6,13 @@ import hashlib
 from typing import Any
 
 from prefect import Task
-from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
-from prefect.states import State
 
 from datagen.errors import is_transient
 
 # Retry schedule for transient errors (storage hiccups, a server restarting): seconds before each retry.
-TRANSIENT_RETRY_DELAYS_S = [2, 10, 30]
+TRANSIENT_RETRY_DELAYS_S: list[float] = [2.0, 10.0, 30.0]
 
 
 def retry_only_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

@@ -67,7 +67,9 @@ def prepare_prompts(
     retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
     retry_condition_fn=retry_only_transient,
 )
-def generate_shard(config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher) -> ShardSummary:
+def generate_shard(
+    config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher
+) -> ShardSummary:
     """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once."""
     summary = generate_shard_core(open_store(config), run.layout, config, shard, dispatcher)
     get_run_logger().info(

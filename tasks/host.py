@@ -46,7 +46,9 @@ def probe_environment() -> EnvReport:
 def plan_servers(env: EnvReport, config: RunConfig, state_dir: Path) -> ServerPlan:
     """Decide the servers (DP/TP/CPU/external) and their exact argv; publish the plan as an artifact."""
     plan = plan_servers_for(env, config, state_dir)
-    create_markdown_artifact(plan.to_markdown(), key="server-plan", description="Servers and their exact argv")
+    create_markdown_artifact(
+        plan.to_markdown(), key="server-plan", description="Servers and their exact argv"
+    )
     get_run_logger().info("plan mode=%s servers=%d engine=%s", plan.mode, len(plan.servers), plan.engine)
     return plan
 

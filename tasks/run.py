@@ -15,9 +15,8 @@ from datagen.preflight import PreflightReport
 from datagen.preflight import run_preflight as run_preflight_checks
 from datagen.records import PreparedDataset, ShardSummary
 from datagen.report import RunReport, build_report
-from datagen.runs import RunHandle
+from datagen.runs import RunHandle, open_store
 from datagen.runs import open_run as open_run_in_store
-from datagen.runs import open_store
 from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient
 
 
@@ -25,7 +24,9 @@ from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient
 def preflight(config: RunConfig) -> PreflightReport:
     """Check everything that needs no GPU before training is stopped; fail with every problem listed."""
     report = run_preflight_checks(config)
-    create_markdown_artifact(report.to_markdown(), key="preflight", description="Checks run before halting training")
+    create_markdown_artifact(
+        report.to_markdown(), key="preflight", description="Checks run before halting training"
+    )
     get_run_logger().info("preflight passed checks=%d", len(report.checks))
     return report
 
@@ -42,7 +43,11 @@ def open_run(config: RunConfig) -> RunHandle:
     """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
     run = open_run_in_store(open_store(config), config)
     get_run_logger().info(
-        "run run_id=%s resumed=%s config_hash=%s output=%s", run.run_id, run.resumed, run.config_hash, run.output
+        "run run_id=%s resumed=%s config_hash=%s output=%s",
+        run.run_id,
+        run.resumed,
+        run.config_hash,
+        run.output,
     )
     return run
 
@@ -82,8 +87,12 @@ def write_report(
         store.write_json(layout.report_json, report)
         if not store.exists(layout.report_md):
             store.write_text(layout.report_md, report.to_markdown())
-    create_table_artifact(report.table_rows(), key="datagen-counts", description=f"Counts of run {run.run_id}")
-    create_markdown_artifact(report.to_markdown(), key="datagen-report", description=f"Report of run {run.run_id}")
+    create_table_artifact(
+        report.table_rows(), key="datagen-counts", description=f"Counts of run {run.run_id}"
+    )
+    create_markdown_artifact(
+        report.to_markdown(), key="datagen-report", description=f"Report of run {run.run_id}"
+    )
     return report
 
 

@@ -57,7 +57,16 @@ def test_deploy_all_creates_manual_and_nightly_deployments_with_one_run_at_a_tim
     asyncio.run(create_pool())
     env = {**os.environ, "PREFECT_API_URL": prefect_api}
     result = subprocess.run(
-        [sys.executable, "-m", "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_FILE)],
+        [
+            sys.executable,
+            "-m",
+            "prefect",
+            "--no-prompt",
+            "deploy",
+            "--all",
+            "--prefect-file",
+            str(PREFECT_FILE),
+        ],
         cwd=REPO,
         env=env,
         capture_output=True,

@@ -45,7 +45,15 @@ def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]
 def _start_trainer(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, Path]:
     pidfile, checkpoints = tmp_path / "trainer.pid", tmp_path / "checkpoints"
     process = subprocess.Popen(
-        [sys.executable, "-m", "datagen.standin_trainer", "--pidfile", str(pidfile), "--checkpoint-dir", str(checkpoints)],
+        [
+            sys.executable,
+            "-m",
+            "datagen.standin_trainer",
+            "--pidfile",
+            str(pidfile),
+            "--checkpoint-dir",
+            str(checkpoints),
+        ],
         start_new_session=True,
     )
     deadline = time.monotonic() + 30
@@ -59,18 +67,31 @@ def _config(tmp_path: Path, model_dir: Path, pidfile: Path, checkpoints: Path, *
     data: dict[str, Any] = {
         "run_id": "flow-test",
         "model": {"path": str(model_dir)},
-        "fleet": {"engine": "transformers", "cpu_servers": 2, "base_port": 31400, "max_inflight_per_server": 4},
+        "fleet": {
+            "engine": "transformers",
+            "cpu_servers": 2,
+            "base_port": 31400,
+            "max_inflight_per_server": 4,
+        },
         "sampling": {"temperature": 0.8, "max_tokens": 24},
         "datasets": [
-            {"name": "metamath", "format": "metamath", "path": sample_path("metamath"),
-             "sampling": {"samples_per_prompt": 2, "enable_thinking": False}},
+            {
+                "name": "metamath",
+                "format": "metamath",
+                "path": sample_path("metamath"),
+                "sampling": {"samples_per_prompt": 2, "enable_thinking": False},
+            },
             {"name": "hermes-fc", "format": "hermes_fc", "path": sample_path("hermes_fc"), "shard_size": 2},
             {"name": "code-feedback", "format": "code_feedback", "path": sample_path("code_feedback")},
         ],
         "output": str(tmp_path / "out"),
         "protected_prefixes": [str(tmp_path / "existing-train-data")],
-        "training": {"kind": "pidfile", "pidfile": str(pidfile), "stop_timeout_s": 30,
-                     "checkpoint_glob": str(checkpoints / "*.pt")},
+        "training": {
+            "kind": "pidfile",
+            "pidfile": str(pidfile),
+            "stop_timeout_s": 30,
+            "checkpoint_glob": str(checkpoints / "*.pt"),
+        },
         "generation": {"max_attempts": 4, "request_timeout_s": 120, "checkpoint_every": 4},
         "tokenize": {"rows_per_part": 8},
         **changes,
@@ -100,8 +121,8 @@ def _request_keys(run_root: Path, kind: str) -> list[str]:
 def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_nothing(
     tmp_path: Path, tiny_model_dir: Path, state_dir: Path
 ) -> None:
-    from flows.expand import expand
     from datagen.tokenize import load_tokenizer
+    from flows.expand import expand
 
     trainer, pidfile, checkpoints = _start_trainer(tmp_path)
     try:
@@ -142,7 +163,9 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
             decoded = tokenizer.decode(masked)
             assert decoded.endswith("<|im_end|>")
             assert (completion["content"] or "").strip() in decoded
-            unmasked = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+            unmasked = tokenizer.decode(
+                [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m]
+            )
             assert "<|im_start|>user" in unmasked and "<|im_start|>user" not in decoded
     assert rows == summary.tokenized_rows > 0
 
@@ -180,7 +203,9 @@ def _kill_one_server_once_generation_started(state_dir: Path, run_root: Path, ki
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         registries = list(state_dir.rglob("servers.json"))
-        parts = list((run_root / "parts").rglob("completions-*.jsonl")) if (run_root / "parts").exists() else []
+        parts = (
+            list((run_root / "parts").rglob("completions-*.jsonl")) if (run_root / "parts").exists() else []
+        )
         if registries and parts:
             registry = json.loads(registries[0].read_text())
             victim = registry["servers"][0]
@@ -190,13 +215,18 @@ def _kill_one_server_once_generation_started(state_dir: Path, run_root: Path, ki
         time.sleep(0.05)
 
 
-def test_a_server_killed_mid_run_loses_no_prompt(tmp_path: Path, tiny_model_dir: Path, state_dir: Path) -> None:
+def test_a_server_killed_mid_run_loses_no_prompt(
+    tmp_path: Path, tiny_model_dir: Path, state_dir: Path
+) -> None:
     from flows.expand import expand
 
     many = tmp_path / "many.jsonl"
     with many.open("w") as handle:
         for index in range(48):
-            handle.write(json.dumps({"messages": [{"role": "user", "content": f"Question number {index}: why?"}]}) + "\n")
+            handle.write(
+                json.dumps({"messages": [{"role": "user", "content": f"Question number {index}: why?"}]})
+                + "\n"
+            )
     config = _config(
         tmp_path,
         tiny_model_dir,
@@ -210,7 +240,9 @@ def test_a_server_killed_mid_run_loses_no_prompt(tmp_path: Path, tiny_model_dir:
     )
     run_root = tmp_path / "out" / "runs" / "kill-test"
     killed: list[int] = []
-    killer = threading.Thread(target=_kill_one_server_once_generation_started, args=(state_dir, run_root, killed))
+    killer = threading.Thread(
+        target=_kill_one_server_once_generation_started, args=(state_dir, run_root, killed)
+    )
     killer.start()
     summary = expand(config)
     killer.join()

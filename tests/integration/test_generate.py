@@ -92,7 +92,7 @@ def sent_so_far(dispatcher: Dispatcher) -> int:
 
 
 @pytest.fixture()
-def dispatcher(transformers_pool: TransformersServerPool, tiny_model_dir: Path) -> Iterator[Dispatcher]:  # noqa: F811
+def dispatcher(transformers_pool: TransformersServerPool, tiny_model_dir: Path) -> Iterator[Dispatcher]:
     config = make_config(tiny_model_dir, tiny_model_dir)
     with Dispatcher(
         transformers_pool.urls,
@@ -193,7 +193,7 @@ def test_shard_survives_a_killed_server_and_a_rerun_is_skipped(
     tmp_path: Path,
     tiny_model_dir: Path,
     dispatcher: Dispatcher,
-    transformers_pool: TransformersServerPool,  # noqa: F811
+    transformers_pool: TransformersServerPool,
 ) -> None:
     root = tmp_path / "store"
     store = Store(str(root))

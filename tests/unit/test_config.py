@@ -82,7 +82,12 @@ def test_per_dataset_sampling_overrides_only_what_they_set() -> None:
         **MINIMAL,
         "sampling": {"temperature": 0.6, "max_tokens": 100},
         "datasets": [
-            {"name": "a", "format": "metamath", "path": "x", "sampling": {"max_tokens": 7, "enable_thinking": False}}
+            {
+                "name": "a",
+                "format": "metamath",
+                "path": "x",
+                "sampling": {"max_tokens": 7, "enable_thinking": False},
+            }
         ],
     }
     config = parse_run_config(data)
