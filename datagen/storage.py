@@ -12,6 +12,7 @@ Every write is an exclusive create enforced by the backend itself, never check-t
   connection resets (each retry is logged); when a put landed but its response was lost, the retry
   meets 412, and the store then compares the stored object with its bytes: the same bytes are our own
   write (success, an idempotent create), other bytes are someone else's (``OutputExistsError``).
+  A download cut short mid-body resumes with a ranged GET from the last byte received.
 
 Credentials: the standard AWS chain, or explicit :class:`S3Credentials` (per client, or a process
 default set by the orchestration layer, e.g. from a Prefect AwsCredentials block). Secrets never reach
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Protocol
@@ -48,9 +50,11 @@ TEMP_PREFIX = ".tmp-"
 # Attempts per S3 request in botocore's standard retry mode (exponential backoff with jitter, at most
 # 20 s apart): it absorbs throttling, 5xx answers and connection resets before we ever see them.
 S3_MAX_ATTEMPTS = 10
-# GETs whose body is cut short mid-stream are sent again this many times in all (botocore retries only
-# up to the response headers).
+# Times a GET's body may be cut short mid-stream before the read gives up (each time the rest is asked
+# for again with a ranged GET; botocore's own retries end once the response headers arrived).
 S3_BODY_READ_ATTEMPTS = 3
+# Read buffer of S3 object streams (JSON-lines iteration reads through it).
+S3_READ_BUFFER_BYTES = 1024 * 1024
 HTTP_NOT_FOUND = 404
 HTTP_CONFLICT = 409
 HTTP_PRECONDITION_FAILED = 412
@@ -346,37 +350,35 @@ class S3Backend:
             raise _storage_error(action, self.url(key), error) from error
 
     def read(self, key: str) -> bytes:
-        """The bytes of ``key``.
-
-        botocore retries the request but not the body once it streams; a body cut short is read again
-        with a new request, up to ``S3_BODY_READ_ATTEMPTS`` times.
-        """
-        from botocore.exceptions import BotoCoreError
-
-        for attempt in range(1, S3_BODY_READ_ATTEMPTS + 1):
-            with self.open_read(key) as body:
-                try:
-                    return body.read()
-                except (BotoCoreError, OSError) as error:
-                    if attempt == S3_BODY_READ_ATTEMPTS:
-                        raise TransientStorageError(
-                            f"S3 read of {self.url(key)} was cut short {attempt} times "
-                            f"({type(error).__name__}); retry later",
-                            url=key,
-                        ) from error
-                    logger.warning(
-                        "s3 retry operation=GetObjectBody key=%s attempt=%d cause=%s",
-                        self._key(key),
-                        attempt + 1,
-                        type(error).__name__,
-                    )
-        raise AssertionError("unreachable")  # pragma: no cover
+        """The bytes of ``key`` (a body cut short is resumed where it stopped, see :meth:`open_read`)."""
+        with self.open_read(key) as body:
+            return body.read()
 
     def open_read(self, key: str) -> IO[bytes]:
-        """A streaming body of ``key``."""
-        response = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=self._key(key))
-        body: IO[bytes] = response["Body"]
-        return body
+        """A buffered stream of ``key``'s body.
+
+        botocore retries a request only until its headers arrive. When the connection is lost while the
+        body streams, the stream asks again for the rest (a ranged GET from the last byte received), up
+        to ``S3_BODY_READ_ATTEMPTS`` times, then raises TransientStorageError.
+        """
+        full_key = self._key(key)
+        response = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=full_key)
+
+        def rest_from(offset: int) -> Any:
+            ranged = self._call(
+                "read",
+                key,
+                self.client.get_object,
+                Bucket=self.bucket,
+                Key=full_key,
+                Range=f"bytes={offset}-",
+            )
+            return ranged["Body"]
+
+        body = _ResumingBody(
+            response["Body"], int(response.get("ContentLength", 0)), rest_from, self.url(key)
+        )
+        return io.BufferedReader(body, buffer_size=S3_READ_BUFFER_BYTES)
 
     def exists(self, key: str) -> bool:
         """Tell whether ``key`` exists (a HEAD request)."""
@@ -398,6 +400,63 @@ class S3Backend:
 
         keys: list[str] = self._call("list", prefix, every_key)
         return sorted(key[len(self.prefix) + 1 :] if self.prefix else key for key in keys)
+
+
+class _ResumingBody(io.RawIOBase):
+    """An S3 response body that resumes with a ranged GET when the connection drops mid-stream."""
+
+    def __init__(self, body: Any, size_bytes: int, rest_from: Callable[[int], Any], url: str) -> None:
+        super().__init__()
+        self._body = body
+        self._size_bytes = size_bytes
+        self._rest_from = rest_from
+        self._url = url
+        self._offset = 0
+        self._failures = 0
+
+    def readable(self) -> bool:
+        """Always true: this is a read stream."""
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        """Fill ``buffer`` from the body, resuming from the current offset after a lost connection."""
+        from botocore.exceptions import BotoCoreError
+
+        while True:
+            try:
+                data = self._body.read(len(buffer))
+                break
+            except (BotoCoreError, OSError) as error:
+                self._failures += 1
+                cause = type(error).__name__
+                if self._failures >= S3_BODY_READ_ATTEMPTS:
+                    raise TransientStorageError(
+                        f"S3 read of {self._url} was cut short {self._failures} times ({cause}); retry later",
+                        url=self._url,
+                    ) from error
+                logger.warning(
+                    "s3 retry operation=GetObjectBody url=%s attempt=%d offset=%d cause=%s",
+                    self._url,
+                    self._failures + 1,
+                    self._offset,
+                    cause,
+                )
+                with contextlib.suppress(Exception):
+                    self._body.close()
+                if self._offset >= self._size_bytes:
+                    return 0
+                self._body = self._rest_from(self._offset)
+        size = len(data)
+        buffer[:size] = data
+        self._offset += size
+        return size
+
+    def close(self) -> None:
+        """Close the underlying HTTP body."""
+        if not self.closed:
+            with contextlib.suppress(Exception):
+                self._body.close()
+        super().close()
 
 
 def _describe_failure(response: Any, caught_exception: BaseException | None) -> str | None:

@@ -1,4 +1,4 @@
-"""The write-once store: local and S3 (a real moto server on loopback) refuse overwrites and protected prefixes."""
+"""The write-once store, local and S3 (a real moto server on loopback): no overwrite, no protected write."""
 
 from __future__ import annotations
 
@@ -10,7 +10,15 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import OutputExistsError, ProtectedPrefixError, StorageError
-from datagen.storage import S3Backend, Store, make_s3_client, overlaps
+from datagen.storage import (
+    S3_MAX_ATTEMPTS,
+    S3Backend,
+    S3Credentials,
+    Store,
+    make_s3_client,
+    overlaps,
+    s3_storage_options,
+)
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +118,67 @@ def test_overlap_detects_nesting_in_both_directions() -> None:
     assert overlaps("s3://b/train/part", "s3://b/train")
     assert not overlaps("s3://b/training", "s3://b/train")
     assert not overlaps("s3://b/expansion", "s3://b/train")
+
+
+def test_missing_object_reads_as_file_not_found(store: Store) -> None:
+    with pytest.raises(FileNotFoundError):
+        store.read_bytes("runs/a/missing.json")
+
+
+def test_s3_rewrite_with_identical_bytes_is_an_idempotent_create(s3_store: Store) -> None:
+    first = s3_store.write_bytes("runs/a/part-00000.jsonl", b'{"id": 1}\n')
+    again = s3_store.write_bytes("runs/a/part-00000.jsonl", b'{"id": 1}\n')
+    assert again == first
+    with pytest.raises(OutputExistsError):
+        s3_store.write_bytes("runs/a/part-00000.jsonl", b'{"id": 2}\n')
+    assert s3_store.read_bytes("runs/a/part-00000.jsonl") == b'{"id": 1}\n'
+
+
+def test_credentials_never_show_their_secrets() -> None:
+    credentials = S3Credentials(
+        access_key_id="AKIAEXAMPLE",
+        secret_access_key="wJalrXUtnFEMI/K7MDENG",
+        session_token="FwoGZXIvYXdzEJr",
+    )
+    shown = [repr(credentials), str(credentials), credentials.model_dump_json()]
+    assert not any("wJalrXUtnFEMI" in text or "FwoGZXIvYXdzEJr" in text for text in shown)
+    assert "AKIAEXAMPLE" in repr(credentials)
+
+
+def test_credentials_need_both_halves_of_a_key_pair() -> None:
+    with pytest.raises(ValueError, match="both"):
+        S3Credentials(access_key_id="AKIAEXAMPLE")
+
+
+def test_s3fs_options_carry_endpoint_credentials_and_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datagen.settings import get_settings
+
+    monkeypatch.setenv("DATAGEN_S3_ENDPOINT_URL", "http://127.0.0.1:9000")
+    get_settings.cache_clear()
+    try:
+        options = s3_storage_options(S3Credentials(access_key_id="AKIAEXAMPLE", secret_access_key="secret"))
+    finally:
+        get_settings.cache_clear()
+    assert options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9000"
+    assert (options["key"], options["secret"]) == ("AKIAEXAMPLE", "secret")
+    assert options["config_kwargs"]["retries"] == {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}
+
+
+def test_aws_credentials_block_fields_map_onto_s3_credentials() -> None:
+    from tasks.credentials import credentials_from_block_data
+
+    credentials = credentials_from_block_data(
+        {
+            "aws_access_key_id": "AKIAEXAMPLE",
+            "aws_secret_access_key": "secret",
+            "aws_session_token": None,
+            "profile_name": None,
+            "region_name": "eu-west-1",
+            "aws_client_parameters": {"endpoint_url": "https://s3.example.internal", "use_ssl": True},
+        }
+    )
+    assert credentials.access_key_id == "AKIAEXAMPLE"
+    assert credentials.secret_access_key is not None
+    assert credentials.secret_access_key.get_secret_value() == "secret"
+    assert (credentials.region, credentials.endpoint_url) == ("eu-west-1", "https://s3.example.internal")
+    assert credentials.session_token is None
