@@ -416,7 +416,22 @@ def _assemble(
         )
     completions_key = layout.completions(dataset, index)
     failures_key = layout.failures(dataset, index)
-    completions = _write_or_verify(store, completions_key, completions, CompletionRecord)
+    completions = _write_or_adopt_completions(store, completions_key, completions, set(keys))
+    # The completions file decides; failures are exactly the other requests. When another attempt (a crash's
+    # predecessor, or a second process on the same run) wrote the completions first, its decision stands
+    # and the failures file is derived from it, so no request can land in both files.
+    completed = {record.key for record in completions}
+    failed_keys = [key for key in keys if key not in completed]
+    if any(key not in parts.failures for key in failed_keys):
+        parts = read_parts(store, layout, dataset, index)
+    failures = [parts.failures[key] for key in failed_keys if key in parts.failures]
+    if len(failures) != len(failed_keys):
+        raise StorageError(
+            f"shard {dataset}/{index}: {len(failed_keys) - len(failures)} requests are neither in "
+            f"{store.url(completions_key)} nor failed in the checkpoint parts; rerun the shard",
+            dataset=dataset,
+            shard=index,
+        )
     failures = _write_or_verify(store, failures_key, failures, FailureRecord)
     summary = ShardSummary(
         dataset=dataset,
@@ -444,6 +459,32 @@ def _assemble(
 
 
 RecordT = TypeVar("RecordT", CompletionRecord, FailureRecord)
+
+
+def _write_or_adopt_completions(
+    store: Store, key: str, records: list[CompletionRecord], shard_keys: set[str]
+) -> list[CompletionRecord]:
+    """Write the final completions once; if another attempt wrote them first, adopt its file.
+
+    Raises:
+        StorageError: The existing file holds requests that are not in this shard (its inputs changed).
+    """
+    try:
+        store.write_jsonl(key, records)
+        return records
+    except OutputExistsError:
+        existing = [CompletionRecord.model_validate(row) for row in store.iter_jsonl(key)]
+    unknown = {record.key for record in existing} - shard_keys
+    if unknown:
+        raise StorageError(
+            f"{store.url(key)} exists but holds {len(unknown)} requests that are not in this shard: the shard's "
+            "inputs changed between attempts. Keep the existing file and investigate; datagen never overwrites it.",
+            url=store.url(key),
+        )
+    logger.info(
+        "final completions already written by another attempt; adopted key=%s records=%d", key, len(existing)
+    )
+    return existing
 
 
 def _write_or_verify(store: Store, key: str, records: list[RecordT], model: type[RecordT]) -> list[RecordT]:

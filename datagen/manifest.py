@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.errors import OutputExistsError
 from datagen.layout import RunLayout
 from datagen.records import utc_now
 from datagen.storage import Store
@@ -84,5 +85,11 @@ def write_manifest(
         dataset_version=dataset_version,
         objects=[hash_object(store, key) for key in keys],
     )
-    store.write_json(layout.manifest, manifest)
+    try:
+        store.write_json(layout.manifest, manifest)
+    except OutputExistsError:
+        # A concurrent process on the same run finished first; its manifest stands.
+        stored = read_manifest(store, layout)
+        assert stored is not None
+        return stored
     return manifest

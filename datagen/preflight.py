@@ -114,11 +114,9 @@ def _check_datasets(config: RunConfig) -> str:
         if path.startswith("s3://"):
             import fsspec
 
-            from datagen.settings import get_settings
+            from datagen.storage import s3_storage_options
 
-            endpoint = get_settings().s3_endpoint_url
-            options = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
-            filesystem = fsspec.filesystem("s3", **options)
+            filesystem = fsspec.filesystem("s3", **s3_storage_options())
             if not filesystem.glob(path.removeprefix("s3://")) and not filesystem.exists(path):
                 missing.append(f"{dataset.name} ({path})")
         elif "://" in path:

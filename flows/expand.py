@@ -37,7 +37,8 @@ from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.report import RunReport
 from datagen.runs import make_run_id, open_store
 from datagen.settings import get_settings
-from tasks.data import generate_shard, merge_and_tokenize, prepare_prompts
+from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
+from tasks.credentials import configure_s3_credentials
 from tasks.host import halt_training, plan_servers, probe_environment, start_fleet, stop_fleet
 from tasks.run import finalize_manifest, open_run, preflight, write_attempt_record, write_report
 
@@ -214,6 +215,7 @@ def expand(config: RunConfig) -> RunSummary:
         Where the run landed and its headline counts.
     """
     logger = get_run_logger()
+    configure_s3_credentials()
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -9,6 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from datagen.config import RunConfig
+from datagen.errors import OutputExistsError
 from datagen.layout import RunLayout
 from datagen.manifest import RunManifest, write_manifest
 from datagen.preflight import PreflightReport
@@ -72,21 +74,22 @@ def write_report(
     """Build the report, store it (JSON + markdown) once, and publish it as table and markdown artifacts."""
     store = open_store(config)
     layout: RunLayout = run.layout
-    if store.exists(layout.report_json):
-        report = RunReport.model_validate(store.read_json(layout.report_json))
-    else:
-        report = build_report(
-            run_id=run.run_id,
-            config=config,
-            prepared=prepared,
-            shards=shards,
-            tokenize_summary=tokenize_summary,
-            servers=servers,
-            generation_wall_s=generation_wall_s,
-        )
+    report = build_report(
+        run_id=run.run_id,
+        config=config,
+        prepared=prepared,
+        shards=shards,
+        tokenize_summary=tokenize_summary,
+        servers=servers,
+        generation_wall_s=generation_wall_s,
+    )
+    try:
         store.write_json(layout.report_json, report)
-        if not store.exists(layout.report_md):
-            store.write_text(layout.report_md, report.to_markdown())
+    except OutputExistsError:
+        # An earlier attempt (or a concurrent process on this run) reported first: its report stands.
+        report = RunReport.model_validate(store.read_json(layout.report_json))
+    with contextlib.suppress(OutputExistsError):
+        store.write_text(layout.report_md, report.to_markdown())
     create_table_artifact(
         report.table_rows(), key="datagen-counts", description=f"Counts of run {run.run_id}"
     )
