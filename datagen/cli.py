@@ -110,11 +110,17 @@ def probe(
     from_dir: Annotated[
         Path | None, typer.Option(help="Read recorded nvidia-smi/nvcc/torch outputs from this folder.")
     ] = None,
+    record: Annotated[
+        Path | None,
+        typer.Option(help="Also write this host's raw outputs to this folder (a bundle for --from-dir)."),
+    ] = None,
 ) -> None:
     """Probe this host (or a recorded bundle): GPUs, interconnect, drivers, packages, problems and fixes."""
     from datagen.probe import probe_environment, probe_from_dir
 
-    report = probe_from_dir(from_dir) if from_dir else probe_environment()
+    if from_dir and record:
+        _fail("--record writes this host's outputs; it cannot be combined with --from-dir", EXIT_CONFIG_ERROR)
+    report = probe_from_dir(from_dir) if from_dir else probe_environment(record_dir=record)
     if as_json:
         typer.echo(report.model_dump_json(indent=2))
     else:
@@ -127,13 +133,22 @@ def datasets_inspect(
     format: Annotated[str, typer.Option("--format", "-f", help="Dataset layout, e.g. metamath, hermes_fc.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the counts as JSON.")] = False,
     limit: Annotated[int | None, typer.Option(help="Read at most this many rows.")] = None,
+    multi_turn: Annotated[
+        str, typer.Option("--multi-turn", help="last_turn, or every_turn (one prompt per assistant turn).")
+    ] = "last_turn",
 ) -> None:
-    """Count rows read, prompts produced and rejections by reason."""
+    """Count rows read, prompts produced and rejections by reason; starts nothing, writes nothing."""
+    from typing import get_args
+
+    from datagen.config import MultiTurnPolicy
     from datagen.errors import DatagenError
     from datagen.prompts import inspect_dataset
 
+    policies = get_args(MultiTurnPolicy)
+    if multi_turn not in policies:
+        _fail(f"Unknown --multi-turn {multi_turn!r}; use one of: {', '.join(policies)}", EXIT_CONFIG_ERROR)
     try:
-        report = inspect_dataset(format, path, limit=limit)
+        report = inspect_dataset(format, path, limit=limit, multi_turn=multi_turn)  # type: ignore[arg-type]
     except DatagenError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     if as_json:

@@ -39,7 +39,12 @@ DatasetFormat = Literal[
     "openai_messages",
 ]
 MultiTurnPolicy = Literal["last_turn", "every_turn"]
-TrainingJobKind = Literal["none", "pidfile"]
+# The mix category of a dataset without one.
+UNCATEGORISED: Final = "uncategorised"
+# Shares of a mix may add up to 1 with floating-point error.
+SHARE_SUM_TOLERANCE: Final = 1e-9
+TrainingJobKind = Literal["none", "pidfile", "cmdline", "systemd", "prefect"]
+RouterPolicy = Literal["random", "round_robin", "power_of_two", "cache_aware"]
 
 
 class StrictModel(BaseModel):
@@ -115,6 +120,19 @@ class FleetConfig(StrictModel):
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to every server argv.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the servers.")
     sglang: SGLangOptions = Field(default_factory=SGLangOptions)
+    fix_jit_env: bool = Field(
+        default=False,
+        description="Add the CUDA include/stub paths the probe found (CPATH, LIBRARY_PATH, CUDA_HOME) to the "
+        "servers' environment so JIT kernel builds find CCCL headers and libcuda stubs; never the flow's.",
+    )
+    router: bool = Field(
+        default=False,
+        description="Start sglang-router in front of the servers; the dispatcher then talks to it only.",
+    )
+    router_policy: RouterPolicy = Field(default="cache_aware", description="sglang-router --policy.")
+    router_port: int | None = Field(
+        default=None, gt=1023, lt=65536, description="Router port; the first free port after the servers'."
+    )
 
     @model_validator(mode="after")
     def _external_needs_urls(self) -> FleetConfig:
@@ -162,7 +180,15 @@ class DatasetConfig(StrictModel):
     name: Slug = Field(description="Short name used in object keys and reports, e.g. `metamath`.")
     format: DatasetFormat
     path: str = Field(description="Local path, glob, or s3:// URL of the dataset files.")
-    max_prompts: int | None = Field(default=None, gt=0, description="Cap on prompts taken from this dataset.")
+    max_prompts: int | None = Field(
+        default=None, gt=0, description="Quota: prompts taken from this dataset (a seeded sample)."
+    )
+    share: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Quota as a share of `mix.total_prompts` (instead of `max_prompts`), e.g. 0.3.",
+    )
     shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
     multi_turn: MultiTurnPolicy = "last_turn"
@@ -172,6 +198,83 @@ class DatasetConfig(StrictModel):
     languages: list[str] | None = Field(default=None, description="Keep rows whose language is listed.")
     category: str | None = Field(default=None, description="Mix category, e.g. code, math, chat, tools.")
 
+    @model_validator(mode="after")
+    def _one_quota(self) -> DatasetConfig:
+        if self.share is not None and self.max_prompts is not None:
+            raise ValueError(
+                f"dataset {self.name!r} sets both max_prompts and share: keep one (a count, or a share "
+                "of mix.total_prompts)"
+            )
+        return self
+
+    @property
+    def mix_category(self) -> str:
+        """The category the mix counts this dataset in (``uncategorised`` when unset)."""
+        return self.category or UNCATEGORISED
+
+
+CategoryShare = Annotated[float, Field(gt=0, le=1)]
+
+
+class MixConfig(StrictModel):
+    """The target mix of the new prompts: shares of a total, caps per category, what to do on shortfall.
+
+    A dataset's quota is its ``max_prompts``, or its ``share`` of ``total_prompts``; caps then lower the
+    quotas of a category that would exceed its share of the new prompts (never raising any other).
+    """
+
+    total_prompts: int | None = Field(
+        default=None, gt=0, description="New prompts across the datasets that set `share`."
+    )
+    category_caps: dict[str, CategoryShare] = Field(
+        default_factory=dict,
+        description="Most a category may be of the new prompts, e.g. {code: 0.2}; needs a quota on every "
+        "dataset. Lowers that category's quotas, never raises others'.",
+    )
+    rebalance: bool = Field(
+        default=False,
+        description="Give a dataset's shortfall (fewer valid prompts than its quota) to the next datasets "
+        "of its category, in config order. Off: the shortfall is only reported.",
+    )
+
+
+CorpusKind = Literal["prompt_ids", "prompts", "run", "dataset_version"]
+
+
+class CorpusSource(StrictModel):
+    """Prompts already in the training data, kept out of the new data (rejected as `in_existing_corpus`)."""
+
+    kind: CorpusKind = Field(
+        description="prompt_ids: text file(s), one prompt id or SHA-256 per line; prompts: dataset files "
+        "in `format`, hashed like new prompts; run: a previous run's folder (its prompt shards); "
+        "dataset_version: a dataset version manifest (the prompt_id column of its Parquet shards)."
+    )
+    path: str = Field(description="Local path, glob, or s3:// URL.")
+    format: DatasetFormat | None = Field(default=None, description="Layout of the files (kind: prompts).")
+    multi_turn: MultiTurnPolicy = Field(
+        default="every_turn",
+        description="kind prompts: which turns of a conversation count as already in the corpus.",
+    )
+
+    @model_validator(mode="after")
+    def _prompts_need_format(self) -> CorpusSource:
+        if self.kind == "prompts" and self.format is None:
+            raise ValueError("existing_corpus source of kind 'prompts' needs `format`: the files' layout")
+        return self
+
+
+class ExistingCorpusConfig(StrictModel):
+    """The training data the new prompts are added to: what to dedupe against, what it holds."""
+
+    dedupe_against: list[CorpusSource] = Field(
+        default_factory=list, description="Prompts never to take again (streamed; memory is the id set)."
+    )
+    category_counts: dict[str, Annotated[int, Field(ge=0)]] = Field(
+        default_factory=dict,
+        description="Training rows per category already in the corpus, for the mix report, e.g. "
+        "{code: 694540, math: 90000}.",
+    )
+
 
 class GenerationConfig(StrictModel):
     """Request-level behaviour of the dispatcher."""
@@ -180,10 +283,14 @@ class GenerationConfig(StrictModel):
     max_attempts: int = Field(default=5, gt=0, description="Tries per request before a failure is recorded.")
     backoff_initial_s: float = Field(default=0.5, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)
+    # A crash loses only what is in flight or not yet flushed: flush small parts often (a PUT a second is
+    # nothing next to minutes of GPU time per request).
     checkpoint_every: int = Field(
-        default=64, gt=0, description="Completions per write-once part object inside a shard."
+        default=32, gt=0, description="Results per write-once part object inside a shard (flushed at once)."
     )
-    checkpoint_interval_s: float = Field(default=30.0, gt=0, description="Flush a part at least this often.")
+    checkpoint_interval_s: float = Field(
+        default=2.0, gt=0, description="A finished result waits at most this long before it is stored."
+    )
     max_concurrent_shards: int | None = Field(
         default=None,
         gt=0,
@@ -199,18 +306,65 @@ class TrainingJobConfig(StrictModel):
 
     kind: TrainingJobKind = "none"
     pidfile: str | None = Field(default=None, description="File holding the trainer's PID (kind: pidfile).")
+    cmdline_pattern: str | None = Field(
+        default=None,
+        description="Regex searched in the command line of GPU-holding processes (kind: cmdline).",
+    )
+    systemd_unit: str | None = Field(default=None, description="Unit running the trainer (kind: systemd).")
+    systemd_stop: Literal["stop", "kill"] = Field(
+        default="stop",
+        description="systemd: `stop` (the unit's KillSignal, never restarted by Restart=) or `kill` "
+        "(send `signal` to the main process; only for units without Restart=).",
+    )
+    prefect_flow_run_id: str | None = Field(
+        default=None, description="Flow run to cancel through the Prefect API (kind: prefect)."
+    )
+    prefect_deployment: str | None = Field(
+        default=None,
+        description="`flow-name/deployment-name` whose running flow runs are cancelled (kind: prefect).",
+    )
     signal: str = Field(default="SIGTERM", description="Signal asking the trainer to checkpoint and exit.")
     stop_timeout_s: float = Field(default=600.0, gt=0, description="How long to wait for a graceful exit.")
     escalate: bool = Field(default=False, description="Send SIGKILL when the graceful stop times out.")
     checkpoint_glob: str | None = Field(
         default=None, description="Glob of checkpoint files; the newest is recorded as the last checkpoint."
     )
+    checkpoint_marker: str | None = Field(
+        default=None,
+        description="File (or glob) the trainer writes once its checkpoint is complete; the halt waits for "
+        "one written after the stop signal.",
+    )
+    restart_after_run: bool = Field(
+        default=False, description="Start training again after the run (detached); off by default."
+    )
+    restart_command: list[str] | None = Field(
+        default=None,
+        description="argv that resumes training (kind systemd: `systemctl start <unit>` when unset).",
+    )
 
     @model_validator(mode="after")
-    def _pidfile_needs_path(self) -> TrainingJobConfig:
-        if self.kind == "pidfile" and not self.pidfile:
+    def _kind_needs_its_target(self) -> TrainingJobConfig:
+        needs = {
+            "pidfile": ("pidfile", "the path of the trainer's pidfile"),
+            "cmdline": ("cmdline_pattern", "a regex matching the trainer's command line"),
+            "systemd": ("systemd_unit", "the unit that runs the trainer"),
+        }
+        if self.kind in needs:
+            field, what = needs[self.kind]
+            if not getattr(self, field):
+                raise ValueError(f"training.kind {self.kind!r} needs training.{field}: {what}")
+        if self.kind == "prefect" and not (self.prefect_flow_run_id or self.prefect_deployment):
             raise ValueError(
-                "training.kind 'pidfile' needs training.pidfile: the path of the trainer's pidfile"
+                "training.kind 'prefect' needs training.prefect_flow_run_id or training.prefect_deployment"
+            )
+        if self.cmdline_pattern is not None:
+            try:
+                re.compile(self.cmdline_pattern)
+            except re.error as error:
+                raise ValueError(f"training.cmdline_pattern is not a valid regex: {error}") from None
+        if self.restart_after_run and not self.restart_command and self.kind != "systemd":
+            raise ValueError(
+                "training.restart_after_run needs training.restart_command (the argv that resumes training)"
             )
         return self
 
@@ -254,6 +408,8 @@ class RunConfig(StrictModel):
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
     tokenize: TokenizeConfig = Field(default_factory=TokenizeConfig)
     seed: int = Field(default=0, description="Seed of every sampling and shuffling decision.")
+    mix: MixConfig = Field(default_factory=MixConfig)
+    existing_corpus: ExistingCorpusConfig = Field(default_factory=ExistingCorpusConfig)
 
     @field_validator("datasets")
     @classmethod
@@ -263,6 +419,34 @@ class RunConfig(StrictModel):
         if duplicates:
             raise ValueError(f"dataset names must be unique; repeated: {', '.join(duplicates)}")
         return datasets
+
+    @model_validator(mode="after")
+    def _mix_is_consistent(self) -> RunConfig:
+        shares = [dataset.share for dataset in self.datasets if dataset.share is not None]
+        if shares and self.mix.total_prompts is None:
+            raise ValueError("datasets set `share` but mix.total_prompts is unset: set the total to share")
+        if self.mix.total_prompts is not None and not shares:
+            raise ValueError("mix.total_prompts is set but no dataset sets `share`: give datasets a share")
+        if sum(shares) > 1 + SHARE_SUM_TOLERANCE:
+            raise ValueError(f"dataset shares add up to {sum(shares):g}, more than 1: lower them")
+        categories = {dataset.mix_category for dataset in self.datasets}
+        unknown = sorted(set(self.mix.category_caps) - categories)
+        if unknown:
+            raise ValueError(
+                f"mix.category_caps names categories no dataset has: {', '.join(unknown)} "
+                f"(categories: {', '.join(sorted(categories))})"
+            )
+        if self.mix.category_caps:
+            unlimited = [d.name for d in self.datasets if d.max_prompts is None and d.share is None]
+            if unlimited:
+                raise ValueError(
+                    "mix.category_caps needs a quota (max_prompts or share) on every dataset, so the caps "
+                    f"are known before any dataset is read; none on: {', '.join(unlimited)}"
+                )
+            from datagen.mix import plan_mix  # the mix module builds on this one
+
+            plan_mix(self)
+        return self
 
     def sampling_for(self, dataset: DatasetConfig) -> SamplingParams:
         """The resolved sampling parameters of one dataset (run defaults + its overrides)."""

@@ -10,9 +10,11 @@ by recomputing it: shards already written are compared byte for byte and skipped
 completion and is checked first. Prompt ids hash the normalised content (see
 :mod:`datagen.datasets.identity`), so the same prompt has the same id in every run.
 
-Capping at ``max_prompts`` keeps the prompts with the smallest seeded hash priority (bottom-k
-sampling): a uniform sample that uses memory for ``max_prompts`` prompts only, does not depend on the
-order rows are read in, and is the same in every run with the same seed.
+Capping at the dataset's quota (``max_prompts``, or its ``share`` of the mix after category caps: see
+:mod:`datagen.mix`) keeps the prompts with the smallest seeded hash priority (bottom-k sampling): a
+uniform sample that uses memory for the quota only, does not depend on the order rows are read in, and
+is the same in every run with the same seed. Prompts of the existing corpus
+(``existing_corpus.dedupe_against``) are rejected as ``in_existing_corpus``.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from datagen.config import DatasetConfig, RunConfig
+from datagen.datasets.corpus import load_corpus_ids
 from datagen.datasets.identity import prompt_id_for
 from datagen.datasets.inspect import InspectReport, inspect_dataset
 from datagen.datasets.model import NormalisedPrompt, Rejection
@@ -32,6 +36,7 @@ from datagen.datasets.sources import iter_rows
 from datagen.datasets.tally import RejectionTally
 from datagen.errors import DatasetError, OutputExistsError
 from datagen.layout import RunLayout
+from datagen.mix import quota_for
 from datagen.records import PreparedDataset, PromptRecord, PromptShardRef
 from datagen.storage import Store
 
@@ -217,15 +222,18 @@ def prepare_prompts(
     config: RunConfig,
     dataset_name: str,
     *,
-    exclude_prompt_ids: set[str] | None = None,
+    exclude_prompt_ids: AbstractSet[str] | None = None,
+    corpus_ids: AbstractSet[str] | None = None,
+    earlier: Sequence[PreparedDataset] = (),
     tokenizer: Any | None = None,
 ) -> PreparedDataset:
     """Read one dataset and write its prompt shards and summary (write-once, resumable).
 
     Steps: stream rows, normalise (multi-turn policy), drop rows in other languages
-    (``languages``), drop duplicates of earlier prompts of this dataset or of ``exclude_prompt_ids``,
-    drop prompts longer than ``max_prompt_tokens`` under the target's chat template, sample
-    ``max_prompts`` with ``config.seed``, write shards of ``shard_size``, then the summary.
+    (``languages``), drop prompts of the existing corpus, drop duplicates of earlier prompts of this
+    dataset or of ``exclude_prompt_ids``, drop prompts longer than ``max_prompt_tokens`` under the
+    target's chat template, sample the dataset's quota (:func:`datagen.mix.quota_for`) with
+    ``config.seed``, write shards of ``shard_size``, then the summary.
 
     Args:
         store: The run's output store.
@@ -233,6 +241,10 @@ def prepare_prompts(
         config: The run config; the dataset is ``config.dataset(dataset_name)``.
         dataset_name: Which dataset.
         exclude_prompt_ids: Ids of prompts already taken by earlier datasets of the run.
+        corpus_ids: Ids of the existing corpus's prompts; read from ``config.existing_corpus`` when
+            not given and it names sources (pass them when preparing several datasets: read once).
+        earlier: Summaries of the datasets prepared before this one (their shortfalls move to this
+            dataset's quota under ``mix.rebalance``).
         tokenizer: The target's tokenizer for ``max_prompt_tokens``; loaded from ``config.model``
             when needed and not given.
 
@@ -241,7 +253,8 @@ def prepare_prompts(
 
     Raises:
         DatasetError: The dataset cannot be read, or a shard from an earlier attempt differs.
-        ConfigError: No dataset is called ``dataset_name``.
+        ConfigError: No dataset is called ``dataset_name``, or ``earlier`` lacks a dataset the
+            quota depends on.
 
     """
     dataset = config.dataset(dataset_name)
@@ -250,6 +263,9 @@ def prepare_prompts(
         logger.info("prompts already prepared dataset=%s", dataset.name)
         return PreparedDataset.model_validate(store.read_json(summary_key))
     get_normaliser(dataset.format)
+    quota = quota_for(config, dataset, earlier)
+    if corpus_ids is None:
+        corpus_ids = load_corpus_ids(config.existing_corpus)
     if dataset.max_prompt_tokens is not None and tokenizer is None:
         tokenizer = _load_tokenizer(config.model.tokenizer)
     enable_thinking = config.sampling_for(dataset).enable_thinking
@@ -257,7 +273,7 @@ def prepare_prompts(
     tally = RejectionTally()
     stream = _PromptStream(dataset, tally)
     writer = _ShardWriter(store, layout, dataset.name, dataset.shard_size)
-    sampler = _BottomK(dataset.max_prompts) if dataset.max_prompts is not None else None
+    sampler = _BottomK(quota) if quota is not None else None
     seen: set[str] = set()
     for prompt in stream:
         index = prompt.source_index
@@ -265,6 +281,10 @@ def prepare_prompts(
             tally.add("wrong_language", f"language {prompt.language!r} not in {dataset.languages}", index)
             continue
         prompt_id = prompt_id_for(prompt.messages, prompt.tools)
+        if prompt_id in corpus_ids:
+            detail = f"prompt {prompt_id} is in the existing corpus"
+            tally.add("in_existing_corpus", detail, index, _preview(prompt))
+            continue
         if prompt_id in seen or prompt_id in excluded:
             where = "this dataset" if prompt_id in seen else "an earlier dataset of the run"
             tally.add("duplicate", f"same content as prompt {prompt_id} of {where}", index, _preview(prompt))
@@ -273,7 +293,7 @@ def prepare_prompts(
         priority = _priority(config.seed, prompt_id)
         if sampler is not None and not sampler.would_keep(priority):
             # Never drawn whatever follows (the cut-off only falls): skip the costly length check.
-            tally.add("over_cap", "not drawn by the max_prompts sample", index)
+            tally.add("over_cap", f"not drawn by the sample of the quota ({quota})", index)
             continue
         if dataset.max_prompt_tokens is not None:
             try:
@@ -291,7 +311,8 @@ def prepare_prompts(
         else:
             evicted = sampler.offer(priority, record)
             if evicted is not None:
-                tally.add("over_cap", "not drawn by the max_prompts sample", evicted.source_index or 0)
+                detail = f"not drawn by the sample of the quota ({quota})"
+                tally.add("over_cap", detail, evicted.source_index or 0)
     if sampler is not None:
         for record in sampler.in_source_order():
             writer.add(record)
@@ -305,13 +326,23 @@ def prepare_prompts(
         shards=writer.shards,
     )
     logger.info(
-        "prepared prompts dataset=%s rows=%d prompts=%d shards=%d rejected=%d",
+        "prepared prompts dataset=%s rows=%d prompts=%d quota=%s shards=%d rejected=%d",
         dataset.name,
         summary.rows_read,
         summary.prompts,
+        quota,
         len(summary.shards),
         sum(summary.rejections.values()),
     )
+    if quota is not None and summary.prompts < quota:
+        logger.warning(
+            "dataset short of its quota dataset=%s quota=%d prompts=%d shortfall=%d rebalance=%s",
+            dataset.name,
+            quota,
+            summary.prompts,
+            quota - summary.prompts,
+            config.mix.rebalance,
+        )
     try:
         store.write_json(summary_key, summary)
     except OutputExistsError:

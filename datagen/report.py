@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
+from datagen.mix import MixRow, dataset_mix, mix_table
 from datagen.records import PreparedDataset, ShardSummary, utc_now
 
 
@@ -25,6 +26,8 @@ class DatasetReport(BaseModel):
     category: str | None = None
     rows_read: int = 0
     prompts: int = 0
+    quota: int | None = Field(default=None, description="Prompts the mix asked of this dataset.")
+    shortfall: int = Field(default=0, description="Quota minus prompts, when the dataset had too few.")
     rejections: dict[str, int] = Field(default_factory=dict)
     shards: int = 0
     requests: int = 0
@@ -55,6 +58,9 @@ class RunReport(BaseModel):
     totals: DatasetReport
     tokenize: dict[str, Any] = Field(default_factory=dict)
     mix: dict[str, float] = Field(default_factory=dict, description="Share of tokenized rows per dataset.")
+    mix_by_category: list[MixRow] = Field(
+        default_factory=list, description="Target, new, existing and combined mix per category."
+    )
     rejection_samples: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
 
     def table_rows(self) -> list[dict[str, Any]]:
@@ -108,6 +114,7 @@ class RunReport(BaseModel):
             f"{total.completions} | {total.failures} | {total.completion_tokens} | {total.tokenized_rows} | "
             "100% |"
         )
+        lines += self._mix_markdown()
         if total.failure_reasons:
             lines += ["", "## Failures by reason", ""]
             lines += [f"- {reason}: {count}" for reason, count in sorted(total.failure_reasons.items())]
@@ -122,6 +129,40 @@ class RunReport(BaseModel):
             lines += ["", "## Completions not tokenized, by reason", ""]
             lines += [f"- {reason}: {count}" for reason, count in sorted(dropped.items())]
         return "\n".join(lines) + "\n"
+
+    def _mix_markdown(self) -> list[str]:
+        if not self.mix_by_category:
+            return []
+
+        def share(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1%}"
+
+        lines = [
+            "",
+            "## Mix by category",
+            "",
+            "Prompts against the configured target; training rows of the new data, the existing corpus, "
+            "and both together.",
+            "",
+            "| category | target prompts | target share | new prompts | new share | shortfall | new rows "
+            "| new row share | existing rows | combined rows | combined share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in self.mix_by_category:
+            target = "-" if row.target_prompts is None else str(row.target_prompts)
+            lines.append(
+                f"| {row.category} | {target} | {share(row.target_share)} | {row.prompts} | "
+                f"{share(row.prompt_share)} | {row.shortfall} | {row.rows} | {share(row.row_share)} | "
+                f"{row.existing_rows} | {row.combined_rows} | {share(row.combined_share)} |"
+            )
+        short = [item for item in self.datasets if item.shortfall]
+        if short:
+            lines += ["", "Datasets short of their quota (not enough valid prompts):", ""]
+            lines += [
+                f"- {item.dataset}: {item.prompts} of {item.quota} (short by {item.shortfall})"
+                for item in short
+            ]
+        return lines
 
 
 def _add_counts(target: dict[str, int], source: dict[str, int]) -> None:
@@ -163,6 +204,9 @@ def build_report(
         report.shards = len(item.shards)
         if item.rejection_samples:
             samples[item.dataset] = item.rejection_samples
+    for entry in dataset_mix(config, prepared):
+        by_name[entry.dataset].quota = entry.quota
+        by_name[entry.dataset].shortfall = entry.shortfall
     for shard in shards:
         report = by_name[shard.dataset]
         report.requests += shard.requests
@@ -211,5 +255,6 @@ def build_report(
         totals=totals,
         tokenize=dict(tokenize_summary or {}),
         mix=mix,
+        mix_by_category=mix_table(config, prepared, rows_by_dataset),
         rejection_samples=samples,
     )

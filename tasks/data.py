@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from datagen.config import RunConfig
+from datagen.datasets.corpus import load_corpus_ids
 from datagen.dispatch import Dispatcher
 from datagen.generate import generate_shard as generate_shard_core
 from datagen.merge import merge_and_tokenize as merge_and_tokenize_core
@@ -16,6 +18,41 @@ from datagen.prompts import prepare_prompts as prepare_prompts_core
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.runs import RunHandle, open_store
 from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient, run_cache_key, stage_cache_key
+
+# The existing corpus's prompt ids, read once per flow run (config hash) and shared by every dataset's
+# prepare task in this process: one entry, since a process runs one flow run at a time.
+_corpus_cache: dict[str, frozenset[str]] = {}
+_corpus_lock = threading.Lock()
+
+
+def _corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
+    key = f"{run.run_id}:{run.config_hash}"
+    with _corpus_lock:
+        if key not in _corpus_cache:
+            _corpus_cache.clear()
+            _corpus_cache[key] = load_corpus_ids(config.existing_corpus)
+        return _corpus_cache[key]
+
+
+class ShardProgress:
+    """Requests answered so far per running shard (stored results included), read by the flow's progress bar."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: dict[tuple[str, str, int], int] = {}
+
+    def update(self, run_id: str, dataset: str, shard_index: int, done: int) -> None:
+        """Record that ``done`` requests of one shard have a result."""
+        with self._lock:
+            self._done[(run_id, dataset, shard_index)] = done
+
+    def done(self, run_id: str, dataset: str, shard_index: int) -> int:
+        """Requests of one shard with a result so far (0 before its task started)."""
+        with self._lock:
+            return self._done.get((run_id, dataset, shard_index), 0)
+
+
+SHARD_PROGRESS = ShardProgress()
 
 
 def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
@@ -42,12 +79,27 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
 def prepare_prompts(
     config: RunConfig, run: RunHandle, dataset: str, earlier: list[PreparedDataset]
 ) -> PreparedDataset:
-    """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards."""
+    """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards.
+
+    The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on.
+    """
     store = open_store(config)
-    exclude: set[str] = set()
-    for previous in earlier:
-        exclude |= load_prompt_ids(store, previous)
-    prepared = prepare_prompts_core(store, run.layout, config, dataset, exclude_prompt_ids=exclude)
+    if store.exists(run.layout.prompts_summary(dataset)):
+        # Prepared by an earlier attempt: the core returns the summary without reading anything.
+        prepared = prepare_prompts_core(store, run.layout, config, dataset)
+    else:
+        exclude: set[str] = set()
+        for previous in earlier:
+            exclude |= load_prompt_ids(store, previous)
+        prepared = prepare_prompts_core(
+            store,
+            run.layout,
+            config,
+            dataset,
+            exclude_prompt_ids=exclude,
+            corpus_ids=_corpus_ids(config, run),
+            earlier=earlier,
+        )
     get_run_logger().info(
         "prepared dataset=%s rows_read=%d prompts=%d shards=%d rejected=%s",
         dataset,
@@ -71,7 +123,16 @@ def generate_shard(
     config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher
 ) -> ShardSummary:
     """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once."""
-    summary = generate_shard_core(open_store(config), run.layout, config, shard, dispatcher)
+    summary = generate_shard_core(
+        open_store(config),
+        run.layout,
+        config,
+        shard,
+        dispatcher,
+        progress=lambda done, total: SHARD_PROGRESS.update(
+            run.run_id, shard.dataset, shard.shard_index, done
+        ),
+    )
     get_run_logger().info(
         "shard dataset=%s shard=%05d skipped=%s completions=%d failures=%d resent=%d output_tokens=%d",
         summary.dataset,

@@ -20,7 +20,8 @@ RejectionReason = Literal[
     "too_long",  # the rendered prompt exceeds DatasetConfig.max_prompt_tokens
     "template_error",  # the target's chat template refused to render the prompt
     "duplicate",  # same normalised content as an earlier prompt of this run
-    "over_cap",  # a valid prompt not drawn by the max_prompts sample
+    "in_existing_corpus",  # same normalised content as a prompt of the existing training corpus
+    "over_cap",  # a valid prompt not drawn by the dataset's quota sample (max_prompts, share, caps)
 ]
 REJECTION_REASONS: tuple[str, ...] = get_args(RejectionReason)
 

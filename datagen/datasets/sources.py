@@ -53,18 +53,12 @@ class SourceRow:
 
 
 def storage_options_for(path: str) -> dict[str, Any]:
-    """Fsspec options for ``path``: the S3 endpoint and region from the settings for s3:// URLs."""
+    """Fsspec options for ``path``: for s3:// URLs the same endpoint, region and credentials as the store."""
     if not path.startswith("s3://"):
         return {}
-    from datagen.settings import get_settings
+    from datagen.storage import s3_storage_options
 
-    settings = get_settings()
-    client_kwargs: dict[str, Any] = {}
-    if settings.s3_endpoint_url:
-        client_kwargs["endpoint_url"] = settings.s3_endpoint_url
-    if settings.s3_region:
-        client_kwargs["region_name"] = settings.s3_region
-    return {"client_kwargs": client_kwargs} if client_kwargs else {}
+    return s3_storage_options()
 
 
 def _file_kind(name: str) -> str | None:
