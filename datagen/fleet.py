@@ -5,7 +5,9 @@ process group with its output in its own log file, and records them in a JSON pi
 (``<state_dir>/servers.json``) so another process (a Prefect state hook, the next run after a crash)
 can stop them with :func:`stop_fleet_from_pidfile` / :func:`cleanup_orphans`. Readiness means HTTP 200
 on the engine's health path *and* a live process *and* no fatal line in the log, all under one deadline:
-a crashed server is noticed at once, never after the whole timeout.
+a crashed server is noticed at once, never after the whole timeout. When the plan has a router
+(sglang-router), it is one more owned process, started once every server is ready; clients then use
+:attr:`Fleet.client_urls` (the router) only.
 """
 
 from __future__ import annotations
@@ -129,7 +131,10 @@ class Fleet:
         self.health_path = health_path or plan.health_path
         self.stop_grace_s = stop_grace_s
         self._servers = [_Server(spec=spec) for spec in plan.servers]
-        self._launches = any(spec.launch is not None for spec in plan.servers)
+        self._router = _Server(spec=plan.router) if plan.router is not None else None
+        # Every owned process: the servers, then the router (started last, stopped with the rest).
+        self._owned = [*self._servers, *([self._router] if self._router else [])]
+        self._launches = any(server.spec.launch is not None for server in self._owned)
         self._fatal_patterns = get_engine(plan.engine).fatal_log_patterns
         self._lock = threading.RLock()
         self._stopping = threading.Event()
@@ -150,6 +155,11 @@ class Fleet:
         """Base URLs of every server, in plan order."""
         return [server.spec.url for server in self._servers]
 
+    @property
+    def client_urls(self) -> list[str]:
+        """Where requests go: the router's URL when the plan has one, else every server's."""
+        return [self._router.spec.url] if self._router is not None else self.urls
+
     def start(self) -> None:
         """Launch every server in parallel and wait until all are ready.
 
@@ -169,6 +179,10 @@ class Fleet:
                     if server.spec.launch is not None:
                         self._launch(server)
                 failures = self._wait_ready(self._servers, self.ready_timeout_s)
+                if not failures and self._router is not None:
+                    # The router health-checks its workers at start: launch it once they answer.
+                    self._launch(self._router)
+                    failures = self._wait_ready([self._router], self.ready_timeout_s)
             except BaseException:
                 self.stop()
                 raise
@@ -187,7 +201,7 @@ class Fleet:
         self._stopping.set()
         self.stop_monitor()
         with self._lock:
-            groups = [(server, server.pgid) for server in self._servers if server.process is not None]
+            groups = [(server, server.pgid) for server in self._owned if server.process is not None]
             _terminate_groups([pgid for _, pgid in groups if pgid is not None], self.stop_grace_s)
             for server, _ in groups:
                 assert server.process is not None
@@ -244,7 +258,7 @@ class Fleet:
         with self._lock:
             if not self._started or self._stopping.is_set():
                 return restarted
-            for server in self._servers:
+            for server in self._owned:
                 if server.spec.launch is None or server.gave_up or self._stopping.is_set():
                     continue
                 if server.process is not None and server.process.poll() is None:
@@ -305,7 +319,7 @@ class Fleet:
 
     def _server_by_url(self, url: str) -> _Server:
         wanted = url.rstrip("/")
-        for server in self._servers:
+        for server in self._owned:
             if server.spec.url == wanted:
                 return server
         raise KeyError(f"{url} is not a server of this fleet ({', '.join(self.urls)})")
@@ -460,7 +474,7 @@ class Fleet:
                 log_path=server.spec.log_path,
                 started_at=server.started_at,
             )
-            for server in self._servers
+            for server in self._owned
             if server.process is not None
         ]
         registry = FleetRegistry(

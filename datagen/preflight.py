@@ -148,8 +148,9 @@ def _check_model(config: RunConfig) -> str:
 
 def _check_engine(config: RunConfig) -> str:
     from datagen.engines import get_engine
+    from datagen.plan import router_problems
 
-    problems = get_engine(config.fleet.engine).check_available()
+    problems = get_engine(config.fleet.engine).check_available() + router_problems(config.fleet)
     if problems:
         raise DatagenError("; ".join(problems))
     return f"engine {config.fleet.engine} available"

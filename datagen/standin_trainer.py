@@ -6,7 +6,8 @@ Used by the demo and the tests in place of a GPU trainer::
 
 It writes its pid to ``--pidfile``, counts steps into ``<checkpoint-dir>/step.txt``, and on the stop
 signal (SIGTERM unless ``--signal`` says otherwise) writes ``checkpoint-<step>.pt`` and exits 0.
-``--ignore-first-signal`` makes it stubborn: the first signal is only acknowledged.
+``--ignore-first-signal`` makes it stubborn: the first signal is only acknowledged. ``--marker PATH``
+writes a completion marker after the checkpoint (``--checkpoint-delay-s`` makes the checkpoint slow).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ignore-first-signal", action="store_true", help="Ignore the first stop signal.")
     parser.add_argument("--step-interval-s", type=float, default=DEFAULT_STEP_INTERVAL_S)
     parser.add_argument("--signal", default="SIGTERM", help="Signal that asks for checkpoint and exit.")
+    parser.add_argument("--marker", type=Path, default=None, help="File written once the checkpoint is done.")
+    parser.add_argument("--checkpoint-delay-s", type=float, default=0.0, help="Time the checkpoint takes.")
     return parser.parse_args(argv)
 
 
@@ -79,7 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         (args.checkpoint_dir / STEP_FILE).write_text(f"{step}\n")
         time.sleep(args.step_interval_s)
     checkpoint = args.checkpoint_dir / f"checkpoint-{step}.pt"
+    time.sleep(args.checkpoint_delay_s)
     checkpoint.write_bytes(CHECKPOINT_BYTES)
+    if args.marker is not None:
+        args.marker.write_text(f"{checkpoint}\n")
     logger.info("checkpoint written path=%s; exiting", checkpoint)
     return 0
 

@@ -37,9 +37,16 @@ from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.report import RunReport
 from datagen.runs import make_run_id, open_store
 from datagen.settings import get_settings
-from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
 from tasks.credentials import configure_s3_credentials
-from tasks.host import halt_training, plan_servers, probe_environment, start_fleet, stop_fleet
+from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
+from tasks.host import (
+    halt_training,
+    plan_servers,
+    probe_environment,
+    restart_training,
+    start_fleet,
+    stop_fleet,
+)
 from tasks.run import finalize_manifest, open_run, preflight, write_attempt_record, write_report
 
 # Threads for concurrently running tasks: prepare tasks plus the rolling window of shard tasks. Each shard
@@ -176,8 +183,9 @@ def _generate_all(
                 )
                 errors.append(error)
         stats = dispatcher.stats()
-        answered = (
-            sum(s.completions + s.failures for s in summaries if s.skipped) + stats.completed + stats.failed
+        # Finished shards count all their requests (stored by any attempt); running ones what they have so far.
+        answered = sum(s.completions + s.failures for s in summaries) + sum(
+            SHARD_PROGRESS.done(run.run_id, shard.dataset, shard.shard_index) for shard in running.values()
         )
         percent = min(100.0, 100.0 * answered / total_requests) if total_requests else 0.0
         update_progress_artifact(progress_id, percent)
@@ -270,7 +278,7 @@ def expand(config: RunConfig) -> RunSummary:
                 urls,
                 model=plan.served_model_name,
                 engine=config.fleet.engine,
-                max_inflight_per_server=config.fleet.max_inflight_per_server,
+                max_inflight_per_server=plan.inflight_per_client_url(config.fleet.max_inflight_per_server),
                 generation=config.generation,
                 liveness=fleet.is_alive,
                 api_key=api_key.get_secret_value() if api_key else None,
@@ -288,6 +296,9 @@ def expand(config: RunConfig) -> RunSummary:
             f"Rerun with --run-id {run.run_id} to resume: finished shards are not generated again."
         )
     tokenize_summary = merge_and_tokenize(config, run, shard_summaries)
+    if config.training.restart_after_run:
+        restarted = restart_training(config.training, state_dir / "training-restart.log")
+        write_attempt_record(config, run, attempt_id, "training-restart", restarted)
     report = write_report(
         config, run, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s
     )

@@ -1,12 +1,23 @@
-"""Host tasks: halt the training job, probe the environment, plan and run the server fleet."""
+"""Host tasks: halt (and restart) the training job, probe the environment, plan and run the server fleet."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from uuid import UUID
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterId,
+    FlowRunFilter,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.states import Cancelled, Cancelling
 
 from datagen.config import RunConfig, TrainingJobConfig
 from datagen.fleet import Fleet, cleanup_orphans
@@ -14,22 +25,81 @@ from datagen.plan import ServerPlan
 from datagen.plan import plan_servers as plan_servers_for
 from datagen.probe import EnvReport
 from datagen.probe import probe_environment as probe_host
-from datagen.training import HaltRecord
+from datagen.training import HaltRecord, RestartRecord
 from datagen.training import halt_training as halt_training_job
+from datagen.training import restart_training as restart_training_job
+
+# A flow run in one of these states has not started executing: cancelling it needs no worker.
+NOT_STARTED_STATES = {StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED}
+ACTIVE_STATES = [
+    StateType.SCHEDULED,
+    StateType.PENDING,
+    StateType.RUNNING,
+    StateType.PAUSED,
+    StateType.CANCELLING,
+]
+
+
+class PrefectFlowRunControl:
+    """:class:`datagen.training_jobs.FlowRunControl` over the Prefect API this process is configured for."""
+
+    def flow_run_state(self, flow_run_id: str) -> str:
+        """The state type name of a flow run (``SCHEDULED`` when it has no state yet)."""
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(flow_run_id)).state
+        return state.type.value if state is not None else StateType.SCHEDULED.value
+
+    def active_flow_runs(self, deployment: str) -> list[str]:
+        """Ids of the not-yet-final flow runs of ``flow-name/deployment-name``."""
+        with get_client(sync_client=True) as client:
+            found = client.read_deployment_by_name(deployment)
+            runs = client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[found.id])),
+                flow_run_filter=FlowRunFilter(
+                    state=FlowRunFilterState(type=FlowRunFilterStateType(any_=ACTIVE_STATES))
+                ),
+            )
+        return [str(run.id) for run in runs]
+
+    def cancel_flow_run(self, flow_run_id: str) -> None:
+        """Cancel a flow run: Cancelled at once if it never started, else Cancelling for its worker."""
+        with get_client(sync_client=True) as client:
+            run = client.read_flow_run(UUID(flow_run_id))
+            if run.state is not None and run.state.type in NOT_STARTED_STATES:
+                client.set_flow_run_state(run.id, Cancelled(message="halted by datagen"), force=True)
+            else:
+                client.set_flow_run_state(run.id, Cancelling(message="halted by datagen"))
 
 
 @task(name="halt-training", task_run_name="halt-training-{training.kind}", cache_policy=NO_CACHE)
 def halt_training(training: TrainingJobConfig) -> HaltRecord:
     """Stop the training job gracefully and record what was stopped (idempotent)."""
-    record = halt_training_job(training)
+    flow_runs = PrefectFlowRunControl() if training.kind == "prefect" else None
+    record = halt_training_job(training, flow_runs=flow_runs)
     get_run_logger().info(
-        "training halted kind=%s pid=%s already_gone=%s escalated=%s last_checkpoint=%s",
+        "training halted kind=%s target=%s already_gone=%s escalated=%s last_checkpoint=%s gpu_released=%s",
         record.kind,
-        record.pid,
+        record.target,
         record.already_gone,
         record.escalated,
         record.last_checkpoint,
+        record.gpu_memory_released,
     )
+    for note in record.notes:
+        get_run_logger().warning("training halt: %s", note)
+    return record
+
+
+@task(name="restart-training", cache_policy=NO_CACHE)
+def restart_training(training: TrainingJobConfig, log_path: Path) -> RestartRecord | None:
+    """Start training again, detached, when ``training.restart_after_run`` is on (after the merge)."""
+    record = restart_training_job(training, log_path)
+    if record is None:
+        get_run_logger().info("training restart is off (training.restart_after_run)")
+    else:
+        get_run_logger().info(
+            "training restarted pid=%d argv=%s log=%s", record.pid, record.argv, record.log_path
+        )
     return record
 
 
@@ -38,7 +108,11 @@ def probe_environment() -> EnvReport:
     """Probe GPUs, interconnect, drivers and packages; publish the report as an artifact."""
     report = probe_host()
     create_markdown_artifact(report.to_markdown(), key="environment", description="What this host offers")
-    get_run_logger().info("probe gpus=%d problems=%d", len(report.gpus), len(report.problems))
+    logger = get_run_logger()
+    logger.info("probe gpus=%d problems=%d", len(report.gpus), len(report.problems))
+    for problem in report.problems:
+        if problem.severity != "info":
+            logger.warning("environment %s: %s fix: %s", problem.severity, problem.message, problem.fix)
     return report
 
 
@@ -55,14 +129,19 @@ def plan_servers(env: EnvReport, config: RunConfig, state_dir: Path) -> ServerPl
 
 @task(name="start-fleet", cache_policy=NO_CACHE)
 def start_fleet(fleet: Fleet, fleets_root: Path) -> list[str]:
-    """Stop servers orphaned by crashed earlier runs on this host, then start every server until ready."""
+    """Stop servers orphaned by crashed earlier runs on this host, then start every server until ready.
+
+    Returns:
+        The URLs clients send requests to (the router's alone when the plan has one).
+
+    """
     logger = get_run_logger()
     orphans = cleanup_orphans(fleets_root, recursive=True)
     if orphans:
         logger.warning("stopped orphaned servers count=%d", orphans)
     fleet.start()
-    logger.info("fleet ready servers=%d urls=%s", len(fleet.urls), ",".join(fleet.urls))
-    return list(fleet.urls)
+    logger.info("fleet ready servers=%d urls=%s", len(fleet.urls), ",".join(fleet.client_urls))
+    return list(fleet.client_urls)
 
 
 @task(name="stop-fleet", cache_policy=NO_CACHE)

@@ -63,6 +63,17 @@ class ServerSlot(BaseModel):
         le=1,
         description="Share of the device's free memory for the KV cache; the engine default when unset.",
     )
+    cache_num_blocks: int | None = Field(
+        default=None, gt=0, description="KV cache size in blocks (sized by tokens instead of a memory share)."
+    )
+    max_batch_tokens: int | None = Field(default=None, gt=0, description="Tokens per forward step.")
+    attention_backend: str | None = Field(default=None, description="Planned attention backend.")
+    mem_fraction_static: float | None = Field(default=None, gt=0, lt=1, description="Planned static share.")
+    max_running_requests: int | None = Field(default=None, gt=0, description="Planned concurrency cap.")
+    context_length_tokens: int | None = Field(default=None, gt=0, description="Planned context length.")
+    extra_env: dict[str, str] = Field(
+        default_factory=dict, description="Planned variables (JIT fixes); fleet.env still wins."
+    )
 
 
 @runtime_checkable

@@ -77,12 +77,18 @@ class TransformersEngine:
             str(slot.port),
             model.path,
         ]
-        if slot.cache_memory_fraction is not None:
+        if slot.cache_num_blocks is not None:
+            # Sized by tokens: a share of free RAM grows with the host and the attention masks grow with
+            # the cache, so a memory share alone made one tiny-model CPU server take ~4 GiB.
+            argv += ["--cb-num-blocks", str(slot.cache_num_blocks)]
+        elif slot.cache_memory_fraction is not None:
             # Unset, each CPU server's paged cache takes 60% of free RAM: two servers exhaust the host.
             argv += ["--cb-max-memory-percent", f"{slot.cache_memory_fraction:g}"]
+        if slot.max_batch_tokens is not None:
+            argv += ["--cb-max-batch-tokens", str(slot.max_batch_tokens)]
         # Last, so a flag repeated in extra_args overrides the recipe's (click keeps the last value).
         argv += fleet.extra_args
-        return LaunchCommand(argv=argv, env={**gpu_env(slot), **fleet.env})
+        return LaunchCommand(argv=argv, env={**gpu_env(slot), **slot.extra_env, **fleet.env})
 
     def served_model_name(self, model: ModelConfig) -> str:
         """The name ``transformers serve`` gives the preloaded model: the path it was given."""

@@ -333,3 +333,30 @@ def test_missing_engine_executable_is_a_server_start_error(tmp_path: Path) -> No
     with pytest.raises(ServerStartError, match="no-such-python"):
         fleet.start()
     fleet.close()
+
+
+def test_router_starts_after_the_servers_and_is_the_only_client_url(tmp_path: Path) -> None:
+    plan = _health_plan(tmp_path, 3)
+    router_spec, *workers = plan.servers
+    renumbered = [server.model_copy(update={"index": index}) for index, server in enumerate(workers)]
+    plan = plan.model_copy(update={"servers": renumbered, "router": router_spec})
+    fleet = Fleet(plan, tmp_path, ready_timeout_s=30, stop_grace_s=5, max_restarts_per_server=1)
+    fleet.start()
+    try:
+        assert fleet.client_urls == [router_spec.url]
+        assert fleet.urls == [server.url for server in workers]
+        registry = FleetRegistry.model_validate_json(fleet.pidfile_path.read_text())
+        assert [record.url for record in registry.servers] == [*fleet.urls, router_spec.url]
+        assert fleet.is_alive(router_spec.url)
+        router_pid = fleet.pid(router_spec.url)
+        assert router_pid is not None
+
+        os.killpg(router_pid, signal.SIGKILL)
+        assert _wait_for(lambda: not fleet.is_alive(router_spec.url), timeout_s=10)
+
+        assert fleet.ensure_running() == [router_spec.url]
+        assert fleet.is_alive(router_spec.url)
+    finally:
+        groups = [fleet.pid(url) for url in [*fleet.urls, router_spec.url]]
+        fleet.close()
+    assert all(_group_members(pgid) == [] for pgid in groups if pgid is not None)

@@ -70,10 +70,16 @@ def test_transformers_recipe_uses_only_options_the_installed_serve_command_has()
     from transformers.cli.serve import Serve
 
     parameters = set(inspect.signature(Serve.__init__).parameters)
-    launch = TransformersEngine().build_launch(GPU_SLOT, MODEL, FleetConfig())
-    flags = [arg for arg in launch.argv if arg.startswith("--")]
+    sized_cpu_slot = CPU_SLOT.model_copy(update={"cache_num_blocks": 34, "max_batch_tokens": 512})
+    shared_cpu_slot = CPU_SLOT.model_copy(update={"cache_memory_fraction": 0.15})
+    flags = [
+        arg
+        for slot in (GPU_SLOT, sized_cpu_slot, shared_cpu_slot)
+        for arg in TransformersEngine().build_launch(slot, MODEL, FleetConfig()).argv
+        if arg.startswith("--")
+    ]
 
-    assert flags
+    assert {"--cb-num-blocks", "--cb-max-batch-tokens", "--cb-max-memory-percent"} <= set(flags)
     for flag in flags:
         assert flag[2:].replace("-", "_") in parameters, flag
 

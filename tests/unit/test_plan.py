@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -9,9 +12,10 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.engines import SGLangEngine
-from datagen.engines.sglang import MAMBA_FLAG_OLD
+from datagen.engines.sglang import MAMBA_FLAG_OLD, parse_server_args_flags
 from datagen.errors import PlanError
-from datagen.plan import ServerPlan, client_url, plan_servers, port_is_free
+from datagen.model_size import shape_from_config
+from datagen.plan import ServerPlan, ServerSpec, client_url, plan_servers, port_is_free, router_launch
 from datagen.probe import EnvReport, probe_from_dir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
@@ -194,3 +198,278 @@ def test_markdown_shows_the_exact_command_of_every_server(tmp_path: Path, base_p
 def test_wildcard_bind_address_is_reached_through_loopback() -> None:
     assert client_url("0.0.0.0", 8000) == "http://127.0.0.1:8000"
     assert client_url("::1", 8000) == "http://[::1]:8000"
+
+
+# --- model fit, DP vs TP, planned sglang flags ------------------------------------------------------
+
+# Qwen3-27B-like (Qwen3.6-27B class target): ~27B parameters, ~50 GiB in bf16.
+QWEN3_27B = {
+    "model_type": "qwen3",
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "intermediate_size": 20480,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "max_position_embeddings": 40960,
+}
+# Llama-70B-like: ~140 GiB in bf16: more than one H200 holds, less than two.
+DENSE_70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "intermediate_size": 28672,
+    "vocab_size": 128256,
+    "torch_dtype": "bfloat16",
+}
+# ~400B dense in bf16: fits neither one H200 nor the pair.
+DENSE_400B = {**DENSE_70B, "hidden_size": 16384, "num_hidden_layers": 126, "intermediate_size": 53248}
+# A hybrid (gated-delta + full attention) model: 3 of every 4 layers are linear attention.
+HYBRID = {
+    **QWEN3_27B,
+    "model_type": "qwen3_next",
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16,
+}
+
+
+def _model_dir(tmp_path: Path, config: dict[str, Any]) -> Path:
+    directory = tmp_path / "model"
+    directory.mkdir(exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def _model_config(model_dir: Path, datasets: list[dict[str, Any]] | None = None, **fleet: Any) -> RunConfig:
+    return RunConfig.model_validate(
+        {
+            "model": {"path": str(model_dir)},
+            "datasets": datasets or [{"name": "chat", "format": "sharegpt", "path": "/data/chat.jsonl"}],
+            "output": "/tmp/out",
+            "fleet": fleet,
+        }
+    )
+
+
+def test_model_shape_estimates_parameters_from_config_json() -> None:
+    assert 26e9 < shape_from_config(QWEN3_27B).params < 28e9
+    assert 69e9 < shape_from_config(DENSE_70B).params < 72e9
+    hybrid = shape_from_config(HYBRID)
+    assert hybrid.hybrid and hybrid.full_attention_layers == 16
+    assert not shape_from_config(QWEN3_27B).hybrid
+
+
+def test_h200_pair_runs_a_27b_model_data_parallel_one_server_per_gpu(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(_model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port)
+
+    plan = plan_servers(_env("h200x2-nvlink"), config, tmp_path, engine=SGLangEngine())
+
+    assert plan.mode == "dp"
+    assert plan.tensor_parallel == 1
+    assert [server.gpu_ids for server in plan.servers] == [[0], [1]]
+    assert plan.model_weights_gib is not None and 45 < plan.model_weights_gib < 55
+    launch = plan.servers[1].launch
+    assert launch is not None
+    assert _flag(launch.argv, "--tp-size") == "1"
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "1"
+    assert _flag(launch.argv, "--mem-fraction-static") == "0.85"
+    assert _flag(launch.argv, "--max-running-requests") == str(config.fleet.max_inflight_per_server)
+    assert "--attention-backend" not in launch.argv
+    assert any("fit one GPU" in reason for reason in plan.reasons)
+
+
+def test_h200_pair_splits_a_model_too_big_for_one_gpu_with_tensor_parallel_2(
+    tmp_path: Path, base_port: int
+) -> None:
+    config = _model_config(_model_dir(tmp_path, DENSE_70B), engine="sglang", base_port=base_port)
+
+    plan = plan_servers(_env("h200x2-nvlink"), config, tmp_path, engine=SGLangEngine())
+
+    assert plan.mode == "tp"
+    assert plan.tensor_parallel == 2
+    assert [server.gpu_ids for server in plan.servers] == [[0, 1]]
+    launch = plan.servers[0].launch
+    assert launch is not None
+    assert _flag(launch.argv, "--tp-size") == "2"
+    assert launch.env["CUDA_VISIBLE_DEVICES"] == "0,1"
+
+
+def test_model_that_fits_no_gpu_group_is_a_plan_error_with_the_numbers(
+    tmp_path: Path, base_port: int
+) -> None:
+    config = _model_config(_model_dir(tmp_path, DENSE_400B), engine="sglang", base_port=base_port)
+
+    with pytest.raises(PlanError, match=r"fit no GPU group.*largest NVLink island has 2 GPU"):
+        plan_servers(_env("h200x2-nvlink"), config, tmp_path, engine=SGLangEngine())
+
+
+def test_pcie_box_runs_data_parallel_on_all_eight_gpus(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(_model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port)
+
+    plan = plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())
+
+    assert plan.mode == "dp"
+    assert [server.gpu_ids for server in plan.servers] == [[index] for index in range(8)]
+
+
+def test_pcie_box_never_plans_tensor_parallel_on_its_own(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(_model_dir(tmp_path, DENSE_70B), engine="sglang", base_port=base_port)
+
+    with pytest.raises(PlanError, match="largest NVLink island has 1 GPU"):
+        plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())
+
+
+def test_transformers_engine_cannot_split_a_model_too_big_for_one_gpu(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(_model_dir(tmp_path, DENSE_70B), base_port=base_port)
+
+    with pytest.raises(PlanError, match="cannot split"):
+        plan_servers(_env("h200x2-nvlink"), config, tmp_path)
+
+
+def test_hybrid_model_gets_fa3_on_sm90_and_flashinfer_on_sm120(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(_model_dir(tmp_path, HYBRID), engine="sglang", base_port=base_port)
+
+    hopper = plan_servers(_env("h200x2-nvlink"), config, tmp_path, engine=SGLangEngine())
+    blackwell = plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())
+
+    assert all(_flag(_argv(server), "--attention-backend") == "fa3" for server in hopper.servers)
+    assert all(_flag(_argv(server), "--attention-backend") == "flashinfer" for server in blackwell.servers)
+    assert any("hybrid" in reason for reason in hopper.reasons)
+
+
+def test_plan_uses_the_flags_the_probed_sglang_accepts(tmp_path: Path, base_port: int) -> None:
+    env = probe_from_dir(FIXTURES / "sm120-workstation")
+    strategy = {"mamba_cache_strategy": "no_buffer"}
+    config = _model_config(
+        _model_dir(tmp_path, HYBRID), engine="sglang", base_port=base_port, sglang=strategy
+    )
+
+    plan = plan_servers(env, config, tmp_path)
+    old_env = env.model_copy(
+        update={
+            "sglang_flags": [flag for flag in env.sglang_flags or [] if "mamba" not in flag]
+            + [MAMBA_FLAG_OLD]
+        }
+    )
+    old_plan = plan_servers(old_env, config, tmp_path)
+
+    assert _flag(_argv(plan.servers[0]), "--mamba-radix-cache-strategy") == "no_buffer"
+    assert _flag(_argv(old_plan.servers[0]), MAMBA_FLAG_OLD) == "no_buffer"
+    unknown = config.model_copy(
+        update={"fleet": config.fleet.model_copy(update={"extra_args": ["--no-such-flag"]})}
+    )
+    with pytest.raises(PlanError, match="does not accept --no-such-flag"):
+        plan_servers(env, unknown, tmp_path)
+
+
+def test_server_args_flags_are_read_from_argparse_and_from_dataclass_fields() -> None:
+    old_style = (
+        'parser.add_argument("--tp-size", type=int)\nparser.add_argument("--mamba-scheduler-strategy")\n'
+    )
+    new_style = (
+        "class ServerArgs:\n"
+        "    tp_size: A[int, Arg(help='t', aliases=['--tensor-parallel-size'])] = 1\n"
+        "    mamba_radix_cache_strategy: A[\n        str,\n        Arg(choices=['auto']),\n    ] = 'auto'\n"
+        "    uses_mamba_radix_cache: A[\n        bool,\n        Arg(no_cli=True),\n    ] = False\n"
+    )
+
+    assert parse_server_args_flags(old_style) == ["--mamba-scheduler-strategy", "--tp-size"]
+    assert parse_server_args_flags(new_style) == [
+        "--mamba-radix-cache-strategy",
+        "--tensor-parallel-size",
+        "--tp-size",
+    ]
+
+
+def test_context_length_covers_the_longest_prompt_cap_plus_max_tokens(tmp_path: Path, base_port: int) -> None:
+    datasets = [
+        {"name": "a", "format": "sharegpt", "path": "/a", "max_prompt_tokens": 1000},
+        {"name": "b", "format": "sharegpt", "path": "/b", "max_prompt_tokens": 3000},
+    ]
+    config = _model_config(_model_dir(tmp_path, QWEN3_27B), datasets, engine="sglang", base_port=base_port)
+
+    plan = plan_servers(_env("h200x2-nvlink"), config, tmp_path, engine=SGLangEngine())
+
+    assert _flag(_argv(plan.servers[0]), "--context-length") == str(
+        -(-(3000 + config.sampling.max_tokens) // 256) * 256
+    )
+
+
+def test_jit_fixes_reach_the_servers_environment_only_when_asked(tmp_path: Path, base_port: int) -> None:
+    env = probe_from_dir(FIXTURES / "sm120-workstation")
+    config = _model_config(_model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port)
+
+    plain = plan_servers(env, config, tmp_path)
+    fixed = plan_servers(
+        env,
+        config.model_copy(update={"fleet": config.fleet.model_copy(update={"fix_jit_env": True})}),
+        tmp_path,
+    )
+
+    assert "CPATH" not in (plain.servers[0].launch.env if plain.servers[0].launch else {})
+    launch = fixed.servers[0].launch
+    assert launch is not None
+    assert launch.env["CPATH"].split(":")[0] == "/usr/local/cuda-13.0/include/cccl"
+    assert launch.env["LIBRARY_PATH"].split(":")[0] == "/usr/local/cuda-13.0/lib64/stubs"
+    assert "CPATH" not in os.environ or os.environ["CPATH"] != launch.env["CPATH"]
+
+
+def test_cpu_servers_size_their_kv_cache_by_tokens(
+    tmp_path: Path, base_port: int, tiny_model_dir: Path
+) -> None:
+    config = _model_config(
+        tiny_model_dir, device="cpu", cpu_servers=2, base_port=base_port, max_inflight_per_server=8
+    )
+    config.sampling.max_tokens = 64
+
+    plan = plan_servers(_env(None), config, tmp_path)
+
+    argv = _argv(plan.servers[0])
+    # 8 requests x (1024 prompt budget + 64 new tokens) = 8704 tokens = 34 blocks of 256.
+    assert _flag(argv, "--cb-num-blocks") == "34"
+    assert _flag(argv, "--cb-max-batch-tokens") == "512"
+    assert "--cb-max-memory-percent" not in argv
+
+
+def test_router_needs_sglang_router_installed(tmp_path: Path, base_port: int) -> None:
+    config = _config(base_port=base_port, router=True)
+
+    if importlib.util.find_spec("sglang_router") is None:
+        with pytest.raises(PlanError, match="pip install sglang-router"):
+            plan_servers(_env(None), config, tmp_path)
+    else:
+        plan = plan_servers(_env(None), config, tmp_path)
+        assert plan.router is not None and plan.client_urls == [plan.router.url]
+
+
+def test_router_command_lists_every_worker_and_the_policy() -> None:
+    launch = router_launch(
+        ["http://127.0.0.1:30000", "http://127.0.0.1:30001"], "127.0.0.1", 30002, "round_robin"
+    )
+
+    assert launch.argv[1:] == [
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        "http://127.0.0.1:30000",
+        "http://127.0.0.1:30001",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30002",
+        "--policy",
+        "round_robin",
+    ]
+
+
+def _argv(server: ServerSpec) -> list[str]:
+    assert server.launch is not None
+    return server.launch.argv
+
+
+def _flag(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]

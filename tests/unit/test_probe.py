@@ -1,10 +1,21 @@
 from __future__ import annotations
 
+import importlib.metadata
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from datagen.cuda_env import (
+    TorchInfo,
+    find_cuda_toolkit,
+    jit_env_fixes,
+    parse_torch_probe,
+    parse_torch_version_py,
+    read_torch_version_file,
+)
 from datagen.probe import (
     EnvReport,
     parse_compute_apps_csv,
@@ -35,7 +46,7 @@ def test_recorded_h200_pair_reports_gpus_driver_cuda_and_one_nvlink_island() -> 
     assert report.interconnect.nvlink_islands == [[0, 1]]
     assert report.interconnect.links == {"0-1": "NV18"}
     assert report.gpu_processes == []
-    assert report.problems == []
+    assert all(problem.severity == "info" for problem in report.problems)
 
 
 def test_pcie_box_has_no_nvlink_islands_and_flags_the_gpu_still_in_use() -> None:
@@ -135,3 +146,151 @@ def test_probe_of_this_host_matches_whether_nvidia_smi_exists() -> None:
         assert any(problem.severity == "info" for problem in report.problems)
     else:
         assert report.gpus or report.problems
+
+
+def test_h200_pair_has_only_the_missing_sglang_note_as_a_problem() -> None:
+    report = probe_from_dir(FIXTURES / "h200x2-nvlink", packages=NO_PACKAGES)
+
+    assert [problem.severity for problem in report.problems] == ["info"]
+    assert "sglang is not installed" in report.problems[0].message
+
+
+def test_sm120_workstation_reports_each_jit_trap_with_its_fix() -> None:
+    report = probe_from_dir(FIXTURES / "sm120-workstation")
+
+    assert report.compute_capabilities == ["12.0"]
+    assert report.interconnect.kind == "single"
+    assert report.torch is not None and report.torch.cuda == "12.6"
+    assert report.sglang_version == "0.5.23"
+    assert report.sglang_flags is not None and "--mamba-radix-cache-strategy" in report.sglang_flags
+    by_topic = {problem.message.split(" ")[0]: problem for problem in report.problems}
+    sm_problem = next(problem for problem in report.problems if "no kernels" in problem.message)
+    assert sm_problem.severity == "error"
+    assert sm_problem.fix is not None and "sm_120" in sm_problem.fix
+    cccl = next(problem for problem in report.problems if "CCCL" in problem.message)
+    assert cccl.severity == "warning"
+    assert cccl.fix is not None and "CPATH=/usr/local/cuda-13.0/include/cccl" in cccl.fix
+    assert any("differ in major version" in problem.message for problem in report.problems)
+    assert any("stub" in problem.message for problem in report.problems)
+    assert all(problem.fix for problem in report.problems), by_topic
+
+
+def test_jit_fixes_prepend_the_found_folders_and_leave_the_rest_alone() -> None:
+    report = probe_from_dir(FIXTURES / "sm120-workstation")
+    assert report.cuda_toolkit is not None
+
+    fixes = jit_env_fixes(report.cuda_toolkit, {"CPATH": "/opt/include", "CUDA_HOME": "/opt/cuda"})
+
+    assert fixes == {
+        "CPATH": "/usr/local/cuda-13.0/include/cccl:/opt/include",
+        "LIBRARY_PATH": "/usr/local/cuda-13.0/lib64/stubs",
+    }
+
+
+def _touch(path: Path, text: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_toolkit_search_finds_cccl_under_include_cccl_and_the_libcuda_stub(tmp_path: Path) -> None:
+    cuda = tmp_path / "cuda-13.0"
+    _touch(cuda / "include" / "cuda_runtime.h")
+    _touch(cuda / "include" / "cccl" / "nv" / "target")
+    _touch(cuda / "lib64" / "libcudart.so.13")
+    _touch(cuda / "lib64" / "stubs" / "libcuda.so")
+    empty_path = str(tmp_path / "no-bin")
+
+    found = find_cuda_toolkit(
+        {"CUDA_HOME": str(cuda), "PATH": empty_path}, site_dirs=[], driver_lib_dirs=(), system_roots=[]
+    )
+
+    assert found.cuda_home == str(cuda)
+    assert found.include_dir == str(cuda / "include")
+    assert found.cccl_include_dir == str(cuda / "include" / "cccl")
+    assert not found.cccl_on_default_path
+    assert found.cudart_dir == str(cuda / "lib64")
+    assert found.libcuda_link_dir == str(cuda / "lib64" / "stubs") and found.libcuda_is_stub
+
+
+def test_toolkit_search_reads_nvidia_wheels_in_site_packages(tmp_path: Path) -> None:
+    site = tmp_path / "site-packages"
+    _touch(site / "nvidia" / "cu13" / "include" / "cuda_runtime.h")
+    _touch(site / "nvidia" / "cu13" / "include" / "nv" / "target")
+    _touch(site / "nvidia" / "cu13" / "lib" / "libcudart.so.13")
+
+    found = find_cuda_toolkit({"PATH": str(tmp_path)}, site_dirs=[site], driver_lib_dirs=(), system_roots=[])
+
+    assert found.cccl_include_dir == str(site / "nvidia" / "cu13" / "include")
+    assert found.cccl_on_default_path
+    assert found.cudart_dir == str(site / "nvidia" / "cu13" / "lib")
+    assert found.libcuda_link_dir is None
+
+
+def test_torch_version_file_and_probe_output_are_parsed_without_importing_torch() -> None:
+    info = parse_torch_version_py("__version__ = '2.11.0+cu130'\ncuda: Optional[str] = '13.0'\n")
+    cpu = parse_torch_version_py("__version__ = '2.13.0+cpu'\ncuda: Optional[str] = None\n")
+    probed = parse_torch_probe(
+        "torch_version=2.11.0+cu130\ncuda=13.0\ncuda_available=True\ndevice_count=2\n"
+        "arch_list=sm_80 sm_90 sm_100 sm_120 compute_120\n"
+    )
+
+    assert (info.version, info.cuda) == ("2.11.0+cu130", "13.0")
+    assert cpu.cuda is None
+    assert probed.device_count == 2 and probed.cuda_available
+    assert probed.supports_sm("9.0") and probed.supports_sm("12.0")
+    assert probed.supports_sm("8.6") is False
+    assert TorchInfo().supports_sm("9.0") is None
+
+
+def test_this_hosts_torch_build_is_read_from_its_version_file() -> None:
+    info = read_torch_version_file()
+
+    assert info is not None
+    assert info.version == importlib.metadata.version("torch")
+
+
+def test_cpu_only_torch_on_a_gpu_host_is_an_error_with_the_install_command(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    shutil.copytree(FIXTURES / "h200x2-nvlink", bundle)
+    (bundle / "torch.txt").write_text("torch_version=2.13.0+cpu\ncuda=None\ncuda_available=False\n")
+
+    report = probe_from_dir(bundle, packages=NO_PACKAGES)
+
+    errors = [problem for problem in report.problems if problem.severity == "error"]
+    assert len(errors) == 1
+    assert "CPU-only" in errors[0].message
+    assert errors[0].fix is not None and "download.pytorch.org/whl/cu" in errors[0].fix
+
+
+def test_recorded_bundle_reads_back_as_the_same_report(tmp_path: Path) -> None:
+    live = probe_environment(record_dir=tmp_path / "bundle")
+
+    again = probe_from_dir(tmp_path / "bundle")
+
+    assert again.gpus == live.gpus
+    assert again.cuda_toolkit == live.cuda_toolkit
+    assert again.packages == live.packages
+    assert again.nvcc_version == live.nvcc_version
+    assert [problem.message for problem in again.problems] == [problem.message for problem in live.problems]
+
+
+def test_cli_probe_from_dir_prints_json_with_two_nvlinked_sm90_gpus() -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "datagen.cli",
+            "probe",
+            "--json",
+            "--from-dir",
+            str(FIXTURES / "h200x2-nvlink"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+
+    report = EnvReport.model_validate_json(result.stdout)
+    assert [gpu.compute_capability for gpu in report.gpus] == ["9.0", "9.0"]
+    assert report.interconnect.nvlink_islands == [[0, 1]]
