@@ -20,6 +20,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,11 +35,26 @@ from tests.support.fault_server import FaultPlan, FaultServer
 
 PROMPTS = 480
 KILLS = 6
-# Every kill lands at a random moment in this window after the process starts (start-up included).
-KILL_WINDOW_S = (2.0, 8.0)
+# The first kill lands at a random moment of start-up; the others at a random moment after the attempt
+# sent its first request (a window short enough that several kills are needed to finish the run).
+STARTUP_KILL_WINDOW_S = (0.5, 3.0)
+GENERATION_KILL_WINDOW_S = (0.0, 2.0)
+GENERATION_START_TIMEOUT_S = 90
 FLOW_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
+
+
+def _existing_parquet() -> bytes:
+    import pyarrow as pa
+
+    buffer = io.BytesIO()
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3]], "loss_mask": [[0, 1, 1]]}), buffer)
+    return buffer.getvalue()
+
+
+# Stands in for the irreplaceable training data under the protected prefix.
+EXISTING_PARQUET = _existing_parquet()
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +79,7 @@ def bucket(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     name = f"chaos-{uuid.uuid4().hex[:10]}"
     client = make_s3_client(endpoint_url=s3_endpoint, region="us-east-1")
     client.create_bucket(Bucket=name)
-    client.put_object(Bucket=name, Key="train/existing-000.parquet", Body=b"irreplaceable")
+    client.put_object(Bucket=name, Key="train/existing-000.parquet", Body=EXISTING_PARQUET)
     return name
 
 
@@ -164,6 +180,17 @@ def _check_every_object_parses(endpoint: str, bucket: str, keys: list[str]) -> N
             pq.read_table(io.BytesIO(body))
 
 
+def _wait_for_generation(
+    servers: list[FaultServer], marks: list[int], process: subprocess.Popen[bytes], log: Path
+) -> None:
+    """Block until this attempt has sent a request to a server (or fail if it never does)."""
+    deadline = time.monotonic() + GENERATION_START_TIMEOUT_S
+    while sum(len(server.chat_requests()) for server in servers) <= sum(marks):
+        assert process.poll() is None, f"the flow exited before generating; see {log}"
+        assert time.monotonic() < deadline, f"the flow never started generating; see {log}"
+        time.sleep(0.02)
+
+
 def _received(servers: list[FaultServer], marks: list[int]) -> tuple[set[str], list[int]]:
     """Questions the servers received since ``marks`` (request counts per server), and the new marks."""
     questions: set[str] = set()
@@ -188,10 +215,17 @@ def test_flow_killed_at_random_moments_loses_and_duplicates_nothing(
         attempts: list[set[str]] = []
         snapshots: list[dict[str, str]] = []
         marks = [0, 0]
-        for _ in range(KILLS):
+        for kill in range(KILLS):
             process = _start_flow(config, env, log)
+            if kill == 0:
+                # One kill during start-up (preflight, opening the run, preparing prompts)...
+                delay_s = rng.uniform(*STARTUP_KILL_WINDOW_S)
+            else:
+                # ...the others at random moments once this attempt is generating.
+                _wait_for_generation(servers, marks, process, log)
+                delay_s = rng.uniform(*GENERATION_KILL_WINDOW_S)
             try:
-                process.wait(timeout=rng.uniform(*KILL_WINDOW_S))
+                process.wait(timeout=delay_s)
                 pytest.fail(f"the flow finished before it could be killed {KILLS} times; see {log}")
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
@@ -199,7 +233,7 @@ def test_flow_killed_at_random_moments_loses_and_duplicates_nothing(
             received, marks = _received(servers, marks)
             attempts.append(received)
             snapshots.append(_snapshot(s3_endpoint, bucket))
-        assert sum(bool(received) for received in attempts) >= 3, "most kills must land mid-generation"
+        assert sum(bool(received) for received in attempts) >= KILLS - 1, "kills must land mid-generation"
         final = _start_flow(config, env, log)
         assert final.wait(timeout=FLOW_TIMEOUT_S) == 0, log.read_text()[-5000:]
         received, marks = _received(servers, marks)
@@ -228,7 +262,7 @@ def test_flow_killed_at_random_moments_loses_and_duplicates_nothing(
         for key, digest in snapshot.items():
             assert end[key] == digest, f"{key} changed after a kill"
     _check_every_object_parses(s3_endpoint, bucket, sorted(end))
-    assert _read(s3_endpoint, bucket, "train/existing-000.parquet") == b"irreplaceable"
+    assert _read(s3_endpoint, bucket, "train/existing-000.parquet") == EXISTING_PARQUET
     assert [key for key in end if key.startswith("train/")] == ["train/existing-000.parquet"]
     assert run_prefix + "manifest.json" in end
 
