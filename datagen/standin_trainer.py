@@ -6,8 +6,10 @@ Used by the demo and the tests in place of a GPU trainer::
 
 It writes its pid to ``--pidfile``, counts steps into ``<checkpoint-dir>/step.txt``, and on the stop
 signal (SIGTERM unless ``--signal`` says otherwise) writes ``checkpoint-<step>.pt`` and exits 0.
-``--ignore-first-signal`` makes it stubborn: the first signal is only acknowledged. ``--marker PATH``
-writes a completion marker after the checkpoint (``--checkpoint-delay-s`` makes the checkpoint slow).
+``--gpu-memory-gib N`` holds N GiB on every visible GPU (as a real trainer would), so halting can be
+checked to release GPU memory. ``--ignore-first-signal`` makes it stubborn: the first signal is only
+acknowledged. ``--marker PATH`` writes a completion marker after the checkpoint
+(``--checkpoint-delay-s`` makes the checkpoint slow).
 """
 
 from __future__ import annotations
@@ -57,7 +59,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--signal", default="SIGTERM", help="Signal that asks for checkpoint and exit.")
     parser.add_argument("--marker", type=Path, default=None, help="File written once the checkpoint is done.")
     parser.add_argument("--checkpoint-delay-s", type=float, default=0.0, help="Time the checkpoint takes.")
+    parser.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=0.0,
+        help="Hold this much memory on every visible GPU, like a real trainer (needs torch with CUDA).",
+    )
     return parser.parse_args(argv)
+
+
+def hold_gpu_memory(gib: float) -> list[object]:
+    """Allocate ``gib`` GiB on every visible GPU and keep it until exit; empty when there is no GPU."""
+    if gib <= 0:
+        return []
+    try:
+        import torch
+    except ImportError:
+        logger.warning("torch is not installed: no GPU memory held")
+        return []
+    if not torch.cuda.is_available():
+        logger.warning("no CUDA device: no GPU memory held")
+        return []
+    elements = int(gib * (1 << 30))
+    held: list[object] = [
+        torch.empty(elements, dtype=torch.uint8, device=f"cuda:{index}")
+        for index in range(torch.cuda.device_count())
+    ]
+    logger.info("holding gib=%.1f on gpus=%d", gib, len(held))
+    return held
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     temporary = args.pidfile.with_name(args.pidfile.name + ".tmp")
     temporary.write_text(f"{os.getpid()}\n")
     temporary.replace(args.pidfile)
+    held = hold_gpu_memory(args.gpu_memory_gib)
     logger.info("training pid=%d stop_signal=%s", os.getpid(), stop_signal.name)
     step = 0
     while not request.stop:
@@ -86,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint.write_bytes(CHECKPOINT_BYTES)
     if args.marker is not None:
         args.marker.write_text(f"{checkpoint}\n")
+    held.clear()
     logger.info("checkpoint written path=%s; exiting", checkpoint)
     return 0
 
