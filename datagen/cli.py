@@ -114,17 +114,53 @@ def probe(
         Path | None,
         typer.Option(help="Also write this host's raw outputs to this folder (a bundle for --from-dir)."),
     ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="Also plan the servers for this model directory (its config.json) on this host."),
+    ] = None,
+    engine: Annotated[str, typer.Option(help="Engine to plan for with --model.")] = "sglang",
 ) -> None:
     """Probe this host (or a recorded bundle): GPUs, interconnect, drivers, packages, problems and fixes."""
+    from datagen.errors import DatagenError
     from datagen.probe import probe_environment, probe_from_dir
 
     if from_dir and record:
         _fail("--record writes this host's outputs; it cannot be combined with --from-dir", EXIT_CONFIG_ERROR)
     report = probe_from_dir(from_dir) if from_dir else probe_environment(record_dir=record)
+    plan = None
+    if model is not None:
+        try:
+            plan = _plan_for_model(report, model, engine)
+        except DatagenError as error:
+            _fail(f"no plan for {model}: {error}", EXIT_CONFIG_ERROR)
     if as_json:
-        typer.echo(report.model_dump_json(indent=2))
+        data = report.model_dump(mode="json")
+        if plan is not None:
+            data["plan"] = plan.model_dump(mode="json")
+        typer.echo(json.dumps(data, indent=2))
     else:
         typer.echo(report.to_markdown())
+        if plan is not None:
+            typer.echo(plan.to_markdown())
+
+
+def _plan_for_model(report: Any, model: Path, engine: str) -> Any:
+    """The server plan this host would get for ``model`` (ports are only proposed, nothing is started)."""
+    import tempfile
+
+    from datagen.config import parse_run_config
+    from datagen.plan import plan_servers
+
+    config = parse_run_config(
+        {
+            "model": {"path": str(model)},
+            "fleet": {"engine": engine},
+            "datasets": [{"name": "probe", "format": "openai_messages", "path": "unused"}],
+            "output": tempfile.gettempdir(),
+        },
+        source="datagen probe --model",
+    )
+    return plan_servers(report, config, Path(tempfile.mkdtemp(prefix="datagen-probe-plan-")))
 
 
 @datasets_app.command("inspect")

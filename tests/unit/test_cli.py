@@ -157,3 +157,38 @@ def test_run_with_a_missing_config_file_exits_2(tmp_path: Path) -> None:
     result = datagen("run", "--config", str(tmp_path / "absent.yaml"))
     assert result.returncode == EXIT_CONFIG_ERROR
     assert "does not exist" in result.stderr
+
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+
+
+@pytest.mark.parametrize(
+    ("model", "mode", "gpu_groups"),
+    [("qwen3-27b-shaped", "dp", [[0], [1]]), ("dense-70b-shaped", "tp", [[0, 1]])],
+)
+def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
+    model: str, mode: str, gpu_groups: list[list[int]]
+) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "datagen.cli",
+            "probe",
+            "--json",
+            "--from-dir",
+            str(FIXTURES / "probe" / "h200x2-nvlink"),
+            "--model",
+            str(FIXTURES / "models" / model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    report = json.loads(result.stdout)
+    assert len(report["gpus"]) == 2
+    assert {gpu["compute_capability"] for gpu in report["gpus"]} == {"9.0"}
+    assert report["interconnect"]["kind"] == "nvlink"
+    assert report["plan"]["mode"] == mode
+    assert [server["gpu_ids"] for server in report["plan"]["servers"]] == gpu_groups
