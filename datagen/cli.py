@@ -126,7 +126,10 @@ def probe(
 
     if from_dir and record:
         _fail("--record writes this host's outputs; it cannot be combined with --from-dir", EXIT_CONFIG_ERROR)
-    report = probe_from_dir(from_dir) if from_dir else probe_environment(record_dir=record)
+    try:
+        report = probe_from_dir(from_dir) if from_dir else probe_environment(record_dir=record)
+    except DatagenError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
     plan = None
     if model is not None:
         try:

@@ -217,7 +217,9 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         store.write_json(layout.tokenized_summary, summary)
     except OutputExistsError:
         # Another process on the same run finished the merge first; its summary describes the same parts.
-        logger.info("tokenize summary already written by another attempt; adopting it run_id=%s", layout.run_id)
+        logger.info(
+            "tokenize summary already written by another attempt; adopting it run_id=%s", layout.run_id
+        )
         return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
     logger.info(
         "merged run_id=%s rows=%d loss_tokens=%d parts=%d dropped=%s version=%s",

@@ -36,6 +36,7 @@ from datagen.cuda_env import (
     run_torch_probe,
 )
 from datagen.engines.sglang import installed_server_flags
+from datagen.errors import ProbeError
 
 logger = logging.getLogger(__name__)
 
@@ -874,8 +875,18 @@ def probe_from_dir(directory: str | Path, *, packages: dict[str, str | None] | N
     Returns:
         The report, with the folder's name as host name.
 
+    Raises:
+        ProbeError: The folder does not exist or holds none of the recorded files.
+
     """
     folder = Path(directory)
+    if not folder.is_dir() or not any(
+        (folder / name).is_file() for name in [*RECORDED_FILES.values(), PACKAGES_FILE]
+    ):
+        raise ProbeError(
+            f"{folder} holds no recorded probe outputs; make a bundle on the host with "
+            "`datagen probe --record DIR` and copy that folder here"
+        )
     outputs: dict[str, str | None] = {}
     for key, filename in RECORDED_FILES.items():
         path = folder / filename

@@ -159,7 +159,7 @@ def test_run_with_a_missing_config_file_exits_2(tmp_path: Path) -> None:
     assert "does not exist" in result.stderr
 
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES_ROOT = Path(__file__).resolve().parents[1] / "fixtures"
 
 
 @pytest.mark.parametrize(
@@ -177,9 +177,9 @@ def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
             "probe",
             "--json",
             "--from-dir",
-            str(FIXTURES / "probe" / "h200x2-nvlink"),
+            str(FIXTURES_ROOT / "probe" / "h200x2-nvlink"),
             "--model",
-            str(FIXTURES / "models" / model),
+            str(FIXTURES_ROOT / "models" / model),
         ],
         capture_output=True,
         text=True,

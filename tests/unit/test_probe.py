@@ -16,6 +16,7 @@ from datagen.cuda_env import (
     parse_torch_version_py,
     read_torch_version_file,
 )
+from datagen.errors import ProbeError
 from datagen.probe import (
     EnvReport,
     parse_compute_apps_csv,
@@ -113,7 +114,15 @@ def test_topology_without_gpu_rows_is_unknown() -> None:
     assert parse_topology("No devices were found\n").kind == "unknown"
 
 
-def test_folder_without_recordings_means_no_gpus_and_an_info_problem(tmp_path: Path) -> None:
+def test_an_empty_or_missing_folder_is_an_error_not_a_host_without_gpus(tmp_path: Path) -> None:
+    with pytest.raises(ProbeError, match="no recorded probe outputs"):
+        probe_from_dir(tmp_path / "missing")
+    with pytest.raises(ProbeError, match="datagen probe --record"):
+        probe_from_dir(tmp_path)
+
+
+def test_bundle_of_a_host_without_nvidia_smi_means_no_gpus_and_an_info_problem(tmp_path: Path) -> None:
+    (tmp_path / "packages.json").write_text("{}")
     report = probe_from_dir(tmp_path, packages=NO_PACKAGES)
 
     assert report.gpus == []
@@ -148,11 +157,17 @@ def test_probe_of_this_host_matches_whether_nvidia_smi_exists() -> None:
         assert report.gpus or report.problems
 
 
-def test_h200_pair_has_only_the_missing_sglang_note_as_a_problem() -> None:
+def test_h200_pair_recording_has_only_informational_notes_with_fixes() -> None:
+    # Recorded on the real 2xH200 test host: a working CUDA 13 stack without sglang, and libcuda for
+    # linking only as a stub (what JIT builds link against; fleet.fix_jit_env puts it on LIBRARY_PATH).
     report = probe_from_dir(FIXTURES / "h200x2-nvlink", packages=NO_PACKAGES)
 
-    assert [problem.severity for problem in report.problems] == ["info"]
-    assert "sglang is not installed" in report.problems[0].message
+    assert {problem.severity for problem in report.problems} == {"info"}
+    messages = " | ".join(problem.message for problem in report.problems)
+    assert "sglang is not installed" in messages
+    assert "stub" in messages
+    assert all(problem.fix for problem in report.problems)
+    assert report.torch is not None and report.torch.cuda == "13.0"
 
 
 def test_sm120_workstation_reports_each_jit_trap_with_its_fix() -> None:
