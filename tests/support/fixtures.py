@@ -6,6 +6,7 @@ conftest (then every module shares one pool), or import the fixtures into a test
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,3 +31,17 @@ def transformers_pool(transformers_pool_session: TransformersServerPool) -> Tran
     """The shared pool with every server running (a server an earlier test killed is restarted)."""
     transformers_pool_session.ensure_running()
     return transformers_pool_session
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    """A real S3-protocol server (moto's server mode) on loopback, for the whole session."""
+    from moto.server import ThreadedMotoServer
+
+    # moto's server logs every request through werkzeug; only errors are worth a line in a test log.
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    yield f"http://{host}:{port}"
+    server.stop()
