@@ -309,3 +309,14 @@ def test_cli_probe_from_dir_prints_json_with_two_nvlinked_sm90_gpus() -> None:
     report = EnvReport.model_validate_json(result.stdout)
     assert [gpu.compute_capability for gpu in report.gpus] == ["9.0", "9.0"]
     assert report.interconnect.nvlink_islands == [[0, 1]]
+
+
+def test_single_h200_recording_is_one_sm90_gpu_without_links() -> None:
+    # Recorded with `datagen probe --record` on the real one-GPU H200 test host.
+    report = probe_from_dir(FIXTURES / "h200x1", packages=NO_PACKAGES)
+
+    assert [(gpu.name, gpu.compute_capability, gpu.memory_total_mib) for gpu in report.gpus] == [
+        ("NVIDIA H200", "9.0", 143771)
+    ]
+    assert report.interconnect.kind == "single"
+    assert {problem.severity for problem in report.problems} == {"info"}
