@@ -38,6 +38,8 @@ PREFECT_ENV_DEFAULTS = {
     "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
     "TOKENIZERS_PARALLELISM": "false",
+    # datagen's own loggers (dispatcher retries, S3 retries, fleet restarts) go to the run log and the UI.
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "datagen",
 }
 
 

@@ -4,12 +4,14 @@ Supported file types, chosen by suffix (a ``.gz``/``.bz2``/``.xz``/``.zst`` suff
 fly): Parquet (read batch by batch), JSON Lines (``.jsonl``, ``.ndjson``) and JSON files holding one
 top-level array (``.json``, streamed element by element). Nothing is ever loaded whole.
 
-Hugging Face Hub ids are recognised and refused with a clear message: the hosts datagen runs on cannot
-reach the Hub, so datasets are copied to local disk or S3 first.
+Hugging Face Hub ids (``owner/name[:config]`` or ``hf://datasets/owner/name``) are streamed through the
+`datasets` library (extra ``hub``) when the Hub is reachable, and refused with a clear message when it is
+not: GPU hosts often cannot reach it, so datasets are usually copied to local disk or S3 first.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import re
@@ -153,6 +155,9 @@ def iter_rows(path: str, *, limit: int | None = None) -> Iterator[SourceRow]:
             (not Parquet, a JSON file that is not one array, a truncated array).
 
     """
+    if looks_like_hub_id(path):
+        yield from _iter_hub_rows(path, limit=limit)
+        return
     index = 0
     for file in resolve_files(path):
         logger.info("reading dataset file=%s", file)
@@ -163,6 +168,39 @@ def iter_rows(path: str, *, limit: int | None = None) -> Iterator[SourceRow]:
             index += 1
     if index == 0:
         logger.warning("dataset path=%s holds no rows", path)
+
+
+def _iter_hub_rows(path: str, *, limit: int | None) -> Iterator[SourceRow]:
+    """Stream a Hub dataset (``owner/name[:config]``, split ``train``) through the `datasets` library."""
+    repo, _, config = path.removeprefix("hf://datasets/").removeprefix("hf://").partition(":")
+    advice = (
+        "Or download the files where the Hub is reachable (e.g. `huggingface-cli download --repo-type dataset "
+        f"{repo}`), copy them to local disk or S3, and set the dataset's `path` to that copy."
+    )
+    try:
+        datasets: Any = importlib.import_module("datasets")
+    except ImportError:
+        datasets = None
+    # A folder called `datasets` in the working directory (datagen's own output!) imports as an empty
+    # namespace package: only the real library has load_dataset.
+    if not hasattr(datasets, "load_dataset"):
+        raise DatasetError(
+            f"Dataset path {path!r} is a Hugging Face Hub id; reading it needs the `datasets` library: "
+            f"pip install 'datagen[hub]'. {advice}"
+        )
+    try:
+        stream = datasets.load_dataset(repo, config or None, split="train", streaming=True)
+        for index, data in enumerate(stream):
+            if limit is not None and index >= limit:
+                return
+            yield SourceRow(index=index, data=data, error=None, file=f"hf://datasets/{repo}")
+    except DatasetError:
+        raise
+    except Exception as error:
+        raise DatasetError(
+            f"Cannot read Hub dataset {path!r} ({type(error).__name__}: {error}); the Hub is probably not "
+            f"reachable from this host. {advice}"
+        ) from None
 
 
 def _iter_file(file: str) -> Iterator[tuple[Any, str | None]]:

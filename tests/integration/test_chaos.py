@@ -31,6 +31,7 @@ import yaml
 
 from datagen.storage import make_s3_client
 from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.s3_proxy import S3FaultProxy
 
 PROMPTS = 480
 KILLS = 6
@@ -195,10 +196,17 @@ def test_flow_killed_at_random_moments_loses_and_duplicates_nothing(
 ) -> None:
     rng = random.Random(20261130)
     plan = FaultPlan(rates={"500": 0.03, "reset": 0.02}, base_delay_s=0.3, seed=7)
-    with FaultServer(plan) as first, FaultServer(plan) as second:
+    # The flow reaches S3 through a proxy that fails a share of requests (5xx, resets before and after the
+    # write landed); the test itself reads S3 directly.
+    s3_faults = {"500": 0.02, "503": 0.02, "reset_before": 0.02, "reset_after": 0.02}
+    with (
+        FaultServer(plan) as first,
+        FaultServer(plan) as second,
+        S3FaultProxy(s3_endpoint, rates=s3_faults, seed=11) as s3_proxy,
+    ):
         servers = [first, second]
         config = _write_inputs(tmp_path, bucket, [first.url, second.url], tiny_model_dir, "chaos")
-        env = _flow_env(tmp_path, prefect_api, s3_endpoint)
+        env = _flow_env(tmp_path, prefect_api, s3_proxy.url)
         log = tmp_path / "flow.log"
         attempts: list[set[str]] = []
         snapshots: list[dict[str, str]] = []
@@ -226,7 +234,10 @@ def test_flow_killed_at_random_moments_loses_and_duplicates_nothing(
         assert final.wait(timeout=FLOW_TIMEOUT_S) == 0, log.read_text()[-5000:]
         received, marks = _received(servers, marks)
         attempts.append(received)
+        injected = sum(s3_proxy.injected.values())
 
+    assert injected > 0, "the S3 proxy must actually have failed requests"
+    assert "s3 retry" in log.read_text(), "S3 retries are visible in the flow's log"
     end = _snapshot(s3_endpoint, bucket)
     run_prefix = "expansion/runs/chaos/"
     prompt_questions: dict[str, str] = {}
@@ -286,6 +297,7 @@ def test_flow_killed_at_random_moments_loses_and_duplicates_nothing(
     reported = sum(json.loads(_read(s3_endpoint, bucket, key))["resent_requests"] for key in done_keys)
     (tmp_path / "chaos-figures.json").write_text(json.dumps(figures, indent=2))
     print("chaos figures:", json.dumps(figures))
+    print(f"chaos: s3 faults injected={dict(s3_proxy.injected)}")
     print(
         f"chaos: kills={len(snapshots)} resent_total={sum(f['resent_next_attempt'] for f in figures)} "
         f"upper_bound_reported_by_flow={reported}"

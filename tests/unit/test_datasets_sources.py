@@ -141,3 +141,16 @@ def test_s3_prefix_streams_parquet_json_array_and_jsonl(s3_bucket: str, s3_endpo
     assert rows[0].file == f"s3://{s3_bucket}/web/a.parquet"
     globbed = list(iter_rows(f"s3://{s3_bucket}/web/*.json"))
     assert [row.data for row in globbed] == [{"question": "j0"}]
+
+
+@pytest.mark.parametrize(
+    "path", ["BAAI/Infinity-Instruct:0625", "hf://datasets/NousResearch/hermes-function-calling-v1"]
+)
+def test_reading_a_hub_id_without_the_hub_is_a_clear_error_with_the_way_out(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # No Hub here: either the `datasets` library is absent (the error names the extra to install) or it is
+    # present but offline (the error says the Hub is not reachable). Both say how to use a local copy.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(DatasetError, match=r"(datagen\[hub\]|not reachable).*local disk or S3"):
+        list(iter_rows(path, limit=1))
