@@ -16,7 +16,7 @@ from datagen.engines.sglang import MAMBA_FLAG_OLD, parse_server_args_flags
 from datagen.errors import PlanError
 from datagen.model_size import shape_from_config
 from datagen.plan import ServerPlan, ServerSpec, client_url, plan_servers, port_is_free, router_launch
-from datagen.probe import EnvReport, probe_from_dir
+from datagen.probe import EnvReport, build_report, probe_from_dir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 PACKAGES: dict[str, str | None] = {}
@@ -36,7 +36,12 @@ def _config(**fleet: Any) -> RunConfig:
 
 
 def _env(name: str | None) -> EnvReport:
-    return probe_from_dir(FIXTURES / name if name else FIXTURES / "does-not-exist", packages=PACKAGES)
+    if name is None:
+        # A host without nvidia-smi: nothing recorded but its packages.
+        return build_report(
+            query_gpu=None, topo=None, smi=None, apps=None, nvcc=None, packages=PACKAGES, hostname="cpu"
+        )
+    return probe_from_dir(FIXTURES / name, packages=PACKAGES)
 
 
 @pytest.fixture()
