@@ -80,7 +80,8 @@ class RunSummary(BaseModel):
 def _flow_run_name() -> str:
     parameters = runtime_flow_run.parameters or {}
     config = parameters.get("config")
-    run_id = getattr(config, "run_id", None) or (config or {}).get("run_id") if config is not None else None
+    # The parameter arrives as a RunConfig (in-process call) or as plain data (deployment runs).
+    run_id = config.get("run_id") if isinstance(config, dict) else getattr(config, "run_id", None)
     return f"expand-{run_id}" if run_id else "expand-new-run"
 
 
