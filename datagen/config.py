@@ -281,6 +281,12 @@ class GenerationConfig(StrictModel):
 
     request_timeout_s: float = Field(default=1800.0, gt=0)
     max_attempts: int = Field(default=5, gt=0, description="Tries per request before a failure is recorded.")
+    max_internal_error_attempts: int = Field(
+        default=3,
+        gt=0,
+        description="A request answered HTTP 500 this many times, by at least two servers, fails for good "
+        "(each try redoes a whole generation); 502-504 and resets keep the full max_attempts.",
+    )
     backoff_initial_s: float = Field(default=0.5, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)
     # A crash loses only what is in flight or not yet flushed: flush small parts often (a PUT a second is

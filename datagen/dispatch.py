@@ -62,6 +62,7 @@ HEALTH_PATH = "/health"
 # How often down servers are probed and liveness is polled: fast enough that a restarted server
 # rejoins within a second or two, slow enough to cost nothing.
 HEALTH_INTERVAL_S = 1.0
+HTTP_INTERNAL_ERROR = 500
 HEALTH_TIMEOUT_S = 5.0
 # Opening a TCP connection to a live server on the same network takes milliseconds; ten seconds
 # without one means the server is gone or wedged.
@@ -173,6 +174,9 @@ class _Job:
     # shutdown; `refund` gives the attempt back (a server removed on purpose is not the request's fault).
     interrupted: str | None = None
     refund: bool = False
+    # Servers that answered this request with HTTP 500 (an internal error, as opposed to 502-504 which say
+    # the server is busy or restarting): the same error from several servers is the request's own fault.
+    internal_error_servers: list[str] = field(default_factory=list)
 
 
 @dataclass(eq=False)
@@ -580,6 +584,22 @@ class Dispatcher:
             self._mark_down(server, outcome.reason)
         elif outcome.suspect:
             self._probe_soon(server)
+        if outcome.status == HTTP_INTERNAL_ERROR:
+            job.internal_error_servers.append(server.url)
+            repeated = len(job.internal_error_servers) >= self.generation.max_internal_error_attempts
+            distinct = len(set(job.internal_error_servers))
+            cut_short = job.attempts < self.generation.max_attempts
+            if repeated and cut_short and distinct >= min(2, len(self._servers)):
+                # A whole generation is redone on every try: stop paying for an answer the servers cannot give.
+                self._fail(
+                    job,
+                    f"HTTP 500 from {distinct} server(s) on each of "
+                    f"{len(job.internal_error_servers)} attempts; last error: {outcome.reason}",
+                    "repeated_internal_error",
+                    outcome.status,
+                    server.url,
+                )
+                return
         if job.attempts >= self.generation.max_attempts:
             self._fail(
                 job,

@@ -176,7 +176,8 @@ def test_least_outstanding_routing_fills_every_server_up_to_its_cap() -> None:
 
 def test_every_future_resolves_under_random_faults_and_every_try_is_accounted() -> None:
     plan = FaultPlan(rates={"500": 0.15, "empty": 0.1, "reset": 0.1, "429": 0.05}, seed=3)
-    generation = FAST_RETRIES.model_copy(update={"max_attempts": 12})
+    # 500s here are random, not the request's fault: let them be retried as long as anything else.
+    generation = FAST_RETRIES.model_copy(update={"max_attempts": 12, "max_internal_error_attempts": 12})
     with FaultServer(plan) as first, FaultServer(plan) as second:
         with dispatcher_for([first.url, second.url], cap=8, generation=generation) as dispatcher:
             futures = [dispatcher.submit(make_request(f"m{i}")) for i in range(200)]
@@ -277,3 +278,20 @@ def test_submit_before_start_is_refused() -> None:
     dispatcher = dispatcher_for(["http://127.0.0.1:9"])
     with pytest.raises(RuntimeError, match="start"):
         dispatcher.submit(make_request("early"))
+
+
+def test_a_request_every_server_answers_with_http_500_stops_early_without_using_all_attempts() -> None:
+    generation = FAST_RETRIES.model_copy(update={"max_attempts": 6, "max_internal_error_attempts": 3})
+    with FaultServer() as first, FaultServer() as second:
+        with dispatcher_for([first.url, second.url], generation=generation) as dispatcher:
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            [record] = results([dispatcher.submit(make_request("[[500,500,500,500,500,500]] always broken"))])
+            [healthy] = results([dispatcher.submit(make_request("[[500,ok]] broken once"))])
+        tries = len(first.chat_requests()) + len(second.chat_requests())
+
+    assert isinstance(record, FailureRecord)
+    assert record.error_type == "repeated_internal_error"
+    assert record.attempts == 3, "three 500s from two servers are enough: a retry redoes a whole generation"
+    # The fault server counts attempts per server: the second request gets one 500 from each, then an answer.
+    assert isinstance(healthy, CompletionRecord) and healthy.attempts == 3
+    assert tries == 3 + 3
