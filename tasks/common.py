@@ -34,3 +34,11 @@ def run_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """Cache key of a run-level stage: stage name + run identity (id, incarnation, config hash)."""
     run = parameters["run"]
     return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash)
+
+
+# The retry policy of every task whose work is idempotent: transient errors only, on the schedule above.
+TRANSIENT_RETRIES: dict[str, Any] = {
+    "retries": len(TRANSIENT_RETRY_DELAYS_S),
+    "retry_delay_seconds": TRANSIENT_RETRY_DELAYS_S,
+    "retry_condition_fn": retry_only_transient,
+}

@@ -17,7 +17,7 @@ from datagen.prompts import load_prompt_ids
 from datagen.prompts import prepare_prompts as prepare_prompts_core
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.runs import RunHandle, open_store
-from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient, run_cache_key, stage_cache_key
+from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
 
 # The existing corpus's prompt ids, read once per flow run (config hash) and shared by every dataset's
 # prepare task in this process: one entry, since a process runs one flow run at a time.
@@ -72,9 +72,7 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
     name="prepare-prompts",
     task_run_name="prepare-{dataset}",
     cache_key_fn=_dataset_cache_key,
-    retries=len(TRANSIENT_RETRY_DELAYS_S),
-    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
-    retry_condition_fn=retry_only_transient,
+    **TRANSIENT_RETRIES,
 )
 def prepare_prompts(
     config: RunConfig, run: RunHandle, dataset: str, earlier: list[PreparedDataset]
@@ -115,9 +113,7 @@ def prepare_prompts(
     name="generate-shard",
     task_run_name="generate-{shard.dataset}-{shard.shard_index:05d}",
     cache_key_fn=_shard_cache_key,
-    retries=len(TRANSIENT_RETRY_DELAYS_S),
-    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
-    retry_condition_fn=retry_only_transient,
+    **TRANSIENT_RETRIES,
 )
 def generate_shard(
     config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher
@@ -150,9 +146,7 @@ def generate_shard(
     name="merge-and-tokenize",
     task_run_name="merge-and-tokenize-{run.run_id}",
     cache_key_fn=run_cache_key,
-    retries=len(TRANSIENT_RETRY_DELAYS_S),
-    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
-    retry_condition_fn=retry_only_transient,
+    **TRANSIENT_RETRIES,
 )
 def merge_and_tokenize(config: RunConfig, run: RunHandle, shards: list[ShardSummary]) -> dict[str, Any]:
     """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""

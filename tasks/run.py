@@ -19,7 +19,7 @@ from datagen.records import PreparedDataset, ShardSummary
 from datagen.report import RunReport, build_report
 from datagen.runs import RunHandle, open_store
 from datagen.runs import open_run as open_run_in_store
-from tasks.common import TRANSIENT_RETRY_DELAYS_S, retry_only_transient
+from tasks.common import TRANSIENT_RETRIES
 
 
 @task(name="preflight", task_run_name="preflight-{config.run_id}", cache_policy=NO_CACHE)
@@ -37,9 +37,7 @@ def preflight(config: RunConfig) -> PreflightReport:
     name="open-run",
     task_run_name="open-run-{config.run_id}",
     cache_policy=NO_CACHE,
-    retries=len(TRANSIENT_RETRY_DELAYS_S),
-    retry_delay_seconds=TRANSIENT_RETRY_DELAYS_S,
-    retry_condition_fn=retry_only_transient,
+    **TRANSIENT_RETRIES,
 )
 def open_run(config: RunConfig) -> RunHandle:
     """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
