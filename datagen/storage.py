@@ -506,6 +506,39 @@ def install_retry_logging(client: Any) -> None:
     events.register("request-created.s3", _log_retry, unique_id="datagen-log-retry")
 
 
+@dataclass(frozen=True)
+class _S3Target:
+    """Where and as whom to reach S3, resolved once for boto3 and s3fs alike (holds secrets: never log)."""
+
+    endpoint_url: str | None
+    region: str | None
+    profile_name: str | None
+    key_pair: tuple[str, str] | None
+    session_token: str | None
+
+
+def _resolve_s3_target(
+    endpoint_url: str | None, region: str | None, credentials: S3Credentials | None
+) -> _S3Target:
+    """Apply the precedence rules: explicit argument, then ``DATAGEN_S3_*``, then the credentials' own values."""
+    from datagen.settings import get_settings
+
+    settings = get_settings()
+    chosen = credentials if credentials is not None else _default_credentials
+    key_pair = None
+    token = None
+    if chosen is not None and chosen.access_key_id and chosen.secret_access_key:
+        key_pair = (chosen.access_key_id, chosen.secret_access_key.get_secret_value())
+        token = chosen.session_token.get_secret_value() if chosen.session_token else None
+    return _S3Target(
+        endpoint_url=endpoint_url or settings.s3_endpoint_url or (chosen.endpoint_url if chosen else None),
+        region=region or settings.s3_region or (chosen.region if chosen else None),
+        profile_name=chosen.profile_name if chosen else None,
+        key_pair=key_pair,
+        session_token=token,
+    )
+
+
 def make_s3_client(
     endpoint_url: str | None = None,
     region: str | None = None,
@@ -527,24 +560,19 @@ def make_s3_client(
     import boto3
     from botocore.config import Config
 
-    from datagen.settings import get_settings
-
-    settings = get_settings()
-    chosen = credentials if credentials is not None else _default_credentials
+    target = _resolve_s3_target(endpoint_url, region, credentials)
     session_kwargs: dict[str, Any] = {}
-    if chosen is not None:
-        if chosen.profile_name:
-            session_kwargs["profile_name"] = chosen.profile_name
-        if chosen.access_key_id and chosen.secret_access_key:
-            session_kwargs["aws_access_key_id"] = chosen.access_key_id
-            session_kwargs["aws_secret_access_key"] = chosen.secret_access_key.get_secret_value()
-            if chosen.session_token:
-                session_kwargs["aws_session_token"] = chosen.session_token.get_secret_value()
+    if target.profile_name:
+        session_kwargs["profile_name"] = target.profile_name
+    if target.key_pair:
+        session_kwargs["aws_access_key_id"], session_kwargs["aws_secret_access_key"] = target.key_pair
+        if target.session_token:
+            session_kwargs["aws_session_token"] = target.session_token
     session = boto3.session.Session(**session_kwargs)
     client = session.client(
         "s3",
-        endpoint_url=endpoint_url or settings.s3_endpoint_url or (chosen.endpoint_url if chosen else None),
-        region_name=region or settings.s3_region or (chosen.region if chosen else None),
+        endpoint_url=target.endpoint_url,
+        region_name=target.region,
         config=Config(retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}),
     )
     install_retry_logging(client)
@@ -558,29 +586,22 @@ def s3_storage_options(credentials: S3Credentials | None = None) -> dict[str, An
     endpoint and credentials as the store, and botocore's standard retry mode. The result holds secrets:
     hand it to fsspec, never log it.
     """
-    from datagen.settings import get_settings
-
-    settings = get_settings()
-    chosen = credentials if credentials is not None else _default_credentials
+    target = _resolve_s3_target(None, None, credentials)
     client_kwargs: dict[str, Any] = {}
-    endpoint = settings.s3_endpoint_url or (chosen.endpoint_url if chosen else None)
-    region = settings.s3_region or (chosen.region if chosen else None)
-    if endpoint:
-        client_kwargs["endpoint_url"] = endpoint
-    if region:
-        client_kwargs["region_name"] = region
+    if target.endpoint_url:
+        client_kwargs["endpoint_url"] = target.endpoint_url
+    if target.region:
+        client_kwargs["region_name"] = target.region
     options: dict[str, Any] = {
         "client_kwargs": client_kwargs,
         "config_kwargs": {"retries": {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}},
     }
-    if chosen is not None:
-        if chosen.profile_name:
-            options["profile"] = chosen.profile_name
-        if chosen.access_key_id and chosen.secret_access_key:
-            options["key"] = chosen.access_key_id
-            options["secret"] = chosen.secret_access_key.get_secret_value()
-            if chosen.session_token:
-                options["token"] = chosen.session_token.get_secret_value()
+    if target.profile_name:
+        options["profile"] = target.profile_name
+    if target.key_pair:
+        options["key"], options["secret"] = target.key_pair
+        if target.session_token:
+            options["token"] = target.session_token
     return options
 
 
