@@ -51,7 +51,7 @@ def read_in_child(path: Path, normalise: bool) -> dict[str, float]:
     """Read ``path`` in a fresh interpreter; return its row count, seconds and peak RSS."""
     code = (
         "import json, resource, sys, time\n"
-        "from datagen.datasets import iter_rows, normalise_row\n"
+        "from datagen.prompts.datasets import iter_rows, normalise_row\n"
         "start = time.perf_counter(); rows = 0; prompts = 0\n"
         "for row in iter_rows(sys.argv[1]):\n"
         "    rows += 1\n"

@@ -2,8 +2,8 @@
 
 For each fleet size in ``--servers`` (e.g. ``1,2`` on a two-GPU host), this script runs datagen's own
 path: probe the host, plan one server per GPU (or CPU servers), start the fleet with
-:class:`datagen.fleet.Fleet` (time to all servers ready), and generate ``--prompts`` requests through
-:class:`datagen.dispatch.Dispatcher`. Then, on the same servers, a baseline: a plain asyncio client that
+:class:`datagen.host.fleet.Fleet` (time to all servers ready), and generate ``--prompts`` requests through
+:class:`datagen.generation.dispatcher.Dispatcher`. Then, on the same servers, a baseline: a plain asyncio client that
 keeps ``--concurrency`` requests in flight on every server (round-robin, no retries, no records) — the
 best a hand-written script can do. It reports aggregate output tokens/s of both and their ratio.
 
@@ -31,10 +31,10 @@ from typing import Any
 import httpx
 
 from datagen.config import GenerationConfig, RunConfig, SamplingParams
-from datagen.dispatch import Dispatcher, GenerationRequest
-from datagen.fleet import Fleet
-from datagen.plan import plan_servers
-from datagen.probe import probe_environment
+from datagen.generation.dispatcher import Dispatcher, GenerationRequest
+from datagen.host.fleet import Fleet
+from datagen.host.plan import plan_servers
+from datagen.host.probe import probe_environment
 from datagen.records import CompletionRecord, Message, PromptRecord
 
 QWEN3_1_7B_SHAPE = {
@@ -55,7 +55,7 @@ def build_qwen3_shaped_model(directory: Path, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
 
-    from datagen.tinymodel import SPECIAL_TOKENS, chat_template
+    from datagen.app.tinymodel import SPECIAL_TOKENS, chat_template
 
     directory.mkdir(parents=True, exist_ok=True)
     vocab = {token: index for index, token in enumerate(SPECIAL_TOKENS)}
@@ -256,7 +256,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     if args.build_model == "tiny":
-        from datagen.tinymodel import build_tiny_model
+        from datagen.app.tinymodel import build_tiny_model
 
         build_tiny_model(args.model_dir)
     elif args.build_model == "qwen3-1.7b":

@@ -16,12 +16,12 @@ fi
 case "${1:-flow}" in
 flow)
   python3 benchmarks/make_prompt_files.py --rows-per-layout "${ROWS:-250}" --out /tmp/dg/prompts > /dev/null
-  python3 -m datagen.standin_trainer --pidfile /tmp/dg/trainer.pid --checkpoint-dir /tmp/dg/checkpoints \
+  python3 -m datagen.host.standin_trainer --pidfile /tmp/dg/trainer.pid --checkpoint-dir /tmp/dg/checkpoints \
     --gpu-memory-gib 20 > /tmp/dg/trainer.log 2>&1 &
   sleep 10
   nvidia-smi --query-gpu=index,memory.used --format=csv > "$OUT/gpu-memory-before-halt.csv"
   start=$(date +%s)
-  python3 -m datagen.cli run --config configs/h200-test-host.yaml --run-id h200 > "$OUT/flow.log" 2>&1
+  python3 -m datagen.app.cli run --config configs/h200-test-host.yaml --run-id h200 > "$OUT/flow.log" 2>&1
   echo "flow rc=$? wall_s=$(( $(date +%s) - start ))"
   grep -E "fleet ready|training halted|plan mode|progress 100|run complete" "$OUT/flow.log" | cut -c1-220
   tail -14 "$OUT/flow.log"

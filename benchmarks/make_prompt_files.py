@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from datagen.config import DatasetFormat
-from datagen.datasets import iter_rows
+from datagen.prompts.datasets import iter_rows
 from datagen.samples import sample_path
 
 # Strings shorter than this (ids, roles, categories) are left alone.

@@ -449,7 +449,7 @@ class RunConfig(StrictModel):
                     "mix.category_caps needs a quota (max_prompts or share) on every dataset, so the caps "
                     f"are known before any dataset is read; none on: {', '.join(unlimited)}"
                 )
-            from datagen.mix import plan_mix  # the mix module builds on this one
+            from datagen.prompts.mix import plan_mix  # the mix module builds on this one
 
             plan_mix(self)
         return self

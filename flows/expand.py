@@ -29,13 +29,13 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from pydantic import BaseModel, ConfigDict
 
 from datagen.config import RunConfig
-from datagen.dispatch import Dispatcher
-from datagen.fleet import Fleet, fleet_pidfile, stop_fleet_from_pidfile
-from datagen.layout import RunLayout
-from datagen.manifest import read_manifest
+from datagen.generation.dispatcher import Dispatcher
+from datagen.host.fleet import Fleet, fleet_pidfile, stop_fleet_from_pidfile
+from datagen.output.layout import RunLayout
+from datagen.output.manifest import read_manifest
+from datagen.output.report import RunReport
+from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
-from datagen.report import RunReport
-from datagen.runs import make_run_id, open_store
 from datagen.settings import get_settings
 from tasks.credentials import configure_s3_credentials
 from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts

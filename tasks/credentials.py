@@ -4,7 +4,7 @@
 it cannot read Prefect blocks itself. When ``DATAGEN_AWS_CREDENTIALS_BLOCK`` names an ``aws-credentials``
 block (the block type of the prefect-aws package), :func:`configure_s3_credentials` reads the block's
 document from the Prefect API (so prefect-aws need not be installed on the worker) and installs it as the
-process's default S3 credentials with :func:`datagen.storage.set_default_s3_credentials`. The flow calls
+process's default S3 credentials with :func:`datagen.output.store.set_default_s3_credentials`. The flow calls
 it once, at its start, before any store is opened; task threads of the flow run share the process.
 """
 
@@ -14,8 +14,8 @@ import logging
 from typing import Any
 
 from datagen.errors import ConfigError
+from datagen.output.s3_client import S3Credentials, set_default_s3_credentials
 from datagen.settings import get_settings
-from datagen.storage import S3Credentials, set_default_s3_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +23,7 @@ AWS_CREDENTIALS_BLOCK_TYPE = "aws-credentials"
 
 
 def credentials_from_block_data(data: dict[str, Any]) -> S3Credentials:
-    """Map the fields of an AwsCredentials block document onto :class:`~datagen.storage.S3Credentials`.
+    """Map the fields of an AwsCredentials block document onto :class:`~datagen.output.store.S3Credentials`.
 
     Args:
         data: The block document's data (prefect-aws field names: ``aws_access_key_id``,

@@ -9,14 +9,14 @@ from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
 from datagen.config import RunConfig
-from datagen.datasets.corpus import load_corpus_ids
-from datagen.dispatch import Dispatcher
-from datagen.generate import generate_shard as generate_shard_core
-from datagen.merge import merge_and_tokenize as merge_and_tokenize_core
-from datagen.prompts import load_prompt_ids
-from datagen.prompts import prepare_prompts as prepare_prompts_core
+from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.shard import generate_shard as generate_shard_core
+from datagen.output.merge import merge_and_tokenize as merge_and_tokenize_core
+from datagen.output.runs import RunHandle, open_store
+from datagen.prompts.datasets.corpus import load_corpus_ids
+from datagen.prompts.prepare import load_prompt_ids
+from datagen.prompts.prepare import prepare_prompts as prepare_prompts_core
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
-from datagen.runs import RunHandle, open_store
 from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
 
 # The existing corpus's prompt ids, read once per flow run (config hash) and shared by every dataset's

@@ -20,14 +20,14 @@ from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Cancelling
 
 from datagen.config import RunConfig, TrainingJobConfig
-from datagen.fleet import Fleet, cleanup_orphans
-from datagen.plan import ServerPlan
-from datagen.plan import plan_servers as plan_servers_for
-from datagen.probe import EnvReport
-from datagen.probe import probe_environment as probe_host
-from datagen.training import HaltRecord, RestartRecord
-from datagen.training import halt_training as halt_training_job
-from datagen.training import restart_training as restart_training_job
+from datagen.host.fleet import Fleet, cleanup_orphans
+from datagen.host.plan import ServerPlan
+from datagen.host.plan import plan_servers as plan_servers_for
+from datagen.host.probe import EnvReport
+from datagen.host.probe import probe_environment as probe_host
+from datagen.host.training import HaltRecord, RestartRecord
+from datagen.host.training import halt_training as halt_training_job
+from datagen.host.training import restart_training as restart_training_job
 
 # A flow run in one of these states has not started executing: cancelling it needs no worker.
 NOT_STARTED_STATES = {StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED}
@@ -41,7 +41,7 @@ ACTIVE_STATES = [
 
 
 class PrefectFlowRunControl:
-    """:class:`datagen.training_jobs.FlowRunControl` over the Prefect API this process is configured for."""
+    """:class:`datagen.host.training_jobs.FlowRunControl` over the Prefect API this process is configured for."""
 
     def flow_run_state(self, flow_run_id: str) -> str:
         """The state type name of a flow run (``SCHEDULED`` when it has no state yet)."""

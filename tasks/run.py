@@ -9,16 +9,16 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from datagen.app.preflight import PreflightReport
+from datagen.app.preflight import run_preflight as run_preflight_checks
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
-from datagen.layout import RunLayout
-from datagen.manifest import RunManifest, write_manifest
-from datagen.preflight import PreflightReport
-from datagen.preflight import run_preflight as run_preflight_checks
+from datagen.output.layout import RunLayout
+from datagen.output.manifest import RunManifest, write_manifest
+from datagen.output.report import RunReport, build_report
+from datagen.output.runs import RunHandle, open_store
+from datagen.output.runs import open_run as open_run_in_store
 from datagen.records import PreparedDataset, ShardSummary
-from datagen.report import RunReport, build_report
-from datagen.runs import RunHandle, open_store
-from datagen.runs import open_run as open_run_in_store
 from tasks.common import TRANSIENT_RETRIES
 
 

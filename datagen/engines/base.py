@@ -2,7 +2,7 @@
 
 An engine is a *launch recipe*, not a process owner: it turns one planned server slot into an argv and an
 environment, says where readiness is probed, and which log lines mean the server will never become ready.
-The :class:`datagen.fleet.Fleet` owns the processes.
+The :class:`datagen.host.fleet.Fleet` owns the processes.
 """
 
 from __future__ import annotations

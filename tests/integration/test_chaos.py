@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from datagen.storage import make_s3_client
+from datagen.output.s3_client import make_s3_client
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.s3_proxy import S3FaultProxy
 
@@ -131,7 +131,7 @@ def _flow_env(tmp_path: Path, prefect_api: str, endpoint: str) -> dict[str, str]
 def _start_flow(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "datagen.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "datagen.app.cli", "run", "--config", str(config)],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 
 from datagen.config import DatasetConfig, GenerationConfig, ModelConfig, RunConfig, SamplingParams
-from datagen.dispatch import Dispatcher
 from datagen.errors import NoLiveServersError
-from datagen.generate import generate_shard
-from datagen.layout import RunLayout
+from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.shard import generate_shard
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -23,7 +24,6 @@ from datagen.records import (
     ShardSummary,
     TokenUsage,
 )
-from datagen.storage import Store
 from tests.support.fault_server import FaultServer
 from tests.support.transformers_servers import TransformersServerPool
 

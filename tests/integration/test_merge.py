@@ -12,11 +12,11 @@ import pytest
 
 from datagen.config import RunConfig, SamplingParams
 from datagen.errors import TokenizeError
-from datagen.layout import RunLayout, dataset_version
-from datagen.merge import DatasetVersion, TokenizedPartRef, TokenizeSummary, merge_and_tokenize
+from datagen.output.layout import RunLayout, dataset_version
+from datagen.output.merge import DatasetVersion, TokenizedPartRef, TokenizeSummary, merge_and_tokenize
+from datagen.output.store import Store
+from datagen.output.tokenize import load_tokenizer
 from datagen.records import AssistantCompletion, CompletionRecord, Message, ShardSummary, TokenUsage
-from datagen.storage import Store
-from datagen.tokenize import load_tokenizer
 
 RUN_ID = "merge-test"
 

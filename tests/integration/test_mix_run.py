@@ -19,13 +19,13 @@ from typing import Any
 import pytest
 
 from datagen.config import RunConfig, parse_run_config
-from datagen.dispatch import Dispatcher
-from datagen.generate import generate_shard
-from datagen.layout import RunLayout
-from datagen.mix import mix_table, plan_mix
-from datagen.prompts import iter_prompt_shard, load_prompt_ids, prepare_prompts
+from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.shard import generate_shard
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.prompts.mix import mix_table, plan_mix
+from datagen.prompts.prepare import iter_prompt_shard, load_prompt_ids, prepare_prompts
 from datagen.records import CompletionRecord, PreparedDataset
-from datagen.storage import Store
 from tests.support.fault_server import FaultServer
 
 GENERATOR = Path(__file__).resolve().parents[1] / "fixtures" / "datasets" / "build_samples.py"

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 
 from datagen.errors import OutputExistsError, StorageError, TransientStorageError
-from datagen.settings import get_settings
-from datagen.storage import (
+from datagen.output.s3_client import (
     S3Credentials,
-    Store,
     make_s3_client,
     s3_storage_options,
     set_default_s3_credentials,
 )
+from datagen.output.store import Store
+from datagen.settings import get_settings
 from tests.support.s3_proxy import S3FaultProxy
 
 WRITES = 200
@@ -104,7 +104,7 @@ def _payload(index: int) -> bytes:
 def test_two_hundred_writes_through_every_fault_land_exactly_once_with_their_bytes(
     store: Store, proxy: S3FaultProxy, direct_client: Any, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="datagen.storage")
+    caplog.set_level(logging.INFO, logger="datagen.output.store")
     expected = {f"runs/r/parts/object-{index:05d}.bin": _payload(index) for index in range(WRITES)}
     proxy.set_rates(FAULT_RATES)
 
@@ -141,7 +141,7 @@ def test_two_hundred_writes_through_every_fault_land_exactly_once_with_their_byt
 def test_lost_response_of_a_conditional_write_is_recognised_as_our_own(
     store: Store, proxy: S3FaultProxy, direct_client: Any, bucket: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="datagen.storage")
+    caplog.set_level(logging.INFO, logger="datagen.output.store")
     proxy.inject_next("reset_after", method="PUT")
 
     info = store.write_text("runs/r/config.json", '{"hash": "abc"}\n')
@@ -176,7 +176,7 @@ def test_a_different_second_write_is_refused_even_when_its_response_was_lost(
 def test_a_download_cut_short_resumes_where_it_stopped(
     store: Store, proxy: S3FaultProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="datagen.storage")
+    caplog.set_level(logging.INFO, logger="datagen.output.store")
     data = b"".join(f'{{"i": {index}}}\n'.encode() for index in range(50_000))
     store.write_bytes("runs/r/shard.jsonl", data)
 

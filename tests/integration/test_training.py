@@ -19,7 +19,7 @@ import pytest
 
 from datagen.config import TrainingJobConfig
 from datagen.errors import TrainingHaltError
-from datagen.training import (
+from datagen.host.training import (
     GpuQueries,
     find_marker,
     gpu_memory_released,
@@ -27,7 +27,7 @@ from datagen.training import (
     restart_training,
     validate_training_job,
 )
-from datagen.training_jobs import (
+from datagen.host.training_jobs import (
     CmdlineJob,
     JobTarget,
     SystemdJob,
@@ -68,7 +68,7 @@ def _start_trainer(tmp_path: Path, *extra: str) -> Trainer:
         [
             sys.executable,
             "-m",
-            "datagen.standin_trainer",
+            "datagen.host.standin_trainer",
             "--pidfile",
             str(pidfile),
             "--checkpoint-dir",
@@ -362,7 +362,7 @@ def test_restart_starts_training_detached_and_it_can_be_halted_again(
     command = [
         sys.executable,
         "-m",
-        "datagen.standin_trainer",
+        "datagen.host.standin_trainer",
         "--pidfile",
         str(trainer.pidfile),
         "--checkpoint-dir",

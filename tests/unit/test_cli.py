@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from datagen.datasets import FORMATS
+from datagen.prompts.datasets import FORMATS
 from datagen.samples import sample_path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,7 +45,7 @@ SAMPLE_ROWS: dict[str, tuple[str, list[dict[str, Any]]]] = load_module(FIXTURES 
 
 def datagen(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "datagen.cli", *args],
+        [sys.executable, "-m", "datagen.app.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -77,7 +77,7 @@ def test_inspect_json_counts_rows_prompts_and_rejections_of_each_hostile_fixture
 
 @pytest.mark.parametrize("format", FORMATS)
 def test_inspect_reads_each_bundled_sample_in_its_published_file_type(format: str) -> None:
-    from datagen.prompts import inspect_dataset
+    from datagen.prompts.prepare import inspect_dataset
 
     result = datagen(
         "datasets", "inspect", "-f", format, sample_path(format), "--json", "--multi-turn", "every_turn"
@@ -119,7 +119,7 @@ def test_inspect_errors_exit_2_with_a_message_and_no_traceback(args: list[str], 
 def test_help_answers_fast_without_importing_torch_or_prefect() -> None:
     code = (
         "import json, sys\n"
-        "from datagen.cli import app\n"
+        "from datagen.app.cli import app\n"
         "try:\n"
         "    app(['--help'])\n"
         "except SystemExit as exit:\n"
@@ -173,7 +173,7 @@ def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
         [
             sys.executable,
             "-m",
-            "datagen.cli",
+            "datagen.app.cli",
             "probe",
             "--json",
             "--from-dir",

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 
 from datagen.config import RunConfig, parse_run_config
-from datagen.datasets.corpus import iter_corpus_ids, load_corpus_ids
-from datagen.datasets.identity import canonical_content
 from datagen.errors import ConfigError, DatasetError
-from datagen.layout import RunLayout
-from datagen.prompts import iter_prompt_shard, prepare_prompts
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.prompts.datasets.corpus import iter_corpus_ids, load_corpus_ids
+from datagen.prompts.datasets.identity import canonical_content
+from datagen.prompts.prepare import iter_prompt_shard, prepare_prompts
 from datagen.records import Message
-from datagen.storage import Store
 
 QUESTIONS = [f"How many legs do {n} spiders have?" for n in range(1, 9)]
 

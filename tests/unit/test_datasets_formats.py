@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen.datasets import NormalisedPrompt, Rejection, iter_rows, normalise_row
 from datagen.errors import DatasetError
+from datagen.prompts.datasets import NormalisedPrompt, Rejection, iter_rows, normalise_row
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from datagen.datasets import FORMATS, REJECTION_REASONS, NormalisedPrompt, Rejection, normalise_row
-from datagen.datasets.identity import prompt_id_for
-from datagen.datasets.jsonstream import iter_json_array
+from datagen.prompts.datasets import FORMATS, REJECTION_REASONS, NormalisedPrompt, Rejection, normalise_row
+from datagen.prompts.datasets.identity import prompt_id_for
+from datagen.prompts.datasets.jsonstream import iter_json_array
 from datagen.records import Message
 
 PROPERTY_SETTINGS = settings(

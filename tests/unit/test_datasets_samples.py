@@ -8,9 +8,9 @@ from types import ModuleType
 
 import pytest
 
-from datagen.datasets import FORMATS, iter_rows
 from datagen.errors import DatasetError
-from datagen.prompts import inspect_dataset
+from datagen.prompts.datasets import FORMATS, iter_rows
+from datagen.prompts.prepare import inspect_dataset
 from datagen.samples import sample_path
 
 GENERATOR = Path(__file__).resolve().parents[1] / "fixtures" / "datasets" / "build_samples.py"

@@ -12,9 +12,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.datasets import iter_rows, resolve_files
-from datagen.datasets.jsonstream import CHUNK_CHARS
 from datagen.errors import DatasetError
+from datagen.prompts.datasets import iter_rows, resolve_files
+from datagen.prompts.datasets.jsonstream import CHUNK_CHARS
 from datagen.settings import get_settings
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"

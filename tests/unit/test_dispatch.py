@@ -10,7 +10,7 @@ from concurrent.futures import Future, wait
 import pytest
 
 from datagen.config import GenerationConfig, SamplingParams
-from datagen.dispatch import Dispatcher, DispatcherStats, GenerationRequest, GenerationResult
+from datagen.generation.dispatcher import Dispatcher, DispatcherStats, GenerationRequest, GenerationResult
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord
 from tests.support.fault_server import FaultPlan, FaultServer
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datagen.configdoc import render_configuration_reference
+from datagen.app.configdoc import render_configuration_reference
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -12,5 +12,5 @@ REPO = Path(__file__).resolve().parents[2]
 def test_configuration_reference_is_up_to_date() -> None:
     current = (REPO / "docs" / "configuration.md").read_text()
     assert current == render_configuration_reference(), (
-        "docs/configuration.md is stale: run `python -m datagen.configdoc > docs/configuration.md`"
+        "docs/configuration.md is stale: run `python -m datagen.app.configdoc > docs/configuration.md`"
     )

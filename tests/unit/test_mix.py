@@ -9,9 +9,9 @@ import pytest
 
 from datagen.config import RunConfig, parse_run_config
 from datagen.errors import ConfigError
-from datagen.mix import apportion, dataset_mix, effective_quotas, mix_table, plan_mix, quota_for
+from datagen.output.report import build_report
+from datagen.prompts.mix import apportion, dataset_mix, effective_quotas, mix_table, plan_mix, quota_for
 from datagen.records import PreparedDataset
-from datagen.report import build_report
 
 
 def dataset(name: str, category: str | None = None, **quota: Any) -> dict[str, Any]:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from datagen.app.preflight import run_preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
-from datagen.preflight import run_preflight
 from datagen.samples import sample_path
 
 
@@ -50,7 +50,7 @@ def test_all_problems_are_reported_at_once_with_their_fixes(tmp_path: Path, tiny
 
 
 def test_changed_config_for_an_existing_run_fails_preflight(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from datagen.runs import open_run, open_store
+    from datagen.output.runs import open_run, open_store
 
     config = _config(tmp_path, tiny_model_dir)
     open_run(open_store(config), config)

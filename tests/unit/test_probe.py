@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from datagen.cuda_env import (
+from datagen.errors import ProbeError
+from datagen.host.cuda_env import (
     TorchInfo,
     find_cuda_toolkit,
     jit_env_fixes,
@@ -16,8 +17,7 @@ from datagen.cuda_env import (
     parse_torch_version_py,
     read_torch_version_file,
 )
-from datagen.errors import ProbeError
-from datagen.probe import (
+from datagen.host.probe import (
     EnvReport,
     parse_compute_apps_csv,
     parse_gpu_query_csv,
@@ -294,7 +294,7 @@ def test_cli_probe_from_dir_prints_json_with_two_nvlinked_sm90_gpus() -> None:
         [
             sys.executable,
             "-m",
-            "datagen.cli",
+            "datagen.app.cli",
             "probe",
             "--json",
             "--from-dir",

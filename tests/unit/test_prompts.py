@@ -11,11 +11,11 @@ import pytest
 
 from datagen.config import RunConfig, parse_run_config
 from datagen.errors import DatasetError
-from datagen.layout import RunLayout
-from datagen.prompts import inspect_dataset, iter_prompt_shard, load_prompt_ids, prepare_prompts
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.prompts.prepare import inspect_dataset, iter_prompt_shard, load_prompt_ids, prepare_prompts
 from datagen.records import PreparedDataset
 from datagen.samples import sample_path
-from datagen.storage import Store
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "datasets"
 
@@ -194,7 +194,7 @@ def test_every_sample_prompt_renders_with_the_qwen3_template_of_the_target(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from datagen.datasets import FORMATS
+    from datagen.prompts.datasets import FORMATS
 
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     store = Store(str(store_root))

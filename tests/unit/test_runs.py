@@ -9,8 +9,8 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.errors import RunConfigMismatchError
-from datagen.runs import make_run_id, open_run
-from datagen.storage import Store
+from datagen.output.runs import make_run_id, open_run
+from datagen.output.store import Store
 
 
 def _config(tmp_path: Path, **changes: object) -> RunConfig:

@@ -9,15 +9,9 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import OutputExistsError, ProtectedPrefixError, StorageError
-from datagen.storage import (
-    S3_MAX_ATTEMPTS,
-    S3Backend,
-    S3Credentials,
-    Store,
-    make_s3_client,
-    overlaps,
-    s3_storage_options,
-)
+from datagen.output.s3 import S3Backend
+from datagen.output.s3_client import S3_MAX_ATTEMPTS, S3Credentials, make_s3_client, s3_storage_options
+from datagen.output.store import Store, overlaps
 
 
 @pytest.fixture()

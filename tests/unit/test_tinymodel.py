@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from datagen.tinymodel import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tiny_model
+from datagen.app.tinymodel import EOS_TOKEN, PAD_TOKEN, SPECIAL_TOKENS, build_tiny_model
 
 TOOLS = [
     {

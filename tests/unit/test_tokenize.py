@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from datagen.config import SamplingParams
 from datagen.errors import ConfigError, TokenizeError
-from datagen.records import AssistantCompletion, CompletionRecord, FunctionCall, Message, TokenUsage, ToolCall
-from datagen.tokenize import (
+from datagen.output.tokenize import (
     RejectedRow,
     TokenizedRow,
     load_tokenizer,
     render_conversation,
     tokenize_completion,
 )
+from datagen.records import AssistantCompletion, CompletionRecord, FunctionCall, Message, TokenUsage, ToolCall
 
 TOOLS = [
     {

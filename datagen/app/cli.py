@@ -1,0 +1,217 @@
+"""The `datagen` command line: a thin typer app that calls the same flow the deployments run.
+
+Heavy modules (Prefect, torch, transformers) are imported inside the commands, so ``datagen --help``
+answers at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer(
+    name="datagen",
+    help="Turn a GPU training box into a generation farm and back: expand a drafter's training data.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+datasets_app = typer.Typer(help="Look at prompt datasets without starting anything.", no_args_is_help=True)
+app.add_typer(datasets_app, name="datasets")
+
+EXIT_CONFIG_ERROR = 2
+EXIT_RUN_FAILED = 1
+
+
+def _fail(message: str, code: int) -> None:
+    typer.secho(message, fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+# Quiet, offline defaults for Prefect in this process; a user's own environment wins.
+PREFECT_ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+    # datagen's own loggers (dispatcher retries, S3 retries, fleet restarts) go to the run log and the UI.
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "datagen",
+}
+
+
+def run_flow(config: Any) -> Any:
+    """Run the `expand` flow in this process (Prefect's local or configured API) and return its summary."""
+    for name, value in PREFECT_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    from flows.expand import expand
+
+    return expand(config)
+
+
+def print_summary(summary: Any) -> None:
+    """Print where a run landed, for the terminal."""
+    lines = [
+        f"run {summary.run_id}: "
+        + ("already complete, nothing regenerated" if summary.already_complete else "done"),
+        f"  output        {summary.run_url}",
+        f"  prompts       {summary.prompts}",
+        f"  completions   {summary.completions} of {summary.requests} requests ({summary.failures} failures)",
+        f"  training rows {summary.tokenized_rows}",
+        f"  throughput    {summary.output_tokens_per_s:.1f} output tok/s",
+        f"  dataset       {summary.dataset_version}",
+        f"  report        {summary.report_url}",
+        f"  manifest      {summary.manifest_url}",
+    ]
+    typer.echo("\n".join(lines))
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Run configuration (YAML).")],
+    run_id: Annotated[str | None, typer.Option(help="Run id; reuse one to resume that run.")] = None,
+    output: Annotated[
+        str | None, typer.Option(help="Output root: a directory or s3://bucket/prefix.")
+    ] = None,
+) -> None:
+    """Run the whole expansion flow (the same flow the Prefect deployments run)."""
+    from datagen.config import load_run_config
+    from datagen.errors import ConfigError, DatagenError
+
+    try:
+        loaded = load_run_config(config, overrides={"run_id": run_id, "output": output})
+    except ConfigError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    try:
+        summary = run_flow(loaded)
+    except DatagenError as error:
+        _fail(f"datagen run failed: {error}", EXIT_RUN_FAILED)
+    except Exception as error:
+        _fail(f"datagen run failed: {type(error).__name__}: {error}", EXIT_RUN_FAILED)
+    print_summary(summary)
+
+
+@app.command("tiny-model")
+def tiny_model(
+    directory: Annotated[Path, typer.Argument(help="Where to write the model and tokenizer.")],
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+) -> None:
+    """Build a tiny random-weight Qwen3-architecture model and tokenizer (offline, seconds)."""
+    from datagen.app.tinymodel import build_tiny_model
+
+    path = build_tiny_model(directory, seed=seed)
+    typer.echo(f"tiny model written to {path}")
+
+
+@app.command()
+def probe(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    from_dir: Annotated[
+        Path | None, typer.Option(help="Read recorded nvidia-smi/nvcc/torch outputs from this folder.")
+    ] = None,
+    record: Annotated[
+        Path | None,
+        typer.Option(help="Also write this host's raw outputs to this folder (a bundle for --from-dir)."),
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(help="Also plan the servers for this model directory (its config.json) on this host."),
+    ] = None,
+    engine: Annotated[str, typer.Option(help="Engine to plan for with --model.")] = "sglang",
+) -> None:
+    """Probe this host (or a recorded bundle): GPUs, interconnect, drivers, packages, problems and fixes."""
+    from datagen.errors import DatagenError
+    from datagen.host.probe import probe_environment, probe_from_dir
+
+    if from_dir and record:
+        _fail("--record writes this host's outputs; it cannot be combined with --from-dir", EXIT_CONFIG_ERROR)
+    try:
+        report = probe_from_dir(from_dir) if from_dir else probe_environment(record_dir=record)
+    except DatagenError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    plan = None
+    if model is not None:
+        try:
+            plan = _plan_for_model(report, model, engine)
+        except DatagenError as error:
+            _fail(f"no plan for {model}: {error}", EXIT_CONFIG_ERROR)
+    if as_json:
+        data = report.model_dump(mode="json")
+        if plan is not None:
+            data["plan"] = plan.model_dump(mode="json")
+        typer.echo(json.dumps(data, indent=2))
+    else:
+        typer.echo(report.to_markdown())
+        if plan is not None:
+            typer.echo(plan.to_markdown())
+
+
+def _plan_for_model(report: Any, model: Path, engine: str) -> Any:
+    """The server plan this host would get for ``model`` (ports are only proposed, nothing is started)."""
+    import tempfile
+
+    from datagen.config import parse_run_config
+    from datagen.host.plan import plan_servers
+
+    config = parse_run_config(
+        {
+            "model": {"path": str(model)},
+            "fleet": {"engine": engine},
+            "datasets": [{"name": "probe", "format": "openai_messages", "path": "unused"}],
+            "output": tempfile.gettempdir(),
+        },
+        source="datagen probe --model",
+    )
+    return plan_servers(report, config, Path(tempfile.mkdtemp(prefix="datagen-probe-plan-")))
+
+
+@datasets_app.command("inspect")
+def datasets_inspect(
+    path: Annotated[str, typer.Argument(help="Dataset file, glob, folder or s3:// URL.")],
+    format: Annotated[str, typer.Option("--format", "-f", help="Dataset layout, e.g. metamath, hermes_fc.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the counts as JSON.")] = False,
+    limit: Annotated[int | None, typer.Option(help="Read at most this many rows.")] = None,
+    multi_turn: Annotated[
+        str, typer.Option("--multi-turn", help="last_turn, or every_turn (one prompt per assistant turn).")
+    ] = "last_turn",
+) -> None:
+    """Count rows read, prompts produced and rejections by reason; starts nothing, writes nothing."""
+    from typing import get_args
+
+    from datagen.config import MultiTurnPolicy
+    from datagen.errors import DatagenError
+    from datagen.prompts.prepare import inspect_dataset
+
+    policies = get_args(MultiTurnPolicy)
+    if multi_turn not in policies:
+        _fail(f"Unknown --multi-turn {multi_turn!r}; use one of: {', '.join(policies)}", EXIT_CONFIG_ERROR)
+    try:
+        report = inspect_dataset(format, path, limit=limit, multi_turn=multi_turn)  # type: ignore[arg-type]
+    except DatagenError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    if as_json:
+        typer.echo(json.dumps(report.model_dump(mode="json"), indent=2))
+    else:
+        typer.echo(report.to_text())
+
+
+@app.command()
+def demo(
+    run_id: Annotated[str, typer.Option(help="Run id of the demo run.")] = "demo",
+) -> None:
+    """Run the local demo: tiny model, stand-in trainer, 2 CPU servers, bundled sample prompts."""
+    from datagen.app.demo import run_demo
+
+    sys.exit(run_demo(run_id))
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,516 @@
+"""Generate one prompt shard through the shared dispatcher, landing results write-once.
+
+Storage is the truth, checked first and written last:
+
+1. the shard's done marker exists -> the shard is complete; its summary is returned (``skipped``) and
+   nothing is sent;
+2. checkpoint parts (``parts/<dataset>/shard-NNNNN/{completions,failures}-NNNNN.jsonl``) left by an
+   interrupted attempt hold finished requests; those are not sent again;
+3. the remaining requests (each prompt x ``samples_per_prompt``) go to the dispatcher; results are
+   buffered and flushed as a new write-once part every ``checkpoint_every`` results or
+   ``checkpoint_interval_s`` seconds, whichever comes first;
+4. when every request has a result, the final completions and failures files are assembled from all
+   parts (deduplicated by request key: the first occurrence wins and a completion beats a failure),
+   each written once (or verified, when an interrupted attempt already wrote it), then the done marker.
+
+Requests that failed only because the fleet was unavailable (``no_live_servers``) or the dispatcher
+was closed are not results of the request: they are not checkpointed, and the shard raises
+:class:`~datagen.errors.NoLiveServersError` / :class:`~datagen.errors.TransientRequestError` after
+checkpointing everything else, so a rerun sends exactly those requests again instead of marking the
+shard done with them as failures.
+
+Parts are never deleted: they are write-once objects like everything else, small next to the final
+files, and they are what makes an interrupted shard resumable. Cleaning them up is left to retention
+policy on the bucket.
+
+``resent_requests`` in the summary counts the requests sent by this attempt when parts from an earlier
+attempt existed: the work redone after an interruption. It is an upper bound of the requests that were
+actually in flight at the crash, because the earlier attempt may not have started all of them; it is 0
+when no earlier attempt left a part.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import queue
+import re
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from datagen.config import RunConfig, SamplingParams
+from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
+from datagen.generation.dispatcher import Dispatcher, GenerationRequest, GenerationResult
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.records import CompletionRecord, FailureRecord, PromptRecord, PromptShardRef, ShardSummary
+
+logger = logging.getLogger(__name__)
+
+PART_NAME = re.compile(r"(?:^|/)(completions|failures)-(\d+)\.jsonl$")
+# Failures that say nothing about the request, only that no server could take it: never final.
+FLEET_FAILURE_TYPES = frozenset({"no_live_servers", "dispatcher_closed"})
+# Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
+SEED_MODULUS = 2**31
+
+ProgressCallback = Callable[[int, int], None]
+
+
+def generate_shard(
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    shard: PromptShardRef,
+    dispatcher: Dispatcher,
+    *,
+    progress: ProgressCallback | None = None,
+) -> ShardSummary:
+    """Generate every completion of one prompt shard and land it in storage, resuming where it stopped.
+
+    Args:
+        store: The run's output store.
+        layout: The run's object keys.
+        config: The run configuration (sampling and checkpoint settings).
+        shard: The prompt shard; ``shard.path`` is a key in ``store`` holding PromptRecord JSON lines.
+        dispatcher: The running, shared dispatcher.
+        progress: Called as ``progress(done, total)`` after each result (``done`` includes requests
+            finished by an earlier attempt).
+
+    Returns:
+        The shard summary, also written as the shard's done marker.
+
+    Raises:
+        StorageError: A final file from an earlier attempt disagrees with the checkpoint parts, or the
+            parts do not cover every request after generation.
+        NoLiveServersError: Some requests found no live server; the rest is checkpointed, rerun later.
+        TransientRequestError: The dispatcher closed before every request finished; rerun the shard.
+
+    """
+    started = time.monotonic()
+    dataset, index = shard.dataset, shard.shard_index
+    done_key = layout.shard_done(dataset, index)
+    if store.exists(done_key):
+        summary = ShardSummary.model_validate(store.read_json(done_key))
+        logger.info(
+            "shard already done dataset=%s shard=%d completions=%d", dataset, index, summary.completions
+        )
+        return summary.model_copy(update={"skipped": True})
+
+    requests = build_requests(store, config, shard)
+    earlier = read_parts(store, layout, dataset, index)
+    finished = earlier.keys()
+    to_send = [request for request in requests if request.key not in finished]
+    resent = len(to_send) if earlier.part_count else 0
+    logger.info(
+        "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",
+        dataset,
+        index,
+        len(requests),
+        len(requests) - len(to_send),
+        len(to_send),
+        resent,
+    )
+    writer = _PartWriter(
+        store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part
+    )
+    _run_requests(
+        dispatcher,
+        to_send,
+        writer,
+        every=config.generation.checkpoint_every,
+        interval_s=config.generation.checkpoint_interval_s,
+        already_done=len(requests) - len(to_send),
+        total=len(requests),
+        progress=progress,
+    )
+    summary = _assemble(store, layout, shard, requests, resent=resent, started=started)
+    logger.info(
+        "shard done dataset=%s shard=%d completions=%d failures=%d completion_tokens=%d resent=%d "
+        "generation_s=%.1f",
+        dataset,
+        index,
+        summary.completions,
+        summary.failures,
+        summary.completion_tokens,
+        summary.resent_requests,
+        summary.generation_s,
+    )
+    return summary
+
+
+def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> list[GenerationRequest]:
+    """Every request of a shard: each prompt times ``samples_per_prompt``, in prompt order.
+
+    When the sampling has a seed, each request gets its own seed derived from it, the prompt id and the
+    sample index, so samples of one prompt differ and a rerun draws the same ones.
+
+    Args:
+        store: The store holding the prompt shard.
+        config: The run configuration.
+        shard: The prompt shard.
+
+    Returns:
+        The requests.
+
+    """
+    sampling = config.sampling_for(config.dataset(shard.dataset))
+    requests = []
+    for row in store.iter_jsonl(shard.path):
+        prompt = PromptRecord.model_validate(row)
+        for sample_index in range(sampling.samples_per_prompt):
+            requests.append(
+                GenerationRequest(
+                    prompt=prompt,
+                    sample_index=sample_index,
+                    sampling=_sampling_for_request(sampling, prompt.prompt_id, sample_index),
+                    dataset=shard.dataset,
+                )
+            )
+    return requests
+
+
+def _sampling_for_request(sampling: SamplingParams, prompt_id: str, sample_index: int) -> SamplingParams:
+    if sampling.seed is None:
+        return sampling
+    digest = hashlib.sha256(f"{sampling.seed}/{prompt_id}/{sample_index}".encode()).digest()
+    return sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "big") % SEED_MODULUS})
+
+
+@dataclass
+class ShardParts:
+    """What the checkpoint parts of a shard hold, first occurrence of each request key kept.
+
+    Attributes:
+        completions: Completion per request key, in part order.
+        failures: Failure per request key, in part order.
+        part_count: How many part objects exist.
+        next_completions_part: The first completions part index above every existing one.
+        next_failures_part: The first failures part index above every existing one.
+
+    """
+
+    completions: dict[str, CompletionRecord] = field(default_factory=dict)
+    failures: dict[str, FailureRecord] = field(default_factory=dict)
+    part_count: int = 0
+    next_completions_part: int = 0
+    next_failures_part: int = 0
+
+    def keys(self) -> set[str]:
+        """Request keys with any result."""
+        return set(self.completions) | set(self.failures)
+
+
+def read_parts(store: Store, layout: RunLayout, dataset: str, index: int) -> ShardParts:
+    """Read every checkpoint part of one shard.
+
+    Args:
+        store: The run's store.
+        layout: The run's keys.
+        dataset: The dataset name.
+        index: The shard index.
+
+    Returns:
+        The parts' content.
+
+    """
+    parts = ShardParts()
+    located = []
+    for key in store.list(layout.shard_parts_prefix(dataset, index)):
+        match = PART_NAME.search(key)
+        if match:
+            located.append((int(match.group(2)), match.group(1), key))
+    for number, kind, key in sorted(located):
+        parts.part_count += 1
+        if kind == "completions":
+            parts.next_completions_part = max(parts.next_completions_part, number + 1)
+            for row in store.iter_jsonl(key):
+                completion = CompletionRecord.model_validate(row)
+                parts.completions.setdefault(completion.key, completion)
+        else:
+            parts.next_failures_part = max(parts.next_failures_part, number + 1)
+            for row in store.iter_jsonl(key):
+                failure = FailureRecord.model_validate(row)
+                parts.failures.setdefault(failure.key, failure)
+    return parts
+
+
+class _PartWriter:
+    """Writes checkpoint parts at the next free index, stepping over indices another writer took."""
+
+    def __init__(
+        self,
+        store: Store,
+        layout: RunLayout,
+        dataset: str,
+        index: int,
+        next_completions: int,
+        next_failures: int,
+    ) -> None:
+        self.store = store
+        self.layout = layout
+        self.dataset = dataset
+        self.index = index
+        self.next_completions = next_completions
+        self.next_failures = next_failures
+
+    def flush(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
+        if completions:
+            self.next_completions = self._write(
+                self.layout.completions_part, self.next_completions, completions
+            )
+        if failures:
+            self.next_failures = self._write(self.layout.failures_part, self.next_failures, failures)
+
+    def _write(self, key_of: Callable[[str, int, int], str], part: int, records: list[Any]) -> int:
+        while True:
+            key = key_of(self.dataset, self.index, part)
+            try:
+                self.store.write_jsonl(key, records)
+            except OutputExistsError:
+                # Another attempt of this shard is writing too; its parts are as good as ours.
+                part += 1
+                continue
+            logger.debug("wrote part key=%s records=%d", key, len(records))
+            return part + 1
+
+
+def _run_requests(
+    dispatcher: Dispatcher,
+    requests: list[GenerationRequest],
+    writer: _PartWriter,
+    *,
+    every: int,
+    interval_s: float,
+    already_done: int,
+    total: int,
+    progress: ProgressCallback | None,
+) -> None:
+    """Submit, collect results as they come, and checkpoint them as parts."""
+    arrivals: queue.SimpleQueue[tuple[GenerationRequest, Future[GenerationResult]]] = queue.SimpleQueue()
+    futures: list[Future[GenerationResult]] = []
+    completions: list[CompletionRecord] = []
+    failures: list[FailureRecord] = []
+    buffered_since = time.monotonic()
+    done = already_done
+    unserved: Counter[str] = Counter()
+    try:
+        for request in requests:
+            future = dispatcher.submit(request)
+            future.add_done_callback(functools.partial(_deliver, arrivals, request))
+            futures.append(future)
+        remaining = len(requests)
+        while remaining:
+            buffered = len(completions) + len(failures)
+            timeout = None if not buffered else max(0.0, interval_s - (time.monotonic() - buffered_since))
+            try:
+                request, future = arrivals.get(timeout=timeout)
+            except queue.Empty:
+                pass
+            else:
+                remaining -= 1
+                if not completions and not failures:
+                    buffered_since = time.monotonic()
+                result = _result_of(request, future)
+                if isinstance(result, CompletionRecord):
+                    completions.append(result)
+                elif result.error_type in FLEET_FAILURE_TYPES:
+                    unserved[result.error_type] += 1
+                else:
+                    failures.append(result)
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            buffered = len(completions) + len(failures)
+            if buffered >= every or (buffered and time.monotonic() - buffered_since >= interval_s):
+                writer.flush(completions, failures)
+                completions, failures = [], []
+        writer.flush(completions, failures)
+    except BaseException:
+        # Free the fleet's slots for other shards: queued requests of this shard are dropped.
+        for future in futures:
+            future.cancel()
+        raise
+    _raise_if_unserved(unserved, writer)
+
+
+def _deliver(
+    arrivals: queue.SimpleQueue[tuple[GenerationRequest, Future[GenerationResult]]],
+    request: GenerationRequest,
+    future: Future[GenerationResult],
+) -> None:
+    """Done-callback: hand a resolved future to the shard's thread (runs on the dispatcher's loop)."""
+    arrivals.put((request, future))
+
+
+def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter) -> None:
+    if not unserved:
+        return
+    where = f"shard {writer.dataset}/{writer.index}"
+    if unserved["no_live_servers"]:
+        raise NoLiveServersError(
+            f"{where}: {sum(unserved.values())} requests found no live server; every other result is "
+            "checkpointed. Bring the fleet back (check the server logs) and rerun: only these requests "
+            "are sent.",
+            dataset=writer.dataset,
+            shard=writer.index,
+        )
+    raise TransientRequestError(
+        f"{where}: the dispatcher closed before {sum(unserved.values())} requests finished; every other "
+        "result is checkpointed. Rerun the shard: only these requests are sent.",
+        dataset=writer.dataset,
+        shard=writer.index,
+    )
+
+
+def _result_of(request: GenerationRequest, future: Future[GenerationResult]) -> GenerationResult:
+    """The future's record; the dispatcher never fails a future, but a lost request must still be recorded."""
+    error = future.exception() if not future.cancelled() else None
+    if future.cancelled() or error is not None:
+        return FailureRecord(
+            prompt_id=request.prompt.prompt_id,
+            sample_index=request.sample_index,
+            dataset=request.dataset,
+            reason=f"dispatcher error: {error!r}" if error is not None else "request cancelled",
+            error_type="dispatcher_error",
+            attempts=0,
+        )
+    return future.result()
+
+
+def _assemble(
+    store: Store,
+    layout: RunLayout,
+    shard: PromptShardRef,
+    requests: list[GenerationRequest],
+    *,
+    resent: int,
+    started: float,
+) -> ShardSummary:
+    """Write the final files from all parts (or verify earlier ones), then the done marker."""
+    dataset, index = shard.dataset, shard.shard_index
+    parts = read_parts(store, layout, dataset, index)
+    keys = [request.key for request in requests]
+    completions = [parts.completions[key] for key in keys if key in parts.completions]
+    failures = [parts.failures[key] for key in keys if key not in parts.completions and key in parts.failures]
+    missing = len(keys) - len(completions) - len(failures)
+    if missing:
+        raise StorageError(
+            f"shard {dataset}/{index}: {missing} of {len(keys)} requests have no result in "
+            f"{store.url(layout.shard_parts_prefix(dataset, index))} after generation; rerun the shard "
+            "(finished requests are not sent again)",
+            dataset=dataset,
+            shard=index,
+        )
+    foreign = len(parts.keys() - set(keys))
+    if foreign:
+        logger.warning(
+            "parts hold requests not in the prompt shard dataset=%s shard=%d count=%d",
+            dataset,
+            index,
+            foreign,
+        )
+    completions_key = layout.completions(dataset, index)
+    failures_key = layout.failures(dataset, index)
+    completions = _write_or_adopt_completions(store, completions_key, completions, set(keys))
+    # The completions file decides; failures are exactly the other requests. When another attempt (a crash's
+    # predecessor, or a second process on the same run) wrote the completions first, its decision stands
+    # and the failures file is derived from it, so no request can land in both files.
+    completed = {record.key for record in completions}
+    failed_keys = [key for key in keys if key not in completed]
+    if any(key not in parts.failures for key in failed_keys):
+        parts = read_parts(store, layout, dataset, index)
+    failures = [parts.failures[key] for key in failed_keys if key in parts.failures]
+    if len(failures) != len(failed_keys):
+        raise StorageError(
+            f"shard {dataset}/{index}: {len(failed_keys) - len(failures)} requests are neither in "
+            f"{store.url(completions_key)} nor failed in the checkpoint parts; rerun the shard",
+            dataset=dataset,
+            shard=index,
+        )
+    failures = _write_or_verify(store, failures_key, failures, FailureRecord)
+    summary = ShardSummary(
+        dataset=dataset,
+        shard_index=index,
+        requests=len(requests),
+        completions=len(completions),
+        failures=len(failures),
+        prompt_tokens=sum(record.usage.prompt_tokens for record in completions),
+        completion_tokens=sum(record.usage.completion_tokens for record in completions),
+        resent_requests=resent,
+        retried_attempts=sum(max(c.attempts - 1, 0) for c in completions)
+        + sum(max(f.attempts - 1, 0) for f in failures),
+        generation_s=time.monotonic() - started,
+        completions_path=completions_key,
+        failures_path=failures_key,
+        finish_reasons=dict(Counter(record.finish_reason for record in completions)),
+        failure_reasons=dict(Counter(record.error_type for record in failures)),
+    )
+    try:
+        store.write_json(layout.shard_done(dataset, index), summary)
+    except OutputExistsError:
+        # Another attempt finished the same shard first; its marker describes the same files.
+        return ShardSummary.model_validate(store.read_json(layout.shard_done(dataset, index)))
+    return summary
+
+
+RecordT = TypeVar("RecordT", CompletionRecord, FailureRecord)
+
+
+def _write_or_adopt_completions(
+    store: Store, key: str, records: list[CompletionRecord], shard_keys: set[str]
+) -> list[CompletionRecord]:
+    """Write the final completions once; if another attempt wrote them first, adopt its file.
+
+    Raises:
+        StorageError: The existing file holds requests that are not in this shard (its inputs changed).
+    """
+    try:
+        store.write_jsonl(key, records)
+        return records
+    except OutputExistsError:
+        existing = [CompletionRecord.model_validate(row) for row in store.iter_jsonl(key)]
+    unknown = {record.key for record in existing} - shard_keys
+    if unknown:
+        raise StorageError(
+            f"{store.url(key)} exists but holds {len(unknown)} requests that are not in this shard: the shard's "
+            "inputs changed between attempts. Keep the existing file and investigate; datagen never overwrites it.",
+            url=store.url(key),
+        )
+    logger.info(
+        "final completions already written by another attempt; adopted key=%s records=%d", key, len(existing)
+    )
+    return existing
+
+
+def _write_or_verify(store: Store, key: str, records: list[RecordT], model: type[RecordT]) -> list[RecordT]:
+    """Write ``records`` once; if an earlier attempt wrote ``key``, check it holds the same requests.
+
+    Returns:
+        The records now in storage (the earlier file's, when one existed).
+
+    """
+    try:
+        store.write_jsonl(key, records)
+    except OutputExistsError:
+        existing = [model.model_validate(row) for row in store.iter_jsonl(key)]
+        if _keys(existing) != _keys(records):
+            raise StorageError(
+                f"{store.url(key)} exists from an earlier attempt but holds {len(existing)} requests "
+                f"where the checkpoint parts give {len(records)}: the shard's inputs changed between "
+                "attempts. Keep the existing file and investigate; datagen never overwrites it.",
+                url=store.url(key),
+            ) from None
+        logger.info(
+            "final file already written by an earlier attempt; verified key=%s records=%d", key, len(existing)
+        )
+        return existing
+    return records
+
+
+def _keys(records: Iterable[CompletionRecord | FailureRecord]) -> set[str]:
+    return {record.key for record in records}

@@ -1,0 +1,526 @@
+"""Ways to reach the training job that holds the GPUs, behind one protocol (:class:`TrainingJob`).
+
+A handle finds the job (:class:`JobTarget`), asks it to stop, tells whether it still runs, and kills it
+when escalation is allowed. :func:`datagen.host.training.halt_training` drives any handle the same way.
+
+- :class:`PidfileJob`: the pid in a file the trainer writes.
+- :class:`CmdlineJob`: processes that hold GPU memory (``nvidia-smi --query-compute-apps``) *and* whose
+  command line matches a regex, so a matching editor or shell is never signalled.
+- :class:`SystemdJob`: a systemd unit (``systemctl stop`` or ``systemctl kill --signal``).
+- :class:`FlowRunJob`: a Prefect flow run, cancelled through the API by an injected
+  :class:`FlowRunControl` (``datagen`` stays Prefect-free; ``tasks/host.py`` supplies the client).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.config import TrainingJobConfig
+from datagen.errors import TrainingHaltError
+from datagen.host.probe import parse_compute_apps_csv, query_compute_apps
+
+# A process that started this long after the pidfile was written cannot be the one that wrote it.
+PID_REUSE_SLACK_S = 5.0
+SYSTEMCTL_TIMEOUT_S = 30.0
+# systemd states in which the unit's processes may still hold the GPUs.
+SYSTEMD_RUNNING_STATES = frozenset({"active", "activating", "deactivating", "reloading", "refreshing"})
+# Prefect state types after which a flow run holds nothing any more.
+PREFECT_FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "CRASHED"})
+
+
+class JobTarget(BaseModel):
+    """The training job as found before stopping it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    description: str = Field(description="What was found, for the record and logs, e.g. 'pid 42 from x.pid'.")
+    running: bool
+    pids: list[int] = Field(default_factory=list, description="Processes of the job (those that hold GPUs).")
+    ids: list[str] = Field(default_factory=list, description="Non-process ids (Prefect flow run ids).")
+
+
+@runtime_checkable
+class TrainingJob(Protocol):
+    """A handle on the training job (see the module docstring)."""
+
+    kind: str
+
+    def find(self) -> JobTarget:
+        """Locate the job; ``running`` is False when nothing is left to stop."""
+        ...
+
+    def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
+        """Ask the job to checkpoint and exit (graceful)."""
+        ...
+
+    def is_running(self, target: JobTarget) -> bool:
+        """Whether the job found by :meth:`find` still runs."""
+        ...
+
+    def force_stop(self, target: JobTarget) -> None:
+        """Kill the job (only called when ``training.escalate`` is on)."""
+        ...
+
+    def default_restart_argv(self) -> list[str] | None:
+        """The command that starts the job again when none is configured; None if there is none."""
+        ...
+
+
+class FlowRunControl(Protocol):
+    """What :class:`FlowRunJob` needs from the Prefect API (implemented in ``tasks/host.py``)."""
+
+    def flow_run_state(self, flow_run_id: str) -> str:
+        """The state type of a flow run, e.g. ``RUNNING``, ``CANCELLING``, ``CANCELLED``."""
+        ...
+
+    def active_flow_runs(self, deployment: str) -> list[str]:
+        """Ids of the not-yet-final flow runs of ``flow-name/deployment-name``."""
+        ...
+
+    def cancel_flow_run(self, flow_run_id: str) -> None:
+        """Move a flow run to Cancelling (its worker or runner then stops it)."""
+        ...
+
+
+# --- process helpers ----------------------------------------------------------------------------
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: split after its closing paren.
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def is_process_running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie (an exited child holds no GPU memory)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    fields = _stat_fields(pid)
+    return fields is None or fields[0] not in {"Z", "X"}
+
+
+def process_start_epoch_s(pid: int) -> float | None:
+    """When ``pid`` started (seconds since the epoch), from ``/proc``; None where unknown."""
+    fields = _stat_fields(pid)
+    try:
+        boot_line = next(
+            line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
+    except (OSError, StopIteration):
+        return None
+    if fields is None:
+        return None
+    return int(boot_line.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (workers of a launcher such as torchrun), from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return []
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None:
+                children.setdefault(int(fields[1]), []).append(int(entry.name))
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return sorted(found)
+
+
+def process_cmdline(pid: int) -> str | None:
+    """The command line of ``pid`` with arguments joined by spaces; None when gone or unreadable."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part) or None
+
+
+def _signal_pids(pids: list[int], signum: signal.Signals, what: str) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            continue
+        except PermissionError as error:
+            raise TrainingHaltError(
+                f"not allowed to signal training pid {pid} ({what}): run datagen as the trainer's user or "
+                "root, or stop the trainer yourself and set training.kind: none",
+                pid=pid,
+            ) from error
+
+
+# --- pidfile ------------------------------------------------------------------------------------
+
+
+def read_pidfile(pidfile: Path) -> int | None:
+    """The pid in a trainer's pidfile (first token); None when the file does not exist.
+
+    Raises:
+        TrainingHaltError: The file is unreadable or holds no process id.
+
+    """
+    try:
+        text = pidfile.read_text().strip()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        raise TrainingHaltError(
+            f"cannot read training pidfile {pidfile}: {error}; fix its permissions"
+        ) from error
+    first = text.split()[0] if text else ""
+    if not first.isdigit() or int(first) <= 1:
+        raise TrainingHaltError(
+            f"training pidfile {pidfile} holds {text[:40]!r}, not a process id; point "
+            "training.pidfile at the file the trainer writes its pid to",
+            pidfile=str(pidfile),
+        )
+    return int(first)
+
+
+class PidfileJob:
+    """The trainer whose pid is in ``pidfile``; its descendants count as part of the job."""
+
+    kind = "pidfile"
+
+    def __init__(self, pidfile: str | Path) -> None:
+        self.pidfile = Path(pidfile)
+
+    def find(self) -> JobTarget:
+        """Read the pidfile; a missing file, a dead pid or a reused pid means nothing runs."""
+        pid = read_pidfile(self.pidfile)
+        if pid is None:
+            return JobTarget(description=f"no pidfile at {self.pidfile}", running=False)
+        description = f"pid {pid} from {self.pidfile}"
+        if not is_process_running(pid) or self._reused(pid):
+            return JobTarget(description=description, running=False, pids=[pid])
+        return JobTarget(description=description, running=True, pids=[pid, *descendants(pid)])
+
+    def _reused(self, pid: int) -> bool:
+        started = process_start_epoch_s(pid)
+        try:
+            written = self.pidfile.stat().st_mtime
+        except OSError:
+            return False
+        return started is not None and started > written + PID_REUSE_SLACK_S
+
+    def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
+        """Signal the main pid only: the trainer forwards the stop to its workers itself."""
+        _signal_pids(target.pids[:1], signum, str(self.pidfile))
+
+    def is_running(self, target: JobTarget) -> bool:
+        """Whether the main pid still runs."""
+        return bool(target.pids) and is_process_running(target.pids[0])
+
+    def force_stop(self, target: JobTarget) -> None:
+        """SIGKILL the main pid and every descendant found when the job was located."""
+        _signal_pids(
+            [pid for pid in target.pids if is_process_running(pid)], signal.SIGKILL, str(self.pidfile)
+        )
+
+    def default_restart_argv(self) -> list[str] | None:
+        """A pidfile says nothing about how the job was started."""
+        return None
+
+
+# --- command line of GPU processes --------------------------------------------------------------
+
+
+class CmdlineJob:
+    """Processes holding GPU memory whose command line matches ``pattern``.
+
+    Args:
+        pattern: Regex searched (``re.search``) in each GPU process's space-joined command line.
+        compute_apps: Returns ``nvidia-smi --query-compute-apps=pid,... --format=csv`` output, None without
+            nvidia-smi; :func:`datagen.host.probe.query_compute_apps` by default.
+
+    """
+
+    kind = "cmdline"
+
+    def __init__(self, pattern: str, compute_apps: Callable[[], str | None] = query_compute_apps) -> None:
+        self.pattern = re.compile(pattern)
+        self.compute_apps = compute_apps
+
+    def gpu_pids(self) -> set[int]:
+        """Pids of processes holding GPU memory now.
+
+        Raises:
+            TrainingHaltError: nvidia-smi is missing, so GPU processes cannot be told apart.
+
+        """
+        text = self.compute_apps()
+        if text is None:
+            raise TrainingHaltError(
+                "training.kind cmdline needs nvidia-smi to find the processes that hold GPUs, and it is not "
+                "available; use training.kind pidfile or systemd on this host"
+            )
+        return {process.pid for process in parse_compute_apps_csv(text)}
+
+    def find(self) -> JobTarget:
+        """Match the pattern against the command lines of the GPU processes (never this process)."""
+        own = {os.getpid(), os.getppid()}
+        matched = []
+        for pid in sorted(self.gpu_pids() - own):
+            cmdline = process_cmdline(pid)
+            if cmdline is not None and self.pattern.search(cmdline) and is_process_running(pid):
+                matched.append(pid)
+        description = f"GPU processes matching /{self.pattern.pattern}/: {matched or 'none'}"
+        return JobTarget(description=description, running=bool(matched), pids=matched)
+
+    def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
+        """Signal every matched process."""
+        _signal_pids(target.pids, signum, f"matching /{self.pattern.pattern}/")
+
+    def is_running(self, target: JobTarget) -> bool:
+        """Whether any matched process still runs."""
+        return any(is_process_running(pid) for pid in target.pids)
+
+    def force_stop(self, target: JobTarget) -> None:
+        """SIGKILL every matched process still running."""
+        live = [pid for pid in target.pids if is_process_running(pid)]
+        _signal_pids(live, signal.SIGKILL, f"matching /{self.pattern.pattern}/")
+
+    def default_restart_argv(self) -> list[str] | None:
+        """Matched processes say nothing about how to start them again."""
+        return None
+
+
+# --- systemd ------------------------------------------------------------------------------------
+
+
+class SystemdStatus(BaseModel):
+    """The part of ``systemctl show`` the halt needs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    main_pid: int | None
+    active_state: str
+    load_state: str | None = None
+
+    @property
+    def running(self) -> bool:
+        """Whether the unit's processes may still hold GPUs."""
+        return self.active_state in SYSTEMD_RUNNING_STATES
+
+
+def systemctl_show_argv(unit: str, systemctl: str = "systemctl") -> list[str]:
+    """``systemctl show`` limited to the properties :func:`parse_systemctl_show` reads."""
+    return [systemctl, "show", unit, "-p", "MainPID", "-p", "ActiveState", "-p", "LoadState"]
+
+
+def parse_systemctl_show(text: str) -> SystemdStatus:
+    """Parse ``KEY=value`` lines of ``systemctl show -p MainPID -p ActiveState``.
+
+    Raises:
+        ValueError: No ``ActiveState`` line (not systemctl show output).
+
+    """
+    values = dict(line.split("=", 1) for line in text.splitlines() if "=" in line)
+    if "ActiveState" not in values:
+        raise ValueError(f"not `systemctl show` output (no ActiveState): {text[:200]!r}")
+    main_pid = values.get("MainPID", "0").strip()
+    return SystemdStatus(
+        main_pid=int(main_pid) if main_pid.isdigit() and int(main_pid) > 0 else None,
+        active_state=values["ActiveState"].strip(),
+        load_state=values.get("LoadState", "").strip() or None,
+    )
+
+
+def systemctl_stop_argv(
+    unit: str, mode: str, signum: signal.Signals, systemctl: str = "systemctl"
+) -> list[str]:
+    """The graceful stop: ``stop --no-block`` (unit's KillSignal) or ``kill --kill-whom=main --signal``."""
+    if mode == "stop":
+        # --no-block: the halt polls the state itself, under its own timeout.
+        return [systemctl, "stop", "--no-block", unit]
+    return [systemctl, "kill", "--kill-whom=main", f"--signal={signum.name}", unit]
+
+
+def systemctl_kill_argv(unit: str, systemctl: str = "systemctl") -> list[str]:
+    """The escalation: SIGKILL to every process of the unit."""
+    return [systemctl, "kill", "--kill-whom=all", "--signal=SIGKILL", unit]
+
+
+class SystemdJob:
+    """A trainer run as a systemd unit.
+
+    Args:
+        unit: The unit name.
+        mode: ``stop`` or ``kill`` (see ``training.systemd_stop``).
+        systemctl: The systemctl executable.
+
+    """
+
+    kind = "systemd"
+
+    def __init__(self, unit: str, mode: str = "stop", systemctl: str = "systemctl") -> None:
+        self.unit = unit
+        self.mode = mode
+        self.systemctl = systemctl
+
+    def _run(self, argv: list[str]) -> str:
+        try:
+            result = subprocess.run(
+                argv, capture_output=True, text=True, timeout=SYSTEMCTL_TIMEOUT_S, check=False
+            )
+        except (OSError, subprocess.TimeoutExpired) as error:
+            raise TrainingHaltError(
+                f"`{' '.join(argv)}` failed: {error}; is systemd running here? Use another training.kind "
+                "if not",
+            ) from error
+        if result.returncode != 0:
+            raise TrainingHaltError(
+                f"`{' '.join(argv)}` exited {result.returncode}: {(result.stderr or result.stdout).strip()}; "
+                "check training.systemd_unit and that datagen may manage it (root or polkit rule)",
+            )
+        return result.stdout
+
+    def status(self) -> SystemdStatus:
+        """The unit's main pid and active state now."""
+        return parse_systemctl_show(self._run(systemctl_show_argv(self.unit, self.systemctl)))
+
+    def find(self) -> JobTarget:
+        """The unit and its main pid; not running unless the unit is active."""
+        status = self.status()
+        if status.load_state == "not-found":
+            raise TrainingHaltError(
+                f"systemd unit {self.unit} does not exist: fix training.systemd_unit",
+                unit=self.unit,
+            )
+        pids = [status.main_pid] if status.main_pid else []
+        pids += [child for pid in pids for child in descendants(pid)]
+        return JobTarget(
+            description=f"systemd unit {self.unit} ({status.active_state}, main pid {status.main_pid})",
+            running=status.running,
+            pids=pids,
+        )
+
+    def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
+        """``systemctl stop --no-block`` or ``systemctl kill --signal``."""
+        self._run(systemctl_stop_argv(self.unit, self.mode, signum, self.systemctl))
+
+    def is_running(self, target: JobTarget) -> bool:
+        """Whether the unit is still active (or deactivating)."""
+        return self.status().running
+
+    def force_stop(self, target: JobTarget) -> None:
+        """SIGKILL every process of the unit."""
+        self._run(systemctl_kill_argv(self.unit, self.systemctl))
+
+    def default_restart_argv(self) -> list[str] | None:
+        """``systemctl start <unit>``."""
+        return [self.systemctl, "start", self.unit]
+
+
+# --- Prefect flow run ---------------------------------------------------------------------------
+
+
+class FlowRunJob:
+    """A training job that is itself a Prefect flow run, cancelled through the API.
+
+    Args:
+        control: The API calls (``tasks.host.PrefectFlowRunControl`` in the flow).
+        flow_run_id: The flow run to cancel, or
+        deployment: ``flow-name/deployment-name`` whose active flow runs are all cancelled.
+
+    """
+
+    kind = "prefect"
+
+    def __init__(
+        self, control: FlowRunControl, *, flow_run_id: str | None = None, deployment: str | None = None
+    ) -> None:
+        if not (flow_run_id or deployment):
+            raise ValueError("FlowRunJob needs flow_run_id or deployment")
+        self.control = control
+        self.flow_run_id = flow_run_id
+        self.deployment = deployment
+
+    def find(self) -> JobTarget:
+        """The flow run(s) not yet in a final state."""
+        if self.flow_run_id:
+            candidates = [self.flow_run_id]
+            what = f"flow run {self.flow_run_id}"
+        else:
+            assert self.deployment is not None
+            candidates = self.control.active_flow_runs(self.deployment)
+            what = f"active flow runs of deployment {self.deployment}"
+        active = [run for run in candidates if self.control.flow_run_state(run) not in PREFECT_FINAL_STATES]
+        return JobTarget(description=f"{what}: {active or 'none active'}", running=bool(active), ids=active)
+
+    def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
+        """Cancel every active flow run (Prefect's runner delivers the stop; ``signum`` is not used)."""
+        for flow_run_id in target.ids:
+            self.control.cancel_flow_run(flow_run_id)
+
+    def is_running(self, target: JobTarget) -> bool:
+        """Whether any of the flow runs is not final yet."""
+        return any(self.control.flow_run_state(run) not in PREFECT_FINAL_STATES for run in target.ids)
+
+    def force_stop(self, target: JobTarget) -> None:
+        """The API offers nothing stronger than cancelling.
+
+        Raises:
+            TrainingHaltError: Always, naming the runs that did not stop.
+
+        """
+        raise TrainingHaltError(
+            f"flow run(s) {target.ids} are still not final after cancelling; the API cannot force them. "
+            "Check the worker that runs them (it delivers the cancellation), or stop them by hand",
+        )
+
+    def default_restart_argv(self) -> list[str] | None:
+        """Restarting a flow run needs a configured command (e.g. ``prefect deployment run``)."""
+        return None
+
+
+def job_for(cfg: TrainingJobConfig, *, flow_runs: FlowRunControl | None = None) -> TrainingJob | None:
+    """The handle ``training.kind`` asks for; None for ``none``.
+
+    Args:
+        cfg: The training job config.
+        flow_runs: Prefect API calls, needed for ``kind: prefect``.
+
+    Raises:
+        TrainingHaltError: ``kind: prefect`` without ``flow_runs``.
+
+    """
+    if cfg.kind == "pidfile":
+        assert cfg.pidfile is not None
+        return PidfileJob(cfg.pidfile)
+    if cfg.kind == "cmdline":
+        assert cfg.cmdline_pattern is not None
+        return CmdlineJob(cfg.cmdline_pattern)
+    if cfg.kind == "systemd":
+        assert cfg.systemd_unit is not None
+        return SystemdJob(cfg.systemd_unit, cfg.systemd_stop, shutil.which("systemctl") or "systemctl")
+    if cfg.kind == "prefect":
+        if flow_runs is None:
+            raise TrainingHaltError(
+                "training.kind prefect needs the Prefect API; halt it from the flow (tasks.host.halt_training)"
+            )
+        return FlowRunJob(flow_runs, flow_run_id=cfg.prefect_flow_run_id, deployment=cfg.prefect_deployment)
+    return None

@@ -1,0 +1,81 @@
+"""Local backend of the write-once store: a temporary file, fsynced, then hard-linked to its final name.
+
+``link`` fails atomically when the name exists, so a reader never sees a partial file and a second writer
+never replaces the first one's object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import uuid
+from pathlib import Path
+from typing import IO
+
+from datagen.errors import (
+    OutputExistsError,
+)
+
+TEMP_PREFIX = ".tmp-"
+
+
+class LocalBackend:
+    """A local directory; exclusive create through temp file + hard link."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root.removeprefix("file://")).expanduser().resolve()
+
+    def _path(self, key: str) -> Path:
+        return self.root / key
+
+    def url(self, key: str) -> str:
+        """The absolute path of ``key``."""
+        return str(self._path(key))
+
+    def create(self, key: str, data: bytes) -> None:
+        """Create ``key`` atomically and exclusively."""
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.parent / f"{TEMP_PREFIX}{target.name}.{uuid.uuid4().hex}"
+        try:
+            with open(temp, "xb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temp, target)
+            except FileExistsError:
+                raise OutputExistsError(str(target)) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+        # Make the new directory entry durable too, so a crash cannot forget a completed write.
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+
+    def read(self, key: str) -> bytes:
+        """The bytes of ``key``."""
+        return self._path(key).read_bytes()
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """A binary file handle on ``key``."""
+        return open(self._path(key), "rb")
+
+    def exists(self, key: str) -> bool:
+        """Tell whether ``key`` exists."""
+        return self._path(key).is_file()
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under ``prefix``, skipping in-progress temporary files."""
+        base = self._path(prefix)
+        if not base.is_dir():
+            return []
+        keys = [
+            str(path.relative_to(self.root))
+            for path in base.rglob("*")
+            if path.is_file() and not path.name.startswith(TEMP_PREFIX)
+        ]
+        return sorted(keys)

@@ -1,0 +1,458 @@
+"""Merge a run's completions into tokenized Parquet parts and a new dataset version.
+
+Reads every final completions shard whose done marker exists (sorted keys, so the row order is
+deterministic), drops what must not be trained on (truncated, empty, too long, not renderable), counting
+each drop by reason, tokenizes the rest with the target's tokenizer (:mod:`datagen.output.tokenize`), and writes
+write-once Parquet parts of at most ``tokenize.rows_per_part`` rows, holding at most one part in memory.
+Then it writes a dataset version manifest (``datasets/<name>/vNNNN.json``) listing the base version's
+shards (referenced, never rewritten) plus the new parts, and finally the tokenize summary.
+
+Resume: the summary is written last and checked first, so a finished merge is never redone. Parts left
+by an interrupted attempt are kept: their rows are recomputed for the counts but not written again, after
+checking that they still end at the same completion (each part records its last source row).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import logging
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from datagen.config import RunConfig
+from datagen.errors import ConfigError, OutputExistsError, TokenizeError
+from datagen.output.layout import RunLayout, dataset_version
+from datagen.output.store import Store
+from datagen.output.tokenize import RejectedRow, TokenizedRow, load_tokenizer, tokenize_completion
+from datagen.records import CompletionRecord, utc_now
+
+logger = logging.getLogger(__name__)
+
+DATASET_VERSION_SCHEMA = 1
+DROP_TRUNCATED = "truncated"
+DROP_EMPTY = "empty_completion"
+DROP_INVALID = "invalid_record"
+DROP_TEMPLATE = "template_mismatch"
+# Parquet key-value metadata of every part: where its last row came from, checked on resume.
+PART_LAST_SOURCE_KEY = b"datagen.last_source"
+PART_RUN_KEY = b"datagen.run_id"
+# How many times to step to the next version number when another writer took ours.
+MAX_VERSION_CLAIMS = 1000
+_SHARD_KEY = re.compile(r"/completions/(?P<dataset>[^/]+)/shard-(?P<index>\d+)\.jsonl$")
+_VERSION_KEY = re.compile(r"/v(?P<version>\d+)\.json$")
+_PART_KEY = re.compile(r"/part-(?P<index>\d+)\.parquet$")
+
+
+class TokenizedPartRef(BaseModel):
+    """One Parquet part of a run (or of a base dataset version)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    key: str | None = Field(default=None, description="Object key relative to the store root, for new parts.")
+    url: str = Field(description="Full location of the part.")
+    rows: int
+    source: str = Field(description="Run id that produced it, or 'base:<version url>' for inherited shards.")
+
+
+class DatasetVersion(BaseModel):
+    """A dataset version manifest: every Parquet shard of the training set, old and new.
+
+    Shards of the base version are listed by reference: they are never copied or rewritten.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = DATASET_VERSION_SCHEMA
+    name: str
+    version: int
+    created_at: dt.datetime = Field(default_factory=utc_now)
+    run_id: str
+    base_version: str | None = None
+    rows: int
+    shards: list[TokenizedPartRef]
+
+
+class TokenizeSummary(BaseModel):
+    """What merge-and-tokenize produced; written last as ``tokenized/summary.json``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = 1
+    run_id: str
+    tokenizer: str
+    shards_read: int = Field(description="Completion shards with a done marker that were read.")
+    shards_incomplete: list[str] = Field(
+        default_factory=list, description="Completion shards without a done marker (not read)."
+    )
+    completions_read: int
+    rows: int
+    total_tokens: int
+    loss_tokens: int
+    rows_by_dataset: dict[str, int] = Field(default_factory=dict)
+    tokens_by_dataset: dict[str, int] = Field(default_factory=dict)
+    dropped_by_reason: dict[str, int] = Field(default_factory=dict)
+    parts: list[TokenizedPartRef] = Field(default_factory=list)
+    resumed_parts: int = Field(default=0, description="Parts found from an interrupted attempt and kept.")
+    dataset_name: str
+    dataset_version: str = Field(description="Key of the dataset version manifest written for this run.")
+    dataset_version_url: str
+    dataset_version_rows: int = Field(description="Rows of the whole version (base shards included).")
+    base_version: str | None = None
+    created_at: dt.datetime = Field(default_factory=utc_now)
+
+
+@dataclass(frozen=True)
+class _ExistingPart:
+    key: str
+    rows: int
+    last_source: str
+
+
+@dataclass
+class _Tally:
+    """Running counts of one merge (rows written or not)."""
+
+    shards_read: int = 0
+    completions_read: int = 0
+    rows: int = 0
+    total_tokens: int = 0
+    loss_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.rows_by_dataset: Counter[str] = Counter()
+        self.tokens_by_dataset: Counter[str] = Counter()
+        self.dropped: Counter[str] = Counter()
+
+
+def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> TokenizeSummary:
+    """Tokenize every finished completion shard of a run into Parquet parts and a new dataset version.
+
+    Args:
+        store: The run's output store.
+        layout: The run's keys.
+        config: The run configuration (``tokenize`` section, ``model.tokenizer``).
+
+    Returns:
+        The summary; the stored one, untouched, when the merge already finished.
+
+    Raises:
+        ConfigError: The tokenizer or the base version cannot be read.
+        TokenizeError: Parts of an interrupted attempt do not match the completions any more.
+
+    """
+    if store.exists(layout.tokenized_summary):
+        logger.info("merge already complete run_id=%s", layout.run_id)
+        return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
+    settings = config.tokenize
+    tokenizer = load_tokenizer(config.model.tokenizer)
+    existing = _existing_parts(store, layout, settings.rows_per_part)
+    base = read_base_version(store, settings.base_version) if settings.base_version else None
+    shard_keys, incomplete = _finished_shards(store, layout)
+
+    tally = _Tally()
+    parts: list[TokenizedPartRef] = [
+        TokenizedPartRef(key=part.key, url=store.url(part.key), rows=part.rows, source=layout.run_id)
+        for part in existing
+    ]
+    skip_rows = sum(part.rows for part in existing)
+    boundaries = _cumulative_boundaries(existing)
+    buffer: list[TokenizedRow] = []
+    last_source = ""
+    for source, record in _iter_completions(store, shard_keys, tally):
+        row = _screen_and_tokenize(
+            tokenizer, record, settings.include_truncated, settings.max_length_tokens, tally
+        )
+        if row is None:
+            continue
+        tally.rows += 1
+        tally.total_tokens += row.num_tokens
+        tally.loss_tokens += row.num_loss_tokens
+        tally.rows_by_dataset[row.dataset] += 1
+        tally.tokens_by_dataset[row.dataset] += row.num_tokens
+        if tally.rows <= skip_rows:
+            _check_resumed_boundary(boundaries, tally.rows, source)
+            continue
+        buffer.append(row)
+        last_source = source
+        if len(buffer) >= settings.rows_per_part:
+            parts.append(_write_part(store, layout, len(parts), buffer, last_source))
+            buffer = []
+    if tally.rows < skip_rows:
+        raise TokenizeError(
+            f"Run {layout.run_id}: an earlier attempt wrote {skip_rows} tokenized rows but the completions "
+            f"now yield only {tally.rows}. The completions changed since; start a new run id.",
+            run_id=layout.run_id,
+        )
+    if buffer:
+        parts.append(_write_part(store, layout, len(parts), buffer, last_source))
+
+    version_key, version = _write_dataset_version(store, layout, config, parts, base)
+    summary = TokenizeSummary(
+        run_id=layout.run_id,
+        tokenizer=config.model.tokenizer,
+        shards_read=tally.shards_read,
+        shards_incomplete=incomplete,
+        completions_read=tally.completions_read,
+        rows=tally.rows,
+        total_tokens=tally.total_tokens,
+        loss_tokens=tally.loss_tokens,
+        rows_by_dataset=dict(sorted(tally.rows_by_dataset.items())),
+        tokens_by_dataset=dict(sorted(tally.tokens_by_dataset.items())),
+        dropped_by_reason=dict(sorted(tally.dropped.items())),
+        parts=parts,
+        resumed_parts=len(existing),
+        dataset_name=settings.dataset_name,
+        dataset_version=version_key,
+        dataset_version_url=store.url(version_key),
+        dataset_version_rows=version.rows,
+        base_version=settings.base_version,
+    )
+    try:
+        store.write_json(layout.tokenized_summary, summary)
+    except OutputExistsError:
+        # Another process on the same run finished the merge first; its summary describes the same parts.
+        logger.info(
+            "tokenize summary already written by another attempt; adopting it run_id=%s", layout.run_id
+        )
+        return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
+    logger.info(
+        "merged run_id=%s rows=%d loss_tokens=%d parts=%d dropped=%s version=%s",
+        layout.run_id,
+        summary.rows,
+        summary.loss_tokens,
+        len(parts),
+        summary.dropped_by_reason,
+        version_key,
+    )
+    return summary
+
+
+def _finished_shards(store: Store, layout: RunLayout) -> tuple[list[str], list[str]]:
+    """Completion shard keys whose done marker exists (sorted), and those without one."""
+    finished: list[str] = []
+    incomplete: list[str] = []
+    for key in store.list(layout.completions_prefix):
+        match = _SHARD_KEY.search(key)
+        if match is None:
+            continue
+        if store.exists(layout.shard_done(match["dataset"], int(match["index"]))):
+            finished.append(key)
+        else:
+            incomplete.append(key)
+    if incomplete:
+        logger.warning(
+            "completion shards without done marker skipped count=%d first=%s", len(incomplete), incomplete[0]
+        )
+    return finished, incomplete
+
+
+def _iter_completions(
+    store: Store, shard_keys: list[str], tally: _Tally
+) -> Iterator[tuple[str, CompletionRecord]]:
+    """Stream ``(source, record)`` over every shard in order; ``source`` is ``<key>#<line>``."""
+    for key in shard_keys:
+        tally.shards_read += 1
+        for line, data in enumerate(store.iter_jsonl(key)):
+            tally.completions_read += 1
+            try:
+                record = CompletionRecord.model_validate(data)
+            except ValidationError as error:
+                tally.dropped[DROP_INVALID] += 1
+                logger.warning("invalid completion record key=%s line=%d error=%s", key, line, error)
+                continue
+            yield f"{key}#{line}", record
+
+
+def _screen_and_tokenize(
+    tokenizer: Any,
+    record: CompletionRecord,
+    include_truncated: bool,
+    max_length_tokens: int | None,
+    tally: _Tally,
+) -> TokenizedRow | None:
+    """The record's training row, or None after counting why it is dropped."""
+    if record.finish_reason == "length" and not include_truncated:
+        tally.dropped[DROP_TRUNCATED] += 1
+        return None
+    completion = record.completion
+    if not (completion.content and completion.content.strip()) and not completion.tool_calls:
+        tally.dropped[DROP_EMPTY] += 1
+        return None
+    try:
+        row = tokenize_completion(tokenizer, record, max_length_tokens=max_length_tokens)
+    except TokenizeError as error:
+        # One odd record must not sink the merge; a systematic mismatch shows as a large count in the report.
+        tally.dropped[DROP_TEMPLATE] += 1
+        logger.warning("completion not renderable key=%s error=%s", record.key, error)
+        return None
+    if isinstance(row, RejectedRow):
+        tally.dropped[row.reason] += 1
+        return None
+    return row
+
+
+def _write_part(
+    store: Store, layout: RunLayout, index: int, rows: list[TokenizedRow], last_source: str
+) -> TokenizedPartRef:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = pa.schema(
+        [
+            pa.field("input_ids", pa.list_(pa.int32())),
+            pa.field("loss_mask", pa.list_(pa.int8())),
+            pa.field("prompt_id", pa.string()),
+            pa.field("sample_index", pa.int32()),
+            pa.field("dataset", pa.string()),
+            pa.field("num_tokens", pa.int32()),
+            pa.field("num_loss_tokens", pa.int32()),
+            pa.field("finish_reason", pa.string()),
+        ],
+        metadata={PART_LAST_SOURCE_KEY: last_source.encode(), PART_RUN_KEY: layout.run_id.encode()},
+    )
+    columns: dict[str, list[Any]] = {name: [] for name in schema.names}
+    for row in rows:
+        for name in schema.names:
+            columns[name].append(getattr(row, name))
+    table = pa.Table.from_pydict(columns, schema=schema)
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd")
+    key = layout.tokenized_part(index)
+    info = store.write_bytes(key, sink.getvalue())
+    logger.info("wrote tokenized part key=%s rows=%d bytes=%d", key, len(rows), info.size_bytes)
+    return TokenizedPartRef(key=key, url=info.url, rows=len(rows), source=layout.run_id)
+
+
+def _existing_parts(store: Store, layout: RunLayout, rows_per_part: int) -> list[_ExistingPart]:
+    """Parts left by an interrupted attempt, checked to be contiguous and full (the last may be short)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    keys = [key for key in store.list(f"{layout.root}/tokenized") if _PART_KEY.search(key)]
+    parts: list[_ExistingPart] = []
+    for position, key in enumerate(keys):
+        if key != layout.tokenized_part(position):
+            raise TokenizeError(
+                f"Tokenized parts of run {layout.run_id} are not contiguous ({key} where "
+                f"{layout.tokenized_part(position)} was expected); start a new run id.",
+                run_id=layout.run_id,
+            )
+        metadata = pq.read_metadata(pa.BufferReader(store.read_bytes(key)))
+        extra = metadata.metadata or {}
+        parts.append(_ExistingPart(key, metadata.num_rows, extra.get(PART_LAST_SOURCE_KEY, b"").decode()))
+    for part in parts[:-1]:
+        if part.rows != rows_per_part:
+            raise TokenizeError(
+                f"Tokenized part {part.key} holds {part.rows} rows, not rows_per_part={rows_per_part}; "
+                "it was written with another configuration. Start a new run id.",
+                run_id=layout.run_id,
+            )
+    if parts:
+        logger.info("resuming merge run_id=%s existing_parts=%d", layout.run_id, len(parts))
+    return parts
+
+
+def _cumulative_boundaries(parts: list[_ExistingPart]) -> dict[int, _ExistingPart]:
+    """Map the row count at the end of each existing part to that part."""
+    boundaries: dict[int, _ExistingPart] = {}
+    total = 0
+    for part in parts:
+        total += part.rows
+        boundaries[total] = part
+    return boundaries
+
+
+def _check_resumed_boundary(boundaries: dict[int, _ExistingPart], row_count: int, source: str) -> None:
+    part = boundaries.get(row_count)
+    if part is not None and part.last_source != source:
+        raise TokenizeError(
+            f"Tokenized part {part.key} ends at completion {part.last_source or '(unknown)'} but the same "
+            f"row is now {source}: the completions or the filters changed since it was written. "
+            "Start a new run id.",
+            key=part.key,
+        )
+
+
+def read_base_version(store: Store, reference: str) -> tuple[str, DatasetVersion]:
+    """Read the base dataset version: a key in this store, or a full URL (local path or s3://)."""
+    try:
+        if "://" in reference or reference.startswith("/"):
+            parent, _, name = reference.rstrip("/").rpartition("/")
+            data = Store(parent or "/").read_json(name)
+            url = reference
+        else:
+            data = store.read_json(reference)
+            url = store.url(reference)
+    except FileNotFoundError:
+        raise ConfigError(
+            f"tokenize.base_version {reference} does not exist; give the URL (or store key) of an existing "
+            "dataset version manifest such as datasets/<name>/v0001.json.",
+            base_version=reference,
+        ) from None
+    try:
+        return url, DatasetVersion.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(
+            f"tokenize.base_version {reference} is not a datagen dataset version manifest: {error}",
+            base_version=reference,
+        ) from None
+
+
+def _write_dataset_version(
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    parts: list[TokenizedPartRef],
+    base: tuple[str, DatasetVersion] | None,
+) -> tuple[str, DatasetVersion]:
+    """Write the next free version of the dataset (or return this run's version from an earlier attempt)."""
+    name = config.tokenize.dataset_name
+    prefix = f"datasets/{name}"
+    numbers: list[int] = []
+    for key in store.list(prefix):
+        match = _VERSION_KEY.search(key)
+        if match is None:
+            continue
+        numbers.append(int(match["version"]))
+        stored = store.read_json(key)
+        if isinstance(stored, dict) and stored.get("run_id") == layout.run_id:
+            # An interrupted attempt of this run already published its version: reuse it, never add a second.
+            return key, DatasetVersion.model_validate(stored)
+    inherited: list[TokenizedPartRef] = []
+    base_url: str | None = None
+    if base is not None:
+        base_url, base_version = base
+        inherited = [
+            shard.model_copy(
+                update={"source": shard.source if shard.source.startswith("base:") else f"base:{base_url}"}
+            )
+            for shard in base_version.shards
+        ]
+    shards = [*inherited, *parts]
+    number = max(numbers, default=0) + 1
+    for _ in range(MAX_VERSION_CLAIMS):
+        version = DatasetVersion(
+            name=name,
+            version=number,
+            run_id=layout.run_id,
+            base_version=base_url,
+            rows=sum(shard.rows for shard in shards),
+            shards=shards,
+        )
+        key = dataset_version(name, number)
+        try:
+            store.write_json(key, version)
+        except OutputExistsError:
+            number += 1
+            continue
+        logger.info("wrote dataset version key=%s rows=%d shards=%d", key, version.rows, len(shards))
+        return key, version
+    raise TokenizeError(
+        f"Could not claim a version number for dataset {name} after {MAX_VERSION_CLAIMS} tries."
+    )

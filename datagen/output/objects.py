@@ -1,0 +1,43 @@
+"""What every store backend shares: the record of a written object and the backend protocol."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import IO, Protocol
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What was written: the key, its full URL and its size."""
+
+    key: str
+    url: str
+    size_bytes: int
+
+
+class Backend(Protocol):
+    """The few primitives a store needs from a backend."""
+
+    def create(self, key: str, data: bytes) -> None:
+        """Create ``key`` with ``data``; raise OutputExistsError when it exists."""
+        ...
+
+    def read(self, key: str) -> bytes:
+        """Return the bytes of ``key``; raise FileNotFoundError when absent."""
+        ...
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """Open ``key`` for streaming reads."""
+        ...
+
+    def exists(self, key: str) -> bool:
+        """Tell whether ``key`` exists."""
+        ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (recursively), sorted."""
+        ...
+
+    def url(self, key: str) -> str:
+        """The full URL of ``key``."""
+        ...

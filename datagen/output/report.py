@@ -1,0 +1,260 @@
+"""The run report: per-dataset counts, tokens, throughput, failures and the resulting mix.
+
+Built from the small summaries the stages return (never by re-reading the data), rendered as JSON and
+markdown into the run folder and, by the flow, as Prefect artifacts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections import Counter
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.config import RunConfig
+from datagen.prompts.mix import MixRow, dataset_mix, mix_table
+from datagen.records import PreparedDataset, ShardSummary, utc_now
+
+
+class DatasetReport(BaseModel):
+    """Counts of one dataset through every stage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dataset: str
+    category: str | None = None
+    rows_read: int = 0
+    prompts: int = 0
+    quota: int | None = Field(default=None, description="Prompts the mix asked of this dataset.")
+    shortfall: int = Field(default=0, description="Quota minus prompts, when the dataset had too few.")
+    rejections: dict[str, int] = Field(default_factory=dict)
+    shards: int = 0
+    requests: int = 0
+    completions: int = 0
+    failures: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    resent_requests: int = 0
+    retried_attempts: int = 0
+    finish_reasons: dict[str, int] = Field(default_factory=dict)
+    failure_reasons: dict[str, int] = Field(default_factory=dict)
+    tokenized_rows: int = 0
+
+
+class RunReport(BaseModel):
+    """The whole run in numbers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    config_hash: str
+    created_at: dt.datetime = Field(default_factory=utc_now)
+    engine: str
+    servers: int
+    generation_wall_s: float
+    output_tokens_per_s: float
+    datasets: list[DatasetReport]
+    totals: DatasetReport
+    tokenize: dict[str, Any] = Field(default_factory=dict)
+    mix: dict[str, float] = Field(default_factory=dict, description="Share of tokenized rows per dataset.")
+    mix_by_category: list[MixRow] = Field(
+        default_factory=list, description="Target, new, existing and combined mix per category."
+    )
+    rejection_samples: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+
+    def table_rows(self) -> list[dict[str, Any]]:
+        """One flat row per dataset plus a total row, for a table artifact."""
+        rows = []
+        for item in [*self.datasets, self.totals]:
+            rows.append(
+                {
+                    "dataset": item.dataset,
+                    "prompts": item.prompts,
+                    "rejected": sum(item.rejections.values()),
+                    "requests": item.requests,
+                    "completions": item.completions,
+                    "failures": item.failures,
+                    "output_tokens": item.completion_tokens,
+                    "tokenized_rows": item.tokenized_rows,
+                    "resent": item.resent_requests,
+                    "retries": item.retried_attempts,
+                }
+            )
+        return rows
+
+    def to_markdown(self) -> str:
+        """A readable report: headline figures, the table, failures and rejections by reason."""
+        lines = [
+            f"# datagen run `{self.run_id}`",
+            "",
+            f"- engine: **{self.engine}**, servers: **{self.servers}**",
+            f"- generation wall time: **{self.generation_wall_s:.1f} s**, "
+            f"output throughput: **{self.output_tokens_per_s:.1f} tok/s**",
+            f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
+            f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
+            f"- tokenized rows: **{self.totals.tokenized_rows}**"
+            + (
+                f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else ""
+            ),
+            "",
+            "| dataset | prompts | rejected | requests | completions | failures | output tokens | rows | mix |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for item in self.datasets:
+            share = self.mix.get(item.dataset, 0.0)
+            lines.append(
+                f"| {item.dataset} | {item.prompts} | {sum(item.rejections.values())} | {item.requests} | "
+                f"{item.completions} | {item.failures} | {item.completion_tokens} | {item.tokenized_rows} | "
+                f"{share:.1%} |"
+            )
+        total = self.totals
+        lines.append(
+            f"| **total** | {total.prompts} | {sum(total.rejections.values())} | {total.requests} | "
+            f"{total.completions} | {total.failures} | {total.completion_tokens} | {total.tokenized_rows} | "
+            "100% |"
+        )
+        lines += self._mix_markdown()
+        if total.failure_reasons:
+            lines += ["", "## Failures by reason", ""]
+            lines += [f"- {reason}: {count}" for reason, count in sorted(total.failure_reasons.items())]
+        if total.rejections:
+            lines += ["", "## Rejected dataset rows by reason", ""]
+            lines += [f"- {reason}: {count}" for reason, count in sorted(total.rejections.items())]
+        if total.finish_reasons:
+            lines += ["", "## Finish reasons", ""]
+            lines += [f"- {reason}: {count}" for reason, count in sorted(total.finish_reasons.items())]
+        dropped = self.tokenize.get("dropped_by_reason") or {}
+        if dropped:
+            lines += ["", "## Completions not tokenized, by reason", ""]
+            lines += [f"- {reason}: {count}" for reason, count in sorted(dropped.items())]
+        return "\n".join(lines) + "\n"
+
+    def _mix_markdown(self) -> list[str]:
+        if not self.mix_by_category:
+            return []
+
+        def share(value: float | None) -> str:
+            return "-" if value is None else f"{value:.1%}"
+
+        lines = [
+            "",
+            "## Mix by category",
+            "",
+            "Prompts against the configured target; training rows of the new data, the existing corpus, "
+            "and both together.",
+            "",
+            "| category | target prompts | target share | new prompts | new share | shortfall | new rows "
+            "| new row share | existing rows | combined rows | combined share |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for row in self.mix_by_category:
+            target = "-" if row.target_prompts is None else str(row.target_prompts)
+            lines.append(
+                f"| {row.category} | {target} | {share(row.target_share)} | {row.prompts} | "
+                f"{share(row.prompt_share)} | {row.shortfall} | {row.rows} | {share(row.row_share)} | "
+                f"{row.existing_rows} | {row.combined_rows} | {share(row.combined_share)} |"
+            )
+        short = [item for item in self.datasets if item.shortfall]
+        if short:
+            lines += ["", "Datasets short of their quota (not enough valid prompts):", ""]
+            lines += [
+                f"- {item.dataset}: {item.prompts} of {item.quota} (short by {item.shortfall})"
+                for item in short
+            ]
+        return lines
+
+
+def _add_counts(target: dict[str, int], source: dict[str, int]) -> None:
+    for key, value in source.items():
+        target[key] = target.get(key, 0) + value
+
+
+def build_report(
+    *,
+    run_id: str,
+    config: RunConfig,
+    prepared: list[PreparedDataset],
+    shards: list[ShardSummary],
+    tokenize_summary: dict[str, Any] | None,
+    servers: int,
+    generation_wall_s: float,
+) -> RunReport:
+    """Assemble the report from the stages' summaries.
+
+    Args:
+        run_id: The run.
+        config: The run's config (engine, dataset categories).
+        prepared: One summary per dataset from prepare_prompts.
+        shards: Every shard summary from generate_shard.
+        tokenize_summary: The merge-and-tokenize summary as a dict (``rows_by_dataset`` is used when present).
+        servers: How many servers generated.
+        generation_wall_s: Wall time from the first request to the last result.
+    """
+    by_name = {
+        dataset.name: DatasetReport(dataset=dataset.name, category=dataset.category)
+        for dataset in config.datasets
+    }
+    samples: dict[str, list[dict[str, Any]]] = {}
+    for item in prepared:
+        report = by_name[item.dataset]
+        report.rows_read = item.rows_read
+        report.prompts = item.prompts
+        report.rejections = dict(item.rejections)
+        report.shards = len(item.shards)
+        if item.rejection_samples:
+            samples[item.dataset] = item.rejection_samples
+    for entry in dataset_mix(config, prepared):
+        by_name[entry.dataset].quota = entry.quota
+        by_name[entry.dataset].shortfall = entry.shortfall
+    for shard in shards:
+        report = by_name[shard.dataset]
+        report.requests += shard.requests
+        report.completions += shard.completions
+        report.failures += shard.failures
+        report.prompt_tokens += shard.prompt_tokens
+        report.completion_tokens += shard.completion_tokens
+        report.resent_requests += shard.resent_requests
+        report.retried_attempts += shard.retried_attempts
+        _add_counts(report.finish_reasons, shard.finish_reasons)
+        _add_counts(report.failure_reasons, shard.failure_reasons)
+    rows_by_dataset: dict[str, int] = dict((tokenize_summary or {}).get("rows_by_dataset") or {})
+    for name, rows in rows_by_dataset.items():
+        if name in by_name:
+            by_name[name].tokenized_rows = rows
+    totals = DatasetReport(dataset="total")
+    for report in by_name.values():
+        for field in (
+            "rows_read",
+            "prompts",
+            "shards",
+            "requests",
+            "completions",
+            "failures",
+            "prompt_tokens",
+            "completion_tokens",
+            "resent_requests",
+            "retried_attempts",
+            "tokenized_rows",
+        ):
+            setattr(totals, field, getattr(totals, field) + getattr(report, field))
+        _add_counts(totals.rejections, report.rejections)
+        _add_counts(totals.finish_reasons, report.finish_reasons)
+        _add_counts(totals.failure_reasons, report.failure_reasons)
+    mix_counts = Counter({name: report.tokenized_rows for name, report in by_name.items()})
+    total_rows = sum(mix_counts.values())
+    mix = {name: (count / total_rows if total_rows else 0.0) for name, count in mix_counts.items()}
+    return RunReport(
+        run_id=run_id,
+        config_hash=config.config_hash(),
+        engine=config.fleet.engine,
+        servers=servers,
+        generation_wall_s=generation_wall_s,
+        output_tokens_per_s=(totals.completion_tokens / generation_wall_s) if generation_wall_s > 0 else 0.0,
+        datasets=list(by_name.values()),
+        totals=totals,
+        tokenize=dict(tokenize_summary or {}),
+        mix=mix,
+        mix_by_category=mix_table(config, prepared, rows_by_dataset),
+        rejection_samples=samples,
+    )

@@ -1,0 +1,243 @@
+"""S3 clients for every stage: endpoint, region and credentials resolved in one place for boto3 and s3fs.
+
+Credentials come from the standard AWS chain, or from explicit :class:`S3Credentials` (per client, or a
+process default set by the orchestration layer, e.g. from a Prefect AwsCredentials block). Secrets never
+reach reprs, logs or error messages. Every retry botocore makes is logged with its cause.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+logger = logging.getLogger(__name__)
+
+
+logger = logging.getLogger(__name__)
+
+# Attempts per S3 request in botocore's standard retry mode (exponential backoff with jitter, at most
+# 20 s apart): it absorbs throttling, 5xx answers and connection resets before we ever see them.
+S3_MAX_ATTEMPTS = 10
+# Times a GET's body may be cut short mid-stream before the read gives up (each time the rest is asked
+# for again with a ranged GET; botocore's own retries end once the response headers arrived).
+S3_BODY_READ_ATTEMPTS = 3
+# Read buffer of S3 object streams (JSON-lines iteration reads through it).
+S3_READ_BUFFER_BYTES = 1024 * 1024
+HTTP_NOT_FOUND = 404
+HTTP_CONFLICT = 409
+HTTP_PRECONDITION_FAILED = 412
+HTTP_TOO_MANY_REQUESTS = 429
+HTTP_SERVER_ERROR = 500
+THROTTLE_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
+)
+# Key in botocore's per-request context where the failure of the previous attempt is kept for the log.
+RETRY_CAUSE_CONTEXT_KEY = "datagen_retry_cause"
+
+
+def error_facts(error: Exception) -> tuple[str, int]:
+    """The S3 error code and HTTP status of a botocore ClientError (empty and 0 when absent)."""
+    response: dict[str, Any] = getattr(error, "response", {}) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def is_transient_status(code: str, status: int) -> bool:
+    """Whether an S3 answer is worth retrying: 5xx, a create in progress (409), throttling."""
+    return (
+        status >= HTTP_SERVER_ERROR
+        or status in {HTTP_CONFLICT, HTTP_TOO_MANY_REQUESTS}
+        or code in THROTTLE_CODES
+    )
+
+
+class S3Credentials(BaseModel):
+    """Explicit S3 credentials, for when the standard AWS chain is not what should be used.
+
+    Either a key pair (with an optional session token) or a named profile. The secrets are ``SecretStr``:
+    they never appear in a repr, a log line or an error message.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    access_key_id: str | None = Field(default=None, description="AWS access key id.")
+    secret_access_key: SecretStr | None = Field(default=None, description="AWS secret access key.")
+    session_token: SecretStr | None = Field(default=None, description="Token of temporary credentials.")
+    profile_name: str | None = Field(default=None, description="A profile of ~/.aws/config to use instead.")
+    region: str | None = Field(default=None, description="Region these credentials belong to, if any.")
+    endpoint_url: str | None = Field(default=None, description="S3-compatible endpoint they are for.")
+
+    @model_validator(mode="after")
+    def _key_pair_complete(self) -> S3Credentials:
+        if (self.access_key_id is None) != (self.secret_access_key is None):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
+        return self
+
+
+_default_credentials: S3Credentials | None = None
+
+
+def set_default_s3_credentials(credentials: S3Credentials | None) -> None:
+    """Make every S3 client this process creates without explicit credentials use ``credentials``.
+
+    The orchestration layer calls this once per process after resolving a credentials source that the
+    core cannot read itself (a Prefect AwsCredentials block: see ``tasks/credentials.py``); None goes back
+    to the standard AWS chain (environment, shared config/profile, instance or container role).
+    """
+    global _default_credentials
+    _default_credentials = credentials
+
+
+def default_s3_credentials() -> S3Credentials | None:
+    """The credentials set by :func:`set_default_s3_credentials`, None for the standard AWS chain."""
+    return _default_credentials
+
+
+def _describe_failure(response: Any, caught_exception: BaseException | None) -> str | None:
+    """What went wrong in one attempt, without anything secret (class name, status, S3 error code)."""
+    if caught_exception is not None:
+        return type(caught_exception).__name__
+    if response is None:
+        return None
+    http_response, parsed = response
+    status = int(getattr(http_response, "status_code", 0) or 0)
+    code = str((parsed or {}).get("Error", {}).get("Code", ""))
+    if is_transient_status(code, status):
+        return f"{status} {code}".strip()
+    return None
+
+
+def _record_failure(
+    response: Any = None,
+    caught_exception: BaseException | None = None,
+    request_dict: dict[str, Any] | None = None,
+    **_: Any,
+) -> None:
+    """``needs-retry`` hook: remember why an attempt failed, for the retry's log line."""
+    cause = _describe_failure(response, caught_exception)
+    if cause and request_dict is not None:
+        request_dict.setdefault("context", {})[RETRY_CAUSE_CONTEXT_KEY] = cause
+
+
+def _log_retry(request: Any = None, operation_name: str = "", **_: Any) -> None:
+    """``request-created`` hook: log every attempt after the first, with the cause of the one before."""
+    context = getattr(request, "context", None) or {}
+    attempt = int(context.get("retries", {}).get("attempt", 1))
+    if attempt > 1:
+        logger.warning(
+            "s3 retry operation=%s attempt=%d max_attempts=%d cause=%s",
+            operation_name,
+            attempt,
+            S3_MAX_ATTEMPTS,
+            context.get(RETRY_CAUSE_CONTEXT_KEY, "unknown"),
+        )
+
+
+def install_retry_logging(client: Any) -> None:
+    """Log each botocore retry of ``client`` (idempotent: installing twice logs once)."""
+    events = client.meta.events
+    events.register("needs-retry.s3", _record_failure, unique_id="datagen-record-failure")
+    events.register("request-created.s3", _log_retry, unique_id="datagen-log-retry")
+
+
+@dataclass(frozen=True)
+class _S3Target:
+    """Where and as whom to reach S3, resolved once for boto3 and s3fs alike (holds secrets: never log)."""
+
+    endpoint_url: str | None
+    region: str | None
+    profile_name: str | None
+    key_pair: tuple[str, str] | None
+    session_token: str | None
+
+
+def _resolve_s3_target(
+    endpoint_url: str | None, region: str | None, credentials: S3Credentials | None
+) -> _S3Target:
+    """Apply the precedence rules: explicit argument, then ``DATAGEN_S3_*``, then the credentials' own values."""
+    from datagen.settings import get_settings
+
+    settings = get_settings()
+    chosen = credentials if credentials is not None else _default_credentials
+    key_pair = None
+    token = None
+    if chosen is not None and chosen.access_key_id and chosen.secret_access_key:
+        key_pair = (chosen.access_key_id, chosen.secret_access_key.get_secret_value())
+        token = chosen.session_token.get_secret_value() if chosen.session_token else None
+    return _S3Target(
+        endpoint_url=endpoint_url or settings.s3_endpoint_url or (chosen.endpoint_url if chosen else None),
+        region=region or settings.s3_region or (chosen.region if chosen else None),
+        profile_name=chosen.profile_name if chosen else None,
+        key_pair=key_pair,
+        session_token=token,
+    )
+
+
+def make_s3_client(
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    credentials: S3Credentials | None = None,
+) -> Any:
+    """A boto3 S3 client with botocore's standard retry mode and logged retries.
+
+    Credentials come from, in order: ``credentials``; the process default set by
+    :func:`set_default_s3_credentials` (e.g. from a Prefect AwsCredentials block); the standard AWS chain
+    (``AWS_*`` environment variables, ``AWS_PROFILE`` and the shared config files, an instance or
+    container role).
+
+    Args:
+        endpoint_url: An S3-compatible endpoint; else ``DATAGEN_S3_ENDPOINT_URL``, else the credentials'
+            endpoint, else AWS.
+        region: The region; else ``DATAGEN_S3_REGION``, else the credentials' region, else the chain's.
+        credentials: Explicit credentials for this client.
+    """
+    import boto3
+    from botocore.config import Config
+
+    target = _resolve_s3_target(endpoint_url, region, credentials)
+    session_kwargs: dict[str, Any] = {}
+    if target.profile_name:
+        session_kwargs["profile_name"] = target.profile_name
+    if target.key_pair:
+        session_kwargs["aws_access_key_id"], session_kwargs["aws_secret_access_key"] = target.key_pair
+        if target.session_token:
+            session_kwargs["aws_session_token"] = target.session_token
+    session = boto3.session.Session(**session_kwargs)
+    client = session.client(
+        "s3",
+        endpoint_url=target.endpoint_url,
+        region_name=target.region,
+        config=Config(retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}),
+    )
+    install_retry_logging(client)
+    return client
+
+
+def s3_storage_options(credentials: S3Credentials | None = None) -> dict[str, Any]:
+    """Options for fsspec/s3fs matching :func:`make_s3_client`: endpoint, region, credentials, retries.
+
+    Pass them to ``fsspec.open``/``fsspec.filesystem("s3", ...)`` so reads through s3fs use the same
+    endpoint and credentials as the store, and botocore's standard retry mode. The result holds secrets:
+    hand it to fsspec, never log it.
+    """
+    target = _resolve_s3_target(None, None, credentials)
+    client_kwargs: dict[str, Any] = {}
+    if target.endpoint_url:
+        client_kwargs["endpoint_url"] = target.endpoint_url
+    if target.region:
+        client_kwargs["region_name"] = target.region
+    options: dict[str, Any] = {
+        "client_kwargs": client_kwargs,
+        "config_kwargs": {"retries": {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}},
+    }
+    if target.profile_name:
+        options["profile"] = target.profile_name
+    if target.key_pair:
+        options["key"], options["secret"] = target.key_pair
+        if target.session_token:
+            options["token"] = target.session_token
+    return options

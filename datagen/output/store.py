@@ -1,0 +1,157 @@
+"""Write-once object storage over a local directory or an S3 (or S3-compatible) prefix.
+
+Every write is an exclusive create enforced by the backend itself, never check-then-put:
+
+* local: the bytes go to a hidden temporary file in the target folder, are fsynced, then hard-linked to
+  the final name; ``link`` fails atomically when the name exists, so a reader never sees a partial file
+  and a second writer never replaces the first one's object;
+* S3: ``PutObject`` with ``If-None-Match: *``; S3 answers 412 when the key exists (raised as
+  :class:`~datagen.errors.OutputExistsError`) and 409 when a concurrent create of the same key is in
+  progress (raised as :class:`~datagen.errors.TransientStorageError`). A single ``PutObject`` is atomic:
+  a failed upload leaves no object behind. botocore's standard retries absorb 5xx answers and
+  connection resets (each retry is logged); when a put landed but its response was lost, the retry
+  meets 412, and the store then compares the stored object with its bytes: the same bytes are our own
+  write (success, an idempotent create), other bytes are someone else's (``OutputExistsError``).
+  A download cut short mid-body resumes with a ranged GET from the last byte received.
+
+Credentials: the standard AWS chain, or explicit :class:`S3Credentials` (per client, or a process
+default set by the orchestration layer, e.g. from a Prefect AwsCredentials block). Secrets never reach
+reprs, logs or error messages.
+
+Protected prefixes (the existing training data) are refused before any byte is sent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+from pydantic import BaseModel
+
+from datagen.errors import (
+    ProtectedPrefixError,
+    StorageError,
+)
+from datagen.output.local import LocalBackend
+from datagen.output.objects import Backend, ObjectInfo
+from datagen.output.s3 import S3Backend
+
+logger = logging.getLogger(__name__)
+
+
+def normalise_url(url: str) -> str:
+    """A canonical form of a location for prefix comparisons (absolute local paths, no trailing slash)."""
+    if "://" in url and not url.startswith("file://"):
+        return url.rstrip("/")
+    path = url.removeprefix("file://")
+    return str(Path(path).expanduser().resolve()).rstrip("/")
+
+
+def overlaps(first: str, second: str) -> bool:
+    """Tell whether two locations overlap (one is, or lies under, the other)."""
+    a, b = normalise_url(first), normalise_url(second)
+    return a == b or a.startswith(b + "/") or b.startswith(a + "/")
+
+
+class Store:
+    """Write-once storage rooted at one URL, refusing writes under protected prefixes.
+
+    Args:
+        root: A local directory or ``s3://bucket/prefix``.
+        protected_prefixes: Locations that must never be written.
+        backend: A ready backend (tests); chosen from ``root`` when omitted.
+    """
+
+    def __init__(
+        self, root: str, protected_prefixes: Iterable[str] = (), backend: Backend | None = None
+    ) -> None:
+        self.root = root
+        self.protected_prefixes = list(protected_prefixes)
+        if backend is not None:
+            self.backend: Backend = backend
+        elif root.startswith("s3://"):
+            self.backend = S3Backend(root)
+        else:
+            self.backend = LocalBackend(root)
+
+    def url(self, key: str) -> str:
+        """The full URL of ``key``."""
+        return self.backend.url(key)
+
+    def _check_key(self, key: str) -> None:
+        """Refuse keys that could land outside the root, then keys under a protected prefix."""
+        parts = key.split("/")
+        if not key or key.startswith("/") or any(part in {"", ".", ".."} for part in parts):
+            raise StorageError(f"invalid object key {key!r}: use a relative path without '.', '..' or '//'")
+        url = self.url(key)
+        for prefix in self.protected_prefixes:
+            if overlaps(url, prefix):
+                raise ProtectedPrefixError(url, prefix)
+
+    def write_bytes(self, key: str, data: bytes) -> ObjectInfo:
+        """Create ``key`` with ``data``, exactly once.
+
+        Raises:
+            OutputExistsError: The object exists already.
+            ProtectedPrefixError: ``key`` lies under a protected prefix.
+            TransientStorageError: A retry may succeed.
+        """
+        self._check_key(key)
+        self.backend.create(key, data)
+        logger.debug("wrote key=%s bytes=%d", key, len(data))
+        return ObjectInfo(key=key, url=self.url(key), size_bytes=len(data))
+
+    def write_text(self, key: str, text: str) -> ObjectInfo:
+        """Create ``key`` with UTF-8 text."""
+        return self.write_bytes(key, text.encode())
+
+    def write_json(self, key: str, value: Any) -> ObjectInfo:
+        """Create ``key`` with a JSON document (pydantic models are dumped in JSON mode)."""
+        if isinstance(value, BaseModel):
+            value = value.model_dump(mode="json")
+        return self.write_text(key, json.dumps(value, indent=2, sort_keys=True) + "\n")
+
+    def write_jsonl(self, key: str, records: Iterable[BaseModel | dict[str, Any]]) -> ObjectInfo:
+        """Create ``key`` with one JSON line per record."""
+        lines = []
+        for record in records:
+            if isinstance(record, BaseModel):
+                lines.append(record.model_dump_json())
+            else:
+                lines.append(json.dumps(record, sort_keys=True))
+        return self.write_text(key, "".join(line + "\n" for line in lines))
+
+    def read_bytes(self, key: str) -> bytes:
+        """The bytes of ``key``; FileNotFoundError when absent."""
+        return self.backend.read(key)
+
+    def read_text(self, key: str) -> str:
+        """The text of ``key``."""
+        return self.read_bytes(key).decode()
+
+    def read_json(self, key: str) -> Any:
+        """The parsed JSON of ``key``."""
+        return json.loads(self.read_bytes(key))
+
+    def iter_jsonl(self, key: str) -> Iterator[dict[str, Any]]:
+        """Stream the JSON lines of ``key`` one at a time (bounded memory)."""
+        with self.backend.open_read(key) as handle:
+            for raw in handle:
+                line = raw.strip()
+                if line:
+                    yield json.loads(line)
+
+    def open_read(self, key: str) -> IO[bytes]:
+        """Open ``key`` for streaming reads."""
+        return self.backend.open_read(key)
+
+    def exists(self, key: str) -> bool:
+        """Tell whether ``key`` exists."""
+        return self.backend.exists(key)
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix``, sorted."""
+        return self.backend.list(prefix)

@@ -1,0 +1,191 @@
+"""The prompt ids of the existing training corpus, so the new data never repeats a prompt it holds.
+
+Four kinds of source (:class:`~datagen.config.CorpusSource`), each streamed, so memory is the id set:
+
+* ``prompt_ids``: text files with one id per line: a datagen prompt id (16 hex characters) or the full
+  SHA-256 of the normalised content (64 hex; its first 16 characters are the id). Blank lines and
+  ``#`` comments are skipped; any other line is an error naming the file and line.
+* ``prompts``: dataset files in a supported layout, normalised and hashed exactly like new prompts
+  (:mod:`datagen.prompts.datasets.identity`); rows that do not normalise are skipped and counted in the log.
+* ``run``: the folder of a previous datagen run (``<output>/runs/<run_id>``): the ids in its prompt
+  shards.
+* ``dataset_version``: a dataset version manifest (``datasets/<name>/vNNNN.json``): the ``prompt_id``
+  column of every Parquet shard it lists, inherited shards included.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+
+from datagen.config import CorpusSource, ExistingCorpusConfig
+from datagen.errors import DatasetError
+from datagen.prompts.datasets.identity import PROMPT_ID_HEX_CHARS, prompt_id_for
+from datagen.prompts.datasets.model import Rejection
+from datagen.prompts.datasets.registry import normalise_row
+from datagen.prompts.datasets.sources import (
+    GLOB_CHARACTERS,
+    PARQUET_BATCH_ROWS,
+    iter_rows,
+    storage_options_for,
+)
+
+logger = logging.getLogger(__name__)
+
+SHA256_HEX_CHARS = 64
+_HEX_ID = re.compile(rf"^(?:[0-9a-f]{{{PROMPT_ID_HEX_CHARS}}}|[0-9a-f]{{{SHA256_HEX_CHARS}}})$")
+_PROMPT_SHARD_KEY = re.compile(r"^prompts/[^/]+/shard-\d+\.jsonl$")
+
+
+def _id_files(path: str) -> list[str]:
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(path, **storage_options_for(path))
+    if any(char in path for char in GLOB_CHARACTERS):
+        files = sorted(str(item) for item in fs.glob(root))
+    else:
+        files = [root] if fs.isfile(root) else []
+    if not files:
+        raise DatasetError(
+            f"existing_corpus: no prompt id file at {path}; give a text file (or glob) with one id per line."
+        )
+    return [fs.unstrip_protocol(item) if "://" in path else item for item in files]
+
+
+def _iter_id_file(path: str) -> Iterator[str]:
+    import fsspec
+
+    for file in _id_files(path):
+        with fsspec.open(file, "rt", compression="infer", encoding="utf-8", **storage_options_for(file)) as f:
+            for line_number, raw in enumerate(f, start=1):
+                line = raw.strip().lower()
+                if not line or line.startswith("#"):
+                    continue
+                if _HEX_ID.match(line) is None:
+                    raise DatasetError(
+                        f"existing_corpus: line {line_number} of {file} is not a prompt id ({raw.strip()[:80]!r}); "
+                        f"expected {PROMPT_ID_HEX_CHARS} or {SHA256_HEX_CHARS} hex characters per line."
+                    )
+                yield line[:PROMPT_ID_HEX_CHARS]
+
+
+def _iter_prompt_files(source: CorpusSource) -> Iterator[str]:
+    assert source.format is not None  # CorpusSource validates it for kind 'prompts'
+    skipped = 0
+    for row in iter_rows(source.path):
+        result = (
+            normalise_row(source.format, row.data, row.index, source.multi_turn)
+            if row.error is None
+            else None
+        )
+        if result is None or isinstance(result, Rejection):
+            skipped += 1
+            continue
+        for prompt in result:
+            yield prompt_id_for(prompt.messages, prompt.tools)
+    if skipped:
+        logger.info("existing corpus rows not usable path=%s skipped=%d", source.path, skipped)
+
+
+def _iter_run(path: str) -> Iterator[str]:
+    from datagen.output.store import Store
+
+    store = Store(path.rstrip("/"))
+    keys = [key for key in store.list("prompts") if _PROMPT_SHARD_KEY.match(key)]
+    if not keys:
+        raise DatasetError(
+            f"existing_corpus: no prompt shards under {path}/prompts; give the folder of a previous run "
+            "(<output>/runs/<run_id>)."
+        )
+    for key in keys:
+        for line in store.iter_jsonl(key):
+            yield str(line["prompt_id"])
+
+
+def _iter_parquet_ids(url: str) -> Iterator[str]:
+    import fsspec
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with fsspec.open(url, "rb", **storage_options_for(url)) as handle:
+        try:
+            parquet = pq.ParquetFile(handle)
+            if "prompt_id" not in parquet.schema_arrow.names:
+                raise DatasetError(
+                    f"existing_corpus: Parquet shard {url} has no prompt_id column (not written by datagen); "
+                    "dedupe against that data with kind 'prompts' (its source files) or 'prompt_ids'."
+                )
+            for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=["prompt_id"]):
+                for value in batch.column(0).to_pylist():
+                    if value:
+                        yield str(value)
+        except (pa.ArrowException, OSError) as error:
+            raise DatasetError(f"existing_corpus: cannot read Parquet shard {url}: {error}") from error
+
+
+def _iter_dataset_version(path: str) -> Iterator[str]:
+    import json
+
+    import fsspec
+    from pydantic import ValidationError
+
+    from datagen.output.merge import DatasetVersion
+
+    try:
+        with fsspec.open(path, "rb", **storage_options_for(path)) as handle:
+            version = DatasetVersion.model_validate(json.loads(handle.read()))
+    except FileNotFoundError:
+        raise DatasetError(f"existing_corpus: dataset version manifest {path} does not exist.") from None
+    except (ValueError, ValidationError) as error:
+        raise DatasetError(
+            f"existing_corpus: {path} is not a datagen dataset version manifest: {error}"
+        ) from None
+    for shard in version.shards:
+        yield from _iter_parquet_ids(shard.url)
+
+
+def iter_corpus_ids(source: CorpusSource) -> Iterator[str]:
+    """Stream the prompt ids of one existing-corpus source (repeats possible).
+
+    Args:
+        source: The source.
+
+    Yields:
+        Prompt ids (16 lowercase hex characters).
+
+    Raises:
+        DatasetError: The source is missing or not what its ``kind`` says.
+
+    """
+    if source.kind == "prompt_ids":
+        yield from _iter_id_file(source.path)
+    elif source.kind == "prompts":
+        yield from _iter_prompt_files(source)
+    elif source.kind == "run":
+        yield from _iter_run(source.path)
+    else:
+        yield from _iter_dataset_version(source.path)
+
+
+def load_corpus_ids(corpus: ExistingCorpusConfig) -> frozenset[str]:
+    """The prompt ids of every ``dedupe_against`` source, read once.
+
+    Args:
+        corpus: The existing-corpus config.
+
+    Returns:
+        The ids (empty when there is no source).
+
+    Raises:
+        DatasetError: A source is missing or unreadable.
+
+    """
+    ids: set[str] = set()
+    for source in corpus.dedupe_against:
+        before = len(ids)
+        ids.update(iter_corpus_ids(source))
+        logger.info(
+            "existing corpus source kind=%s path=%s new_ids=%d", source.kind, source.path, len(ids) - before
+        )
+    return frozenset(ids)

@@ -1,0 +1,375 @@
+"""Prepare the prompts of one dataset: read, normalise, filter, deduplicate, sample, write shards.
+
+Output of :func:`prepare_prompts` for dataset ``d`` (keys from :class:`~datagen.output.layout.RunLayout`)::
+
+    runs/<run_id>/prompts/<d>/shard-00000.jsonl ...   PromptRecords, ``shard_size`` per shard, write-once
+    runs/<run_id>/prompts/<d>/summary.json            PreparedDataset, written last
+
+The output is a pure function of the dataset files and the config, so an interrupted attempt is resumed
+by recomputing it: shards already written are compared byte for byte and skipped, the summary marks
+completion and is checked first. Prompt ids hash the normalised content (see
+:mod:`datagen.prompts.datasets.identity`), so the same prompt has the same id in every run.
+
+Capping at the dataset's quota (``max_prompts``, or its ``share`` of the mix after category caps: see
+:mod:`datagen.prompts.mix`) keeps the prompts with the smallest seeded hash priority (bottom-k sampling): a
+uniform sample that uses memory for the quota only, does not depend on the order rows are read in, and
+is the same in every run with the same seed. Prompts of the existing corpus
+(``existing_corpus.dedupe_against``) are rejected as ``in_existing_corpus``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+from collections.abc import Iterator, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+from datagen.config import DatasetConfig, RunConfig
+from datagen.errors import DatasetError, OutputExistsError
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.prompts.datasets.corpus import load_corpus_ids
+from datagen.prompts.datasets.identity import prompt_id_for
+from datagen.prompts.datasets.inspect import InspectReport, inspect_dataset
+from datagen.prompts.datasets.model import NormalisedPrompt, Rejection
+from datagen.prompts.datasets.registry import get_normaliser, normalise_row
+from datagen.prompts.datasets.sources import iter_rows
+from datagen.prompts.datasets.tally import RejectionTally
+from datagen.prompts.mix import quota_for
+from datagen.records import PreparedDataset, PromptRecord, PromptShardRef
+
+logger = logging.getLogger(__name__)
+
+PRIORITY_BYTES = 8  # 64-bit sampling priorities: ties are practically impossible
+PREVIEW_CHARS = 200
+
+__all__ = [
+    "InspectReport",
+    "count_prompt_tokens",
+    "inspect_dataset",
+    "iter_prompt_shard",
+    "load_prompt_ids",
+    "prepare_prompts",
+]
+
+
+def count_prompt_tokens(
+    tokenizer: Any, prompt: NormalisedPrompt | PromptRecord, *, enable_thinking: bool | None = None
+) -> int:
+    """Tokens of the prompt as the target renders it: its chat template, tools, generation prompt.
+
+    Args:
+        tokenizer: A ``transformers`` tokenizer with a chat template.
+        prompt: The prompt.
+        enable_thinking: Passed to the template when set (it changes the generation prompt).
+
+    Returns:
+        The token count.
+
+    """
+    kwargs: dict[str, Any] = {}
+    if enable_thinking is not None:
+        kwargs["enable_thinking"] = enable_thinking
+    text = tokenizer.apply_chat_template(
+        [message.to_chat_dict() for message in prompt.messages],
+        tools=prompt.tools or None,
+        add_generation_prompt=True,
+        tokenize=False,
+        **kwargs,
+    )
+    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _load_tokenizer(location: str) -> Any:
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as error:  # pragma: no cover - transformers is a core dependency
+        raise DatasetError("max_prompt_tokens needs transformers: pip install 'datagen'") from error
+    try:
+        return AutoTokenizer.from_pretrained(location)
+    except (OSError, ValueError) as error:
+        raise DatasetError(
+            f"Cannot load the tokenizer {location} to count prompt tokens (max_prompt_tokens): {error}. "
+            "Set model.tokenizer_path to a local tokenizer directory."
+        ) from error
+
+
+def _language_allowed(language: str | None, allowed: list[str] | None) -> bool:
+    """Rows that record no language pass; ``zh`` in the list admits ``zh-cn`` and ``zh-tw``."""
+    if not allowed or language is None:
+        return True
+    wanted = {item.strip().lower() for item in allowed}
+    code = language.strip().lower()
+    return code in wanted or code.split("-")[0] in wanted
+
+
+def _priority(seed: int, prompt_id: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
+    return int.from_bytes(digest[:PRIORITY_BYTES], "big")
+
+
+class _BottomK:
+    """The ``k`` candidates of smallest priority seen so far (a max-heap of size ``k``)."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self._heap: list[tuple[int, str, PromptRecord]] = []
+
+    def would_keep(self, priority: int) -> bool:
+        return len(self._heap) < self.k or priority < -self._heap[0][0]
+
+    def offer(self, priority: int, record: PromptRecord) -> PromptRecord | None:
+        """Keep ``record`` (call only when :meth:`would_keep`); return the record it evicted, if any."""
+        entry = (-priority, record.prompt_id, record)
+        if len(self._heap) < self.k:
+            heapq.heappush(self._heap, entry)
+            return None
+        return heapq.heappushpop(self._heap, entry)[2]
+
+    def in_source_order(self) -> list[PromptRecord]:
+        return sorted(
+            (entry[2] for entry in self._heap),
+            key=lambda record: (record.source_index or 0, record.metadata.get("turn_index", 0)),
+        )
+
+
+class _ShardWriter:
+    """Cuts records into shards of ``shard_size`` and writes each one once (verifying earlier writes)."""
+
+    def __init__(self, store: Store, layout: RunLayout, dataset: str, shard_size: int) -> None:
+        self.store = store
+        self.layout = layout
+        self.dataset = dataset
+        self.shard_size = shard_size
+        self.buffer: list[PromptRecord] = []
+        self.shards: list[PromptShardRef] = []
+
+    def add(self, record: PromptRecord) -> None:
+        self.buffer.append(record)
+        if len(self.buffer) >= self.shard_size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        index = len(self.shards)
+        key = self.layout.prompt_shard(self.dataset, index)
+        data = "".join(record.model_dump_json() + "\n" for record in self.buffer).encode()
+        try:
+            self.store.write_bytes(key, data)
+        except OutputExistsError:
+            # An interrupted earlier attempt wrote it; the output is deterministic, so it must match.
+            if self.store.read_bytes(key) != data:
+                raise DatasetError(
+                    f"Prompt shard {self.store.url(key)} exists with different content than this attempt "
+                    f"computes for dataset {self.dataset!r}: its files or its config changed since the "
+                    "shard was written. Restore them, or start a new run id.",
+                    dataset=self.dataset,
+                    key=key,
+                ) from None
+            logger.info("prompt shard already written dataset=%s shard=%d", self.dataset, index)
+        self.shards.append(
+            PromptShardRef(dataset=self.dataset, shard_index=index, path=key, prompts=len(self.buffer))
+        )
+        self.buffer = []
+
+
+def _preview(prompt: NormalisedPrompt) -> str:
+    return (prompt.messages[-1].content or "")[:PREVIEW_CHARS]
+
+
+class _PromptStream:
+    """The normalised prompts of a dataset, counting rows read and rows rejected on the way."""
+
+    def __init__(self, dataset: DatasetConfig, tally: RejectionTally) -> None:
+        self.dataset = dataset
+        self.tally = tally
+        self.rows_read = 0
+
+    def __iter__(self) -> Iterator[NormalisedPrompt]:
+        for row in iter_rows(self.dataset.path):
+            self.rows_read += 1
+            if row.error is not None:
+                self.tally.add("malformed", row.error, row.index)
+                continue
+            result = normalise_row(self.dataset.format, row.data, row.index, self.dataset.multi_turn)
+            if isinstance(result, Rejection):
+                self.tally.add(result.reason, result.detail, row.index, row.data)
+                continue
+            yield from result
+
+
+def _to_record(prompt: NormalisedPrompt, prompt_id: str, dataset: str) -> PromptRecord:
+    metadata: dict[str, Any] = {key: value for key, value in prompt.metadata.items() if value is not None}
+    metadata["turn_index"] = prompt.turn_index
+    if prompt.language is not None:
+        metadata["language"] = prompt.language
+    return PromptRecord(
+        prompt_id=prompt_id,
+        dataset=dataset,
+        messages=prompt.messages,
+        tools=prompt.tools,
+        source_index=prompt.source_index,
+        metadata=metadata,
+    )
+
+
+def prepare_prompts(
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    dataset_name: str,
+    *,
+    exclude_prompt_ids: AbstractSet[str] | None = None,
+    corpus_ids: AbstractSet[str] | None = None,
+    earlier: Sequence[PreparedDataset] = (),
+    tokenizer: Any | None = None,
+) -> PreparedDataset:
+    """Read one dataset and write its prompt shards and summary (write-once, resumable).
+
+    Steps: stream rows, normalise (multi-turn policy), drop rows in other languages
+    (``languages``), drop prompts of the existing corpus, drop duplicates of earlier prompts of this
+    dataset or of ``exclude_prompt_ids``, drop prompts longer than ``max_prompt_tokens`` under the
+    target's chat template, sample the dataset's quota (:func:`datagen.prompts.mix.quota_for`) with
+    ``config.seed``, write shards of ``shard_size``, then the summary.
+
+    Args:
+        store: The run's output store.
+        layout: The run's layout.
+        config: The run config; the dataset is ``config.dataset(dataset_name)``.
+        dataset_name: Which dataset.
+        exclude_prompt_ids: Ids of prompts already taken by earlier datasets of the run.
+        corpus_ids: Ids of the existing corpus's prompts; read from ``config.existing_corpus`` when
+            not given and it names sources (pass them when preparing several datasets: read once).
+        earlier: Summaries of the datasets prepared before this one (their shortfalls move to this
+            dataset's quota under ``mix.rebalance``).
+        tokenizer: The target's tokenizer for ``max_prompt_tokens``; loaded from ``config.model``
+            when needed and not given.
+
+    Returns:
+        The summary; read back from storage without reading the dataset when it already exists.
+
+    Raises:
+        DatasetError: The dataset cannot be read, or a shard from an earlier attempt differs.
+        ConfigError: No dataset is called ``dataset_name``, or ``earlier`` lacks a dataset the
+            quota depends on.
+
+    """
+    dataset = config.dataset(dataset_name)
+    summary_key = layout.prompts_summary(dataset.name)
+    if store.exists(summary_key):
+        logger.info("prompts already prepared dataset=%s", dataset.name)
+        return PreparedDataset.model_validate(store.read_json(summary_key))
+    get_normaliser(dataset.format)
+    quota = quota_for(config, dataset, earlier)
+    if corpus_ids is None:
+        corpus_ids = load_corpus_ids(config.existing_corpus)
+    if dataset.max_prompt_tokens is not None and tokenizer is None:
+        tokenizer = _load_tokenizer(config.model.tokenizer)
+    enable_thinking = config.sampling_for(dataset).enable_thinking
+    excluded = exclude_prompt_ids or set()
+    tally = RejectionTally()
+    stream = _PromptStream(dataset, tally)
+    writer = _ShardWriter(store, layout, dataset.name, dataset.shard_size)
+    sampler = _BottomK(quota) if quota is not None else None
+    seen: set[str] = set()
+    for prompt in stream:
+        index = prompt.source_index
+        if not _language_allowed(prompt.language, dataset.languages):
+            tally.add("wrong_language", f"language {prompt.language!r} not in {dataset.languages}", index)
+            continue
+        prompt_id = prompt_id_for(prompt.messages, prompt.tools)
+        if prompt_id in corpus_ids:
+            detail = f"prompt {prompt_id} is in the existing corpus"
+            tally.add("in_existing_corpus", detail, index, _preview(prompt))
+            continue
+        if prompt_id in seen or prompt_id in excluded:
+            where = "this dataset" if prompt_id in seen else "an earlier dataset of the run"
+            tally.add("duplicate", f"same content as prompt {prompt_id} of {where}", index, _preview(prompt))
+            continue
+        seen.add(prompt_id)
+        priority = _priority(config.seed, prompt_id)
+        if sampler is not None and not sampler.would_keep(priority):
+            # Never drawn whatever follows (the cut-off only falls): skip the costly length check.
+            tally.add("over_cap", f"not drawn by the sample of the quota ({quota})", index)
+            continue
+        if dataset.max_prompt_tokens is not None:
+            try:
+                tokens = count_prompt_tokens(tokenizer, prompt, enable_thinking=enable_thinking)
+            except Exception as error:  # a template refusing one prompt must not stop the dataset
+                tally.add("template_error", f"{type(error).__name__}: {error}", index, _preview(prompt))
+                continue
+            if tokens > dataset.max_prompt_tokens:
+                detail = f"{tokens} tokens > max_prompt_tokens {dataset.max_prompt_tokens}"
+                tally.add("too_long", detail, index, _preview(prompt))
+                continue
+        record = _to_record(prompt, prompt_id, dataset.name)
+        if sampler is None:
+            writer.add(record)
+        else:
+            evicted = sampler.offer(priority, record)
+            if evicted is not None:
+                detail = f"not drawn by the sample of the quota ({quota})"
+                tally.add("over_cap", detail, evicted.source_index or 0)
+    if sampler is not None:
+        for record in sampler.in_source_order():
+            writer.add(record)
+    writer.flush()
+    summary = PreparedDataset(
+        dataset=dataset.name,
+        rows_read=stream.rows_read,
+        prompts=sum(shard.prompts for shard in writer.shards),
+        rejections=tally.as_dict(),
+        rejection_samples=tally.samples,
+        shards=writer.shards,
+    )
+    logger.info(
+        "prepared prompts dataset=%s rows=%d prompts=%d quota=%s shards=%d rejected=%d",
+        dataset.name,
+        summary.rows_read,
+        summary.prompts,
+        quota,
+        len(summary.shards),
+        sum(summary.rejections.values()),
+    )
+    if quota is not None and summary.prompts < quota:
+        logger.warning(
+            "dataset short of its quota dataset=%s quota=%d prompts=%d shortfall=%d rebalance=%s",
+            dataset.name,
+            quota,
+            summary.prompts,
+            quota - summary.prompts,
+            config.mix.rebalance,
+        )
+    try:
+        store.write_json(summary_key, summary)
+    except OutputExistsError:
+        # A concurrent attempt finished first; its summary describes the same shards.
+        return PreparedDataset.model_validate(store.read_json(summary_key))
+    return summary
+
+
+def iter_prompt_shard(store: Store, shard: PromptShardRef) -> Iterator[PromptRecord]:
+    """Stream the prompt records of one shard."""
+    for line in store.iter_jsonl(shard.path):
+        yield PromptRecord.model_validate(line)
+
+
+def load_prompt_ids(store: Store, prepared: PreparedDataset) -> set[str]:
+    """The ids of every prompt a prepared dataset wrote (to exclude them from later datasets).
+
+    Args:
+        store: The run's output store.
+        prepared: The dataset's summary.
+
+    Returns:
+        The prompt ids.
+
+    """
+    ids: set[str] = set()
+    for shard in prepared.shards:
+        for line in store.iter_jsonl(shard.path):
+            ids.add(str(line["prompt_id"]))
+    return ids
