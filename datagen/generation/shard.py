@@ -45,7 +45,8 @@ from typing import Any, TypeVar
 
 from datagen.config import RunConfig, SamplingParams
 from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
-from datagen.generation.dispatcher import Dispatcher, GenerationRequest, GenerationResult
+from datagen.generation.dispatcher import Dispatcher, GenerationResult
+from datagen.generation.wire import GenerationRequest
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import CompletionRecord, FailureRecord, PromptRecord, PromptShardRef, ShardSummary
