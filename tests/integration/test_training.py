@@ -231,9 +231,9 @@ def test_cmdline_job_stops_only_the_matching_process_that_holds_a_gpu(tmp_path: 
     off_gpu = _start_trainer(tmp_path / "cpu")
     try:
         listing = _driver_listing([on_gpu.process.pid])
-        job = CmdlineJob(r"datagen\.standin_trainer", compute_apps=listing)
+        job = CmdlineJob(r"datagen\.host\.standin_trainer", compute_apps=listing)
         config = TrainingJobConfig(
-            kind="cmdline", cmdline_pattern=r"datagen\.standin_trainer", stop_timeout_s=20
+            kind="cmdline", cmdline_pattern=r"datagen\.host\.standin_trainer", stop_timeout_s=20
         )
 
         record = halt_training(config, job=job, gpu=GpuQueries(compute_apps=listing, gpu_memory=lambda: None))
