@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m datagen.app.demo --run-id $(DEMO_RUN_ID)
+	$(BIN)/python -m flows.cli_entry demo --run-id $(DEMO_RUN_ID)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)

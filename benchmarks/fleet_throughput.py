@@ -30,12 +30,12 @@ from typing import Any
 
 import httpx
 
-from datagen.config import GenerationConfig, RunConfig, SamplingParams
+from datagen.config import GenerationConfig, RunConfig
 from datagen.generation.dispatcher import Dispatcher, GenerationRequest
 from datagen.host.fleet import Fleet
 from datagen.host.plan import plan_servers
 from datagen.host.probe import probe_environment
-from datagen.records import CompletionRecord, Message, PromptRecord
+from datagen.records import CompletionRecord, Message, PromptRecord, SamplingParams
 
 QWEN3_1_7B_SHAPE = {
     "hidden_size": 2048,

@@ -21,7 +21,7 @@ flow)
   sleep 10
   nvidia-smi --query-gpu=index,memory.used --format=csv > "$OUT/gpu-memory-before-halt.csv"
   start=$(date +%s)
-  python3 -m datagen.app.cli run --config configs/h200-test-host.yaml --run-id h200 > "$OUT/flow.log" 2>&1
+  python3 -m flows.cli_entry run --config configs/h200-test-host.yaml --run-id h200 > "$OUT/flow.log" 2>&1
   echo "flow rc=$? wall_s=$(( $(date +%s) - start ))"
   grep -E "fleet ready|training halted|plan mode|progress 100|run complete" "$OUT/flow.log" | cut -c1-220
   tail -14 "$OUT/flow.log"

@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from datagen.errors import ConfigError
+from datagen.records import SamplingParams
 
 CONFIG_SCHEMA_VERSION: Final = 1
 
@@ -139,21 +140,6 @@ class FleetConfig(StrictModel):
         if self.engine == "external" and not self.external_urls:
             raise ValueError("engine 'external' needs fleet.external_urls: the base URLs of running servers")
         return self
-
-
-class SamplingParams(StrictModel):
-    """Sampling parameters of one request; per-dataset overrides are merged over the run defaults."""
-
-    temperature: float = Field(default=0.7, ge=0)
-    top_p: float = Field(default=0.95, gt=0, le=1)
-    top_k: int | None = Field(default=None, gt=0)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    max_tokens: int = Field(default=2048, gt=0)
-    enable_thinking: bool | None = Field(
-        default=None, description="Passed as chat_template_kwargs.enable_thinking; template default if unset."
-    )
-    samples_per_prompt: int = Field(default=1, gt=0, le=64)
-    seed: int | None = None
 
 
 class SamplingOverrides(StrictModel):
@@ -449,9 +435,8 @@ class RunConfig(StrictModel):
                     "mix.category_caps needs a quota (max_prompts or share) on every dataset, so the caps "
                     f"are known before any dataset is read; none on: {', '.join(unlimited)}"
                 )
-            from datagen.prompts.mix import plan_mix  # the mix module builds on this one
-
-            plan_mix(self)
+        # Whether the caps can all hold at once needs the mix plan: datagen.prompts.mix.validate_mix, called
+        # by preflight and the CLI (the plan builds on this module, so it cannot be called from here).
         return self
 
     def sampling_for(self, dataset: DatasetConfig) -> SamplingParams:

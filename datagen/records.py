@@ -11,8 +11,6 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.config import SamplingParams
-
 RECORD_SCHEMA_VERSION: Final = 1
 
 Role = Literal["system", "user", "assistant", "tool"]
@@ -28,6 +26,26 @@ class Record(BaseModel):
     """Base of every record: unknown fields are rejected so schema drift is caught on read."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(BaseModel):
+    """Sampling parameters of one request; per-dataset overrides are merged over the run defaults.
+
+    Part of the run config (``sampling``) and of every completion record, so it lives with the records.
+    """
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    temperature: float = Field(default=0.7, ge=0)
+    top_p: float = Field(default=0.95, gt=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int = Field(default=2048, gt=0)
+    enable_thinking: bool | None = Field(
+        default=None, description="Passed as chat_template_kwargs.enable_thinking; template default if unset."
+    )
+    samples_per_prompt: int = Field(default=1, gt=0, le=64)
+    seed: int | None = None
 
 
 class FunctionCall(Record):
@@ -173,6 +191,37 @@ class PreparedDataset(Record):
     rejections: dict[str, int] = Field(default_factory=dict)
     rejection_samples: list[dict[str, Any]] = Field(default_factory=list)
     shards: list[PromptShardRef] = Field(default_factory=list)
+
+
+class DatasetMix(Record):
+    """One dataset's place in the mix: its quota and what it fell short by (:mod:`datagen.prompts.mix`)."""
+
+    dataset: str
+    category: str
+    quota: int | None
+    prompts: int
+    shortfall: int
+
+
+class MixRow(Record):
+    """One category of the mix table: target, new data, existing corpus, and the two together.
+
+    Prompt columns measure the prepared prompts against the plan; row columns measure training rows
+    (tokenized completions, the unit of the existing corpus's counts). Built by
+    :func:`datagen.prompts.mix.mix_table`, shown by the run report.
+    """
+
+    category: str
+    target_prompts: int | None = Field(description="Planned prompts (sum of the quotas); None: no quota.")
+    target_share: float | None = Field(description="Planned share of the new prompts.")
+    prompts: int = Field(description="New prompts prepared.")
+    prompt_share: float
+    shortfall: int = Field(description="Planned prompts the datasets could not supply.")
+    rows: int = Field(description="New training rows (tokenized).")
+    row_share: float
+    existing_rows: int = Field(description="Rows of this category in the existing corpus (config).")
+    combined_rows: int
+    combined_share: float = Field(description="Share of existing + new rows.")
 
 
 class ShardSummary(Record):

@@ -26,14 +26,13 @@ from prefect.futures import PrefectFuture, wait
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
-from pydantic import BaseModel, ConfigDict
 
 from datagen.config import RunConfig
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet import Fleet, fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
-from datagen.output.report import RunReport
+from datagen.output.report import RunReport, RunSummary
 from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings
@@ -56,25 +55,6 @@ FLOW_TASK_WORKERS = 64
 PROGRESS_INTERVAL_S = 5.0
 # Seconds between checks that restart a server whose process died mid-run.
 FLEET_MONITOR_INTERVAL_S = 5.0
-
-
-class RunSummary(BaseModel):
-    """What the flow returns (and the CLI prints)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    run_id: str
-    run_url: str
-    already_complete: bool
-    prompts: int
-    requests: int
-    completions: int
-    failures: int
-    tokenized_rows: int
-    output_tokens_per_s: float
-    dataset_version: str | None
-    report_url: str
-    manifest_url: str
 
 
 def _flow_run_name() -> str:

@@ -18,6 +18,7 @@ from datagen.output.manifest import RunManifest, write_manifest
 from datagen.output.report import RunReport, build_report
 from datagen.output.runs import RunHandle, open_store
 from datagen.output.runs import open_run as open_run_in_store
+from datagen.prompts.mix import dataset_mix, mix_table
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
 
@@ -72,6 +73,7 @@ def write_report(
     """Build the report, store it (JSON + markdown) once, and publish it as table and markdown artifacts."""
     store = open_store(config)
     layout: RunLayout = run.layout
+    rows_by_dataset: dict[str, int] = dict(tokenize_summary.get("rows_by_dataset") or {})
     report = build_report(
         run_id=run.run_id,
         config=config,
@@ -80,6 +82,8 @@ def write_report(
         tokenize_summary=tokenize_summary,
         servers=servers,
         generation_wall_s=generation_wall_s,
+        dataset_mix=dataset_mix(config, prepared),
+        mix_by_category=mix_table(config, prepared, rows_by_dataset),
     )
     try:
         store.write_json(layout.report_json, report)

@@ -1,18 +1,22 @@
 """The `datagen` command line: a thin typer app that calls the same flow the deployments run.
 
-Heavy modules (Prefect, torch, transformers) are imported inside the commands, so ``datagen --help``
-answers at once.
+The flow is not imported here (the core never imports ``flows``): the console script's entry module,
+``flows/cli_entry.py``, calls :func:`main` with a loader of the `expand` flow, which reaches the commands
+that run it as the typer context's ``obj``. Heavy modules (Prefect, torch, transformers) are imported
+inside the commands, so ``datagen --help`` answers at once.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+
+if TYPE_CHECKING:
+    from datagen.app.runner import FlowLoader
 
 app = typer.Typer(
     name="datagen",
@@ -32,45 +36,21 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-# Quiet, offline defaults for Prefect in this process; a user's own environment wins.
-PREFECT_ENV_DEFAULTS = {
-    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    "DO_NOT_TRACK": "1",
-    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
-    "TOKENIZERS_PARALLELISM": "false",
-    # datagen's own loggers (dispatcher retries, S3 retries, fleet restarts) go to the run log and the UI.
-    "PREFECT_LOGGING_EXTRA_LOGGERS": "datagen",
-}
-
-
-def run_flow(config: Any) -> Any:
-    """Run the `expand` flow in this process (Prefect's local or configured API) and return its summary."""
-    for name, value in PREFECT_ENV_DEFAULTS.items():
-        os.environ.setdefault(name, value)
-    from flows.expand import expand
-
-    return expand(config)
-
-
-def print_summary(summary: Any) -> None:
-    """Print where a run landed, for the terminal."""
-    lines = [
-        f"run {summary.run_id}: "
-        + ("already complete, nothing regenerated" if summary.already_complete else "done"),
-        f"  output        {summary.run_url}",
-        f"  prompts       {summary.prompts}",
-        f"  completions   {summary.completions} of {summary.requests} requests ({summary.failures} failures)",
-        f"  training rows {summary.tokenized_rows}",
-        f"  throughput    {summary.output_tokens_per_s:.1f} output tok/s",
-        f"  dataset       {summary.dataset_version}",
-        f"  report        {summary.report_url}",
-        f"  manifest      {summary.manifest_url}",
-    ]
-    typer.echo("\n".join(lines))
+def _flow_loader(ctx: typer.Context) -> FlowLoader:
+    """The loader of the `expand` flow that :func:`main` was given."""
+    if ctx.obj is None:
+        _fail(
+            "this command runs the `expand` flow, which only the `datagen` console script (or "
+            "`python -m flows.cli_entry`) passes in",
+            EXIT_CONFIG_ERROR,
+        )
+    loader: FlowLoader = ctx.obj
+    return loader
 
 
 @app.command()
 def run(
+    ctx: typer.Context,
     config: Annotated[Path, typer.Option("--config", "-c", help="Run configuration (YAML).")],
     run_id: Annotated[str | None, typer.Option(help="Run id; reuse one to resume that run.")] = None,
     output: Annotated[
@@ -78,15 +58,18 @@ def run(
     ] = None,
 ) -> None:
     """Run the whole expansion flow (the same flow the Prefect deployments run)."""
+    from datagen.app.runner import print_summary, run_flow
     from datagen.config import load_run_config
     from datagen.errors import ConfigError, DatagenError
+    from datagen.prompts.mix import validate_mix
 
     try:
         loaded = load_run_config(config, overrides={"run_id": run_id, "output": output})
+        validate_mix(loaded)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:
-        summary = run_flow(loaded)
+        summary = run_flow(_flow_loader(ctx), loaded)
     except DatagenError as error:
         _fail(f"datagen run failed: {error}", EXIT_RUN_FAILED)
     except Exception as error:
@@ -200,18 +183,20 @@ def datasets_inspect(
 
 @app.command()
 def demo(
+    ctx: typer.Context,
     run_id: Annotated[str, typer.Option(help="Run id of the demo run.")] = "demo",
 ) -> None:
     """Run the local demo: tiny model, stand-in trainer, 2 CPU servers, bundled sample prompts."""
     from datagen.app.demo import run_demo
 
-    sys.exit(run_demo(run_id))
+    sys.exit(run_demo(run_id, _flow_loader(ctx)))
 
 
-def main() -> None:
-    """Console-script entry point."""
-    app()
+def main(load_flow: FlowLoader) -> None:
+    """Run the command line (called by the console script's entry module, ``flows/cli_entry.py``).
 
+    Args:
+        load_flow: Imports and returns the `expand` flow; called only by the commands that run it.
 
-if __name__ == "__main__":
-    main()
+    """
+    app(obj=load_flow)

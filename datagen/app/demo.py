@@ -3,18 +3,22 @@
 It builds the tiny model, starts a stand-in trainer (a real process that checkpoints when signalled), and
 runs the `expand` flow with ``configs/demo.yaml``: preflight, halt the trainer, probe (no GPUs), plan two
 CPU servers, generate for the bundled sample prompts of every dataset layout, merge and tokenize, report.
-Outputs land under ``./runs/<run_id>/`` and ``./datasets/``.
+Outputs land under ``./runs/<run_id>/`` and ``./datasets/``. Start it with ``datagen demo`` (or
+``make demo``): the console script passes in the flow.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from datagen.app.runner import FlowLoader
 
 DEMO_CONFIG = Path("configs/demo.yaml")
 DEMO_HOME = Path("runs/_demo")
@@ -65,16 +69,17 @@ def _stop_if_running(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def run_demo(run_id: str) -> int:
+def run_demo(run_id: str, load_flow: FlowLoader) -> int:
     """Run the demo and print where everything landed.
 
     Args:
         run_id: The run id; running again with the same id resumes (and regenerates nothing).
+        load_flow: Imports and returns the `expand` flow (see :mod:`datagen.app.runner`).
 
     Returns:
         The process exit code.
     """
-    from datagen.app.cli import print_summary, run_flow
+    from datagen.app.runner import print_summary, run_flow
     from datagen.app.tinymodel import build_tiny_model
     from datagen.config import load_run_config
     from datagen.errors import DatagenError
@@ -90,7 +95,7 @@ def run_demo(run_id: str) -> int:
     print(f"stand-in trainer running pid={trainer.pid} (the flow halts it before taking the 'GPUs')")
     try:
         config = load_run_config(DEMO_CONFIG, overrides={"run_id": run_id})
-        summary = run_flow(config)
+        summary = run_flow(load_flow, config)
     except DatagenError as error:
         print(f"demo failed: {error}", file=sys.stderr)
         return 1
@@ -102,15 +107,3 @@ def run_demo(run_id: str) -> int:
     print(f"  trainer ckpt  {checkpoints[-1] if checkpoints else 'none'}")
     print("Watch runs in the Prefect UI: `prefect server start`, then open http://127.0.0.1:4200")
     return 0
-
-
-def main() -> None:
-    """``python -m datagen.app.demo [--run-id ID]``."""
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--run-id", default="demo")
-    args = parser.parse_args()
-    sys.exit(run_demo(args.run_id))
-
-
-if __name__ == "__main__":
-    main()

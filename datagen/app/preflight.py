@@ -19,6 +19,7 @@ from datagen.errors import DatagenError, PreflightError
 from datagen.output.layout import RunLayout
 from datagen.output.runs import check_run_config, open_store, read_stored_config
 from datagen.output.store import Store, normalise_url, overlaps
+from datagen.prompts.mix import validate_mix
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,13 @@ class PreflightReport(BaseModel):
         lines = [f"# Preflight of run `{self.run_id}`", ""]
         lines += [f"- {'✅' if check.ok else '❌'} **{check.name}** {check.detail}" for check in self.checks]
         return "\n".join(lines) + "\n"
+
+
+def _check_mix(config: RunConfig) -> str:
+    plan = validate_mix(config)
+    if plan.capped_categories:
+        return f"category caps hold; capped: {', '.join(plan.capped_categories)}"
+    return "quotas planned"
 
 
 def _check_output_location(config: RunConfig) -> str:
@@ -178,6 +186,7 @@ def _check_base_version(config: RunConfig) -> str:
 
 
 CHECKS: list[tuple[str, Callable[[RunConfig], str]]] = [
+    ("mix", _check_mix),
     ("output location", _check_output_location),
     ("run identity", _check_run_identity),
     ("datasets readable", _check_datasets),

@@ -43,13 +43,20 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from datagen.config import RunConfig, SamplingParams
+from datagen.config import RunConfig
 from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
 from datagen.generation.dispatcher import Dispatcher, GenerationResult
 from datagen.generation.wire import GenerationRequest
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
-from datagen.records import CompletionRecord, FailureRecord, PromptRecord, PromptShardRef, ShardSummary
+from datagen.records import (
+    CompletionRecord,
+    FailureRecord,
+    PromptRecord,
+    PromptShardRef,
+    SamplingParams,
+    ShardSummary,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -11,12 +11,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.config import SamplingParams
 from datagen.records import (
     AssistantCompletion,
     FinishReason,
     FunctionCall,
     PromptRecord,
+    SamplingParams,
     TokenUsage,
     ToolCall,
     request_key,

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import datetime as dt
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
-from datagen.prompts.mix import MixRow, dataset_mix, mix_table
-from datagen.records import PreparedDataset, ShardSummary, utc_now
+from datagen.records import DatasetMix, MixRow, PreparedDataset, ShardSummary, utc_now
 
 
 class DatasetReport(BaseModel):
@@ -179,6 +179,8 @@ def build_report(
     tokenize_summary: dict[str, Any] | None,
     servers: int,
     generation_wall_s: float,
+    dataset_mix: Sequence[DatasetMix],
+    mix_by_category: Sequence[MixRow],
 ) -> RunReport:
     """Assemble the report from the stages' summaries.
 
@@ -190,6 +192,9 @@ def build_report(
         tokenize_summary: The merge-and-tokenize summary as a dict (``rows_by_dataset`` is used when present).
         servers: How many servers generated.
         generation_wall_s: Wall time from the first request to the last result.
+        dataset_mix: Each dataset's quota and shortfall (:func:`datagen.prompts.mix.dataset_mix`).
+        mix_by_category: The mix table (:func:`datagen.prompts.mix.mix_table`); the mix is computed by the
+            prompts stage, the report only shows it.
     """
     by_name = {
         dataset.name: DatasetReport(dataset=dataset.name, category=dataset.category)
@@ -204,7 +209,7 @@ def build_report(
         report.shards = len(item.shards)
         if item.rejection_samples:
             samples[item.dataset] = item.rejection_samples
-    for entry in dataset_mix(config, prepared):
+    for entry in dataset_mix:
         by_name[entry.dataset].quota = entry.quota
         by_name[entry.dataset].shortfall = entry.shortfall
     for shard in shards:
@@ -255,6 +260,25 @@ def build_report(
         totals=totals,
         tokenize=dict(tokenize_summary or {}),
         mix=mix,
-        mix_by_category=mix_table(config, prepared, rows_by_dataset),
+        mix_by_category=list(mix_by_category),
         rejection_samples=samples,
     )
+
+
+class RunSummary(BaseModel):
+    """What the `expand` flow returns (and the CLI prints): where the run landed and its headline counts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str
+    run_url: str
+    already_complete: bool
+    prompts: int
+    requests: int
+    completions: int
+    failures: int
+    tokenized_rows: int
+    output_tokens_per_s: float
+    dataset_version: str | None
+    report_url: str
+    manifest_url: str

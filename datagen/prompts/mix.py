@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import DatasetConfig, RunConfig
 from datagen.errors import ConfigError
-from datagen.records import PreparedDataset
+from datagen.records import DatasetMix, MixRow, PreparedDataset
 
 
 class DatasetQuota(BaseModel):
@@ -189,6 +189,25 @@ def plan_mix(config: RunConfig) -> MixPlan:
     )
 
 
+def validate_mix(config: RunConfig) -> MixPlan:
+    """Check that the mix can be planned: every category cap can hold together with the others.
+
+    The config model checks each mix setting on its own; this is the check across them, which needs the
+    plan. Preflight and the CLI call it, so an impossible mix is refused before training is halted.
+
+    Args:
+        config: The run config.
+
+    Returns:
+        The plan.
+
+    Raises:
+        ConfigError: The caps cannot all hold; the message says which and what to change.
+
+    """
+    return plan_mix(config)
+
+
 def effective_quotas(config: RunConfig, prompts_by_dataset: Mapping[str, int]) -> dict[str, int | None]:
     """Each dataset's quota once earlier shortfalls are moved on (``mix.rebalance``), in config order.
 
@@ -251,40 +270,6 @@ def quota_for(config: RunConfig, dataset: DatasetConfig, earlier: Sequence[Prepa
             name=dataset.name,
         )
     return quotas[dataset.name]
-
-
-class DatasetMix(BaseModel):
-    """One dataset's place in the mix: its quota and what it fell short by."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    dataset: str
-    category: str
-    quota: int | None
-    prompts: int
-    shortfall: int
-
-
-class MixRow(BaseModel):
-    """One category of the mix table: target, new data, existing corpus, and the two together.
-
-    Prompt columns measure the prepared prompts against the plan; row columns measure training rows
-    (tokenized completions, the unit of the existing corpus's counts).
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    category: str
-    target_prompts: int | None = Field(description="Planned prompts (sum of the quotas); None: no quota.")
-    target_share: float | None = Field(description="Planned share of the new prompts.")
-    prompts: int = Field(description="New prompts prepared.")
-    prompt_share: float
-    shortfall: int = Field(description="Planned prompts the datasets could not supply.")
-    rows: int = Field(description="New training rows (tokenized).")
-    row_share: float
-    existing_rows: int = Field(description="Rows of this category in the existing corpus (config).")
-    combined_rows: int
-    combined_share: float = Field(description="Share of existing + new rows.")
 
 
 def _share(part: int, whole: int) -> float:

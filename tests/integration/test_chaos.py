@@ -131,7 +131,7 @@ def _flow_env(tmp_path: Path, prefect_api: str, endpoint: str) -> dict[str, str]
 def _start_flow(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "datagen.app.cli", "run", "--config", str(config)],
+            [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.config import DatasetConfig, GenerationConfig, ModelConfig, RunConfig, SamplingParams
+from datagen.config import DatasetConfig, GenerationConfig, ModelConfig, RunConfig
 from datagen.errors import NoLiveServersError
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.shard import generate_shard
@@ -21,6 +21,7 @@ from datagen.records import (
     Message,
     PromptRecord,
     PromptShardRef,
+    SamplingParams,
     ShardSummary,
     TokenUsage,
 )

@@ -10,13 +10,20 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 
-from datagen.config import RunConfig, SamplingParams
+from datagen.config import RunConfig
 from datagen.errors import TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.merge import DatasetVersion, TokenizedPartRef, TokenizeSummary, merge_and_tokenize
 from datagen.output.store import Store
 from datagen.output.tokenize import load_tokenizer
-from datagen.records import AssistantCompletion, CompletionRecord, Message, ShardSummary, TokenUsage
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    Message,
+    SamplingParams,
+    ShardSummary,
+    TokenUsage,
+)
 
 RUN_ID = "merge-test"
 

@@ -45,7 +45,7 @@ SAMPLE_ROWS: dict[str, tuple[str, list[dict[str, Any]]]] = load_module(FIXTURES 
 
 def datagen(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "datagen.app.cli", *args],
+        [sys.executable, "-m", "flows.cli_entry", *args],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -119,9 +119,10 @@ def test_inspect_errors_exit_2_with_a_message_and_no_traceback(args: list[str], 
 def test_help_answers_fast_without_importing_torch_or_prefect() -> None:
     code = (
         "import json, sys\n"
-        "from datagen.app.cli import app\n"
+        "from flows.cli_entry import main\n"
+        "sys.argv = ['datagen', '--help']\n"
         "try:\n"
-        "    app(['--help'])\n"
+        "    main()\n"
         "except SystemExit as exit:\n"
         "    code = exit.code\n"
         "print(json.dumps({'code': code, 'heavy': sorted(m for m in ('torch', 'prefect', 'transformers') "
@@ -173,7 +174,7 @@ def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
         [
             sys.executable,
             "-m",
-            "datagen.app.cli",
+            "flows.cli_entry",
             "probe",
             "--json",
             "--from-dir",

@@ -9,9 +9,9 @@ from concurrent.futures import Future, wait
 
 import pytest
 
-from datagen.config import GenerationConfig, SamplingParams
+from datagen.config import GenerationConfig
 from datagen.generation.dispatcher import Dispatcher, DispatcherStats, GenerationRequest, GenerationResult
-from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord
+from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams
 from tests.support.fault_server import FaultPlan, FaultServer
 
 FAST_RETRIES = GenerationConfig(

@@ -10,7 +10,15 @@ import pytest
 from datagen.config import RunConfig, parse_run_config
 from datagen.errors import ConfigError
 from datagen.output.report import build_report
-from datagen.prompts.mix import apportion, dataset_mix, effective_quotas, mix_table, plan_mix, quota_for
+from datagen.prompts.mix import (
+    apportion,
+    dataset_mix,
+    effective_quotas,
+    mix_table,
+    plan_mix,
+    quota_for,
+    validate_mix,
+)
 from datagen.records import PreparedDataset
 
 
@@ -123,7 +131,6 @@ def test_a_cap_that_does_not_bind_changes_nothing() -> None:
         ([dataset("a", share=0.5, max_prompts=3)], {"total_prompts": 10}, "both max_prompts and share"),
         ([dataset("a", "code", max_prompts=3)], {"category_caps": {"cod": 0.2}}, "no dataset has: cod"),
         ([dataset("a", "code", max_prompts=3), dataset("b")], {"category_caps": {"code": 0.2}}, "none on: b"),
-        ([dataset("a", "code", max_prompts=3)], {"category_caps": {"code": 0.5}}, "cannot all hold"),
         ([dataset("a", "code", max_prompts=3)], {"category_caps": {"code": 1.5}}, "less than or equal to 1"),
     ],
 )
@@ -132,6 +139,12 @@ def test_inconsistent_mix_settings_are_refused_with_the_fix(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         config(datasets, mix=mix)
+
+
+def test_caps_that_cannot_all_hold_are_refused_by_the_mix_check_not_by_loading() -> None:
+    run = config([dataset("a", "code", max_prompts=3)], mix={"category_caps": {"code": 0.5}})
+    with pytest.raises(ConfigError, match="cannot all hold"):
+        validate_mix(run)
 
 
 def test_without_rebalance_a_shortfall_is_reported_not_moved() -> None:
@@ -194,6 +207,8 @@ def test_mix_table_compares_new_and_combined_data_with_the_target() -> None:
         tokenize_summary={"rows_by_dataset": rows},
         servers=0,
         generation_wall_s=0.0,
+        dataset_mix=dataset_mix(run, summaries),
+        mix_by_category=mix_table(run, summaries, rows),
     )
     assert report.mix_by_category == list(table.values())
     math = next(item for item in report.datasets if item.dataset == "math")

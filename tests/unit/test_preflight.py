@@ -35,7 +35,16 @@ def test_all_problems_are_reported_at_once_with_their_fixes(tmp_path: Path, tiny
         tmp_path,
         tmp_path / "no-model",
         output=str(tmp_path / "train" / "expansion"),
-        datasets=[{"name": "metamath", "format": "metamath", "path": str(tmp_path / "missing.json")}],
+        datasets=[
+            {
+                "name": "metamath",
+                "format": "metamath",
+                "path": str(tmp_path / "missing.json"),
+                "category": "math",
+                "max_prompts": 3,
+            }
+        ],
+        mix={"category_caps": {"math": 0.5}},
         training={"kind": "pidfile", "pidfile": str(tmp_path / "trainer.pid")},
     )
     with pytest.raises(PreflightError) as raised:
@@ -45,6 +54,7 @@ def test_all_problems_are_reported_at_once_with_their_fixes(tmp_path: Path, tiny
     assert "protected prefix" in joined and "choose an `output`" in joined
     assert "missing.json" in joined and "datasets[].path" in joined
     assert "no config.json" in joined
+    assert "mix: mix.category_caps cannot all hold" in joined
     assert len(problems) >= 3
     assert not (tmp_path / "train").exists(), "preflight must not write under a protected prefix"
 

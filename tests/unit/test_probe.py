@@ -294,7 +294,7 @@ def test_cli_probe_from_dir_prints_json_with_two_nvlinked_sm90_gpus() -> None:
         [
             sys.executable,
             "-m",
-            "datagen.app.cli",
+            "flows.cli_entry",
             "probe",
             "--json",
             "--from-dir",

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from datagen.config import SamplingParams
 from datagen.errors import ConfigError, TokenizeError
 from datagen.output.tokenize import (
     RejectedRow,
@@ -18,7 +17,15 @@ from datagen.output.tokenize import (
     render_conversation,
     tokenize_completion,
 )
-from datagen.records import AssistantCompletion, CompletionRecord, FunctionCall, Message, TokenUsage, ToolCall
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    FunctionCall,
+    Message,
+    SamplingParams,
+    TokenUsage,
+    ToolCall,
+)
 
 TOOLS = [
     {

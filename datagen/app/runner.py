@@ -1,0 +1,67 @@
+"""Run the `expand` flow in this process and print where the run landed: what the CLI and the demo share.
+
+The core never imports Prefect, ``flows`` or ``tasks``: the flow arrives as a :data:`FlowLoader`, a function
+that imports and returns it. The console script's entry module (``flows/cli_entry.py``) passes the loader
+of ``flows.expand.expand``, so the CLI runs the very flow the deployments run, and the import of Prefect
+waits until a run is asked for (``datagen --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import typer
+
+from datagen.config import RunConfig
+from datagen.output.report import RunSummary
+
+ExpandFlow = Callable[[RunConfig], RunSummary]
+"""The `expand` flow as the runner calls it: a run config in, the run's summary out."""
+
+FlowLoader = Callable[[], ExpandFlow]
+"""Imports the flow and returns it; called only once a run is asked for."""
+
+# Quiet, offline defaults for Prefect in this process; a user's own environment wins.
+PREFECT_ENV_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "TOKENIZERS_PARALLELISM": "false",
+    # datagen's own loggers (dispatcher retries, S3 retries, fleet restarts) go to the run log and the UI.
+    "PREFECT_LOGGING_EXTRA_LOGGERS": "datagen",
+}
+
+
+def run_flow(load_flow: FlowLoader, config: RunConfig) -> RunSummary:
+    """Run the `expand` flow in this process (Prefect's local or configured API) and return its summary.
+
+    Args:
+        load_flow: Imports and returns the flow; called after Prefect's environment defaults are set,
+            since Prefect reads some of them when it is imported.
+        config: The validated run config.
+
+    Returns:
+        The flow's summary of the run.
+
+    """
+    for name, value in PREFECT_ENV_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    return load_flow()(config)
+
+
+def print_summary(summary: RunSummary) -> None:
+    """Print where a run landed, for the terminal."""
+    lines = [
+        f"run {summary.run_id}: "
+        + ("already complete, nothing regenerated" if summary.already_complete else "done"),
+        f"  output        {summary.run_url}",
+        f"  prompts       {summary.prompts}",
+        f"  completions   {summary.completions} of {summary.requests} requests ({summary.failures} failures)",
+        f"  training rows {summary.tokenized_rows}",
+        f"  throughput    {summary.output_tokens_per_s:.1f} output tok/s",
+        f"  dataset       {summary.dataset_version}",
+        f"  report        {summary.report_url}",
+        f"  manifest      {summary.manifest_url}",
+    ]
+    typer.echo("\n".join(lines))
