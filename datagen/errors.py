@@ -114,20 +114,8 @@ class DatasetError(DatagenError, ValueError):
 # --- engines, servers, generation -------------------------------------------------------------
 
 
-class EngineUnavailableError(DatagenError, RuntimeError):
-    """The configured engine cannot run on this host (package missing, wrong platform)."""
-
-
 class ServerStartError(DatagenError, RuntimeError):
     """A generation server did not become ready; the message quotes its log."""
-
-
-class ServerDiedError(TransientError, RuntimeError):
-    """A generation server process exited while requests were in flight."""
-
-
-class RequestFailedError(DatagenError, RuntimeError):
-    """A generation request failed for good (bad request, retries exhausted)."""
 
 
 class TransientRequestError(TransientError, RuntimeError):
@@ -136,6 +124,20 @@ class TransientRequestError(TransientError, RuntimeError):
 
 class NoLiveServersError(DatagenError, RuntimeError):
     """Every server of the fleet is down and none came back within the deadline."""
+
+
+class ShardsFailedError(DatagenError, RuntimeError):
+    """Shards of a run failed after their retries; everything else is stored and a rerun resumes.
+
+    Attributes:
+        run_id: The run to rerun.
+        failed_shards: How many shard tasks failed.
+    """
+
+    def __init__(self, message: str, *, run_id: str, failed_shards: int) -> None:
+        super().__init__(message, run_id=run_id, failed_shards=failed_shards)
+        self.run_id = run_id
+        self.failed_shards = failed_shards
 
 
 # --- training job, host -----------------------------------------------------------------------

@@ -28,6 +28,7 @@ from prefect.runtime import flow_run as runtime_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from datagen.config import RunConfig
+from datagen.errors import ShardsFailedError
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet import Fleet, fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
@@ -272,10 +273,12 @@ def expand(config: RunConfig) -> RunSummary:
         finally:
             stop_fleet(fleet)
     if errors:
-        raise RuntimeError(
+        raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]}); everything else is stored. "
-            f"Rerun with --run-id {run.run_id} to resume: finished shards are not generated again."
-        )
+            f"Rerun with --run-id {run.run_id} to resume: finished shards are not generated again.",
+            run_id=run.run_id,
+            failed_shards=len(errors),
+        ) from errors[0]
     tokenize_summary = merge_and_tokenize(config, run, shard_summaries)
     if config.training.restart_after_run:
         restarted = restart_training(config.training, state_dir / "training-restart.log")

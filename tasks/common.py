@@ -9,7 +9,7 @@ from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 from prefect.context import TaskRunContext
 
-from datagen.errors import is_transient
+import datagen.errors
 
 # Retry schedule for transient errors (storage hiccups, a server restarting): seconds before each retry.
 TRANSIENT_RETRY_DELAYS_S: list[float] = [2.0, 10.0, 30.0]
@@ -20,7 +20,7 @@ def retry_only_transient(task: Task[..., Any], task_run: TaskRun, state: State[A
     try:
         state.result(raise_on_failure=True)
     except BaseException as error:  # the state's exception, re-raised to be classified
-        return is_transient(error)
+        return datagen.errors.is_transient(error)
     return False
 
 

@@ -4,7 +4,7 @@
 it cannot read Prefect blocks itself. When ``DATAGEN_AWS_CREDENTIALS_BLOCK`` names an ``aws-credentials``
 block (the block type of the prefect-aws package), :func:`configure_s3_credentials` reads the block's
 document from the Prefect API (so prefect-aws need not be installed on the worker) and installs it as the
-process's default S3 credentials with :func:`datagen.output.store.set_default_s3_credentials`. The flow calls
+process's default S3 credentials with :func:`datagen.output.s3_client.set_default_s3_credentials`. The flow calls
 it once, at its start, before any store is opened; task threads of the flow run share the process.
 """
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import datagen.output.s3_client
+import datagen.settings
 from datagen.errors import ConfigError
-from datagen.output.s3_client import S3Credentials, set_default_s3_credentials
-from datagen.settings import get_settings
+from datagen.output.s3_client import S3Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ AWS_CREDENTIALS_BLOCK_TYPE = "aws-credentials"
 
 
 def credentials_from_block_data(data: dict[str, Any]) -> S3Credentials:
-    """Map the fields of an AwsCredentials block document onto :class:`~datagen.output.store.S3Credentials`.
+    """Map the fields of an AwsCredentials block document onto :class:`~datagen.output.s3_client.S3Credentials`.
 
     Args:
         data: The block document's data (prefect-aws field names: ``aws_access_key_id``,
@@ -70,12 +71,12 @@ def configure_s3_credentials() -> S3Credentials | None:
     Returns:
         The installed credentials, or None when no block is configured (the standard AWS chain applies).
     """
-    name = get_settings().aws_credentials_block
+    name = datagen.settings.get_settings().aws_credentials_block
     if not name:
-        set_default_s3_credentials(None)
+        datagen.output.s3_client.set_default_s3_credentials(None)
         return None
     credentials = load_aws_credentials_block(name)
-    set_default_s3_credentials(credentials)
+    datagen.output.s3_client.set_default_s3_credentials(credentials)
     logger.info(
         "s3 credentials from prefect block block=%s kind=%s endpoint=%s",
         name,

@@ -8,14 +8,14 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
+import datagen.generation.shard
+import datagen.output.merge
+import datagen.output.runs
+import datagen.prompts.datasets.corpus
+import datagen.prompts.prepare
 from datagen.config import RunConfig
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.shard import generate_shard as generate_shard_core
-from datagen.output.merge import merge_and_tokenize as merge_and_tokenize_core
-from datagen.output.runs import RunHandle, open_store
-from datagen.prompts.datasets.corpus import load_corpus_ids
-from datagen.prompts.prepare import load_prompt_ids
-from datagen.prompts.prepare import prepare_prompts as prepare_prompts_core
+from datagen.output.runs import RunHandle
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
 
@@ -30,7 +30,7 @@ def _corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
     with _corpus_lock:
         if key not in _corpus_cache:
             _corpus_cache.clear()
-            _corpus_cache[key] = load_corpus_ids(config.existing_corpus)
+            _corpus_cache[key] = datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus)
         return _corpus_cache[key]
 
 
@@ -81,15 +81,15 @@ def prepare_prompts(
 
     The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on.
     """
-    store = open_store(config)
+    store = datagen.output.runs.open_store(config)
     if store.exists(run.layout.prompts_summary(dataset)):
         # Prepared by an earlier attempt: the core returns the summary without reading anything.
-        prepared = prepare_prompts_core(store, run.layout, config, dataset)
+        prepared = datagen.prompts.prepare.prepare_prompts(store, run.layout, config, dataset)
     else:
         exclude: set[str] = set()
         for previous in earlier:
-            exclude |= load_prompt_ids(store, previous)
-        prepared = prepare_prompts_core(
+            exclude |= datagen.prompts.prepare.load_prompt_ids(store, previous)
+        prepared = datagen.prompts.prepare.prepare_prompts(
             store,
             run.layout,
             config,
@@ -119,8 +119,8 @@ def generate_shard(
     config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher
 ) -> ShardSummary:
     """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once."""
-    summary = generate_shard_core(
-        open_store(config),
+    summary = datagen.generation.shard.generate_shard(
+        datagen.output.runs.open_store(config),
         run.layout,
         config,
         shard,
@@ -150,7 +150,9 @@ def generate_shard(
 )
 def merge_and_tokenize(config: RunConfig, run: RunHandle, shards: list[ShardSummary]) -> dict[str, Any]:
     """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""
-    summary = merge_and_tokenize_core(open_store(config), run.layout, config)
+    summary = datagen.output.merge.merge_and_tokenize(
+        datagen.output.runs.open_store(config), run.layout, config
+    )
     data: dict[str, Any] = summary.model_dump(mode="json")
     get_run_logger().info(
         "tokenized rows=%s loss_tokens=%s dataset_version=%s",

@@ -19,15 +19,15 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Cancelling
 
+import datagen.host.fleet
+import datagen.host.plan
+import datagen.host.probe
+import datagen.host.training
 from datagen.config import RunConfig, TrainingJobConfig
-from datagen.host.fleet import Fleet, cleanup_orphans
+from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan
-from datagen.host.plan import plan_servers as plan_servers_for
 from datagen.host.probe import EnvReport
-from datagen.host.probe import probe_environment as probe_host
 from datagen.host.training import HaltRecord, RestartRecord
-from datagen.host.training import halt_training as halt_training_job
-from datagen.host.training import restart_training as restart_training_job
 
 # A flow run in one of these states has not started executing: cancelling it needs no worker.
 NOT_STARTED_STATES = {StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED}
@@ -75,7 +75,7 @@ class PrefectFlowRunControl:
 def halt_training(training: TrainingJobConfig) -> HaltRecord:
     """Stop the training job gracefully and record what was stopped (idempotent)."""
     flow_runs = PrefectFlowRunControl() if training.kind == "prefect" else None
-    record = halt_training_job(training, flow_runs=flow_runs)
+    record = datagen.host.training.halt_training(training, flow_runs=flow_runs)
     get_run_logger().info(
         "training halted kind=%s target=%s already_gone=%s escalated=%s last_checkpoint=%s gpu_released=%s",
         record.kind,
@@ -93,7 +93,7 @@ def halt_training(training: TrainingJobConfig) -> HaltRecord:
 @task(name="restart-training", cache_policy=NO_CACHE)
 def restart_training(training: TrainingJobConfig, log_path: Path) -> RestartRecord | None:
     """Start training again, detached, when ``training.restart_after_run`` is on (after the merge)."""
-    record = restart_training_job(training, log_path)
+    record = datagen.host.training.restart_training(training, log_path)
     if record is None:
         get_run_logger().info("training restart is off (training.restart_after_run)")
     else:
@@ -106,7 +106,7 @@ def restart_training(training: TrainingJobConfig, log_path: Path) -> RestartReco
 @task(name="probe-environment", cache_policy=NO_CACHE)
 def probe_environment() -> EnvReport:
     """Probe GPUs, interconnect, drivers and packages; publish the report as an artifact."""
-    report = probe_host()
+    report = datagen.host.probe.probe_environment()
     create_markdown_artifact(report.to_markdown(), key="environment", description="What this host offers")
     logger = get_run_logger()
     logger.info("probe gpus=%d problems=%d", len(report.gpus), len(report.problems))
@@ -119,7 +119,7 @@ def probe_environment() -> EnvReport:
 @task(name="plan-servers", cache_policy=NO_CACHE)
 def plan_servers(env: EnvReport, config: RunConfig, state_dir: Path) -> ServerPlan:
     """Decide the servers (DP/TP/CPU/external) and their exact argv; publish the plan as an artifact."""
-    plan = plan_servers_for(env, config, state_dir)
+    plan = datagen.host.plan.plan_servers(env, config, state_dir)
     create_markdown_artifact(
         plan.to_markdown(), key="server-plan", description="Servers and their exact argv"
     )
@@ -136,7 +136,7 @@ def start_fleet(fleet: Fleet, fleets_root: Path) -> list[str]:
 
     """
     logger = get_run_logger()
-    orphans = cleanup_orphans(fleets_root, recursive=True)
+    orphans = datagen.host.fleet.cleanup_orphans(fleets_root, recursive=True)
     if orphans:
         logger.warning("stopped orphaned servers count=%d", orphans)
     fleet.start()

@@ -9,16 +9,18 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+import datagen.app.preflight
+import datagen.output.manifest
+import datagen.output.report
+import datagen.output.runs
+import datagen.prompts.mix
 from datagen.app.preflight import PreflightReport
-from datagen.app.preflight import run_preflight as run_preflight_checks
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
-from datagen.output.manifest import RunManifest, write_manifest
-from datagen.output.report import RunReport, build_report
-from datagen.output.runs import RunHandle, open_store
-from datagen.output.runs import open_run as open_run_in_store
-from datagen.prompts.mix import dataset_mix, mix_table
+from datagen.output.manifest import RunManifest
+from datagen.output.report import RunReport
+from datagen.output.runs import RunHandle
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
 
@@ -26,7 +28,7 @@ from tasks.common import TRANSIENT_RETRIES
 @task(name="preflight", task_run_name="preflight-{config.run_id}", cache_policy=NO_CACHE)
 def preflight(config: RunConfig) -> PreflightReport:
     """Check everything that needs no GPU before training is stopped; fail with every problem listed."""
-    report = run_preflight_checks(config)
+    report = datagen.app.preflight.run_preflight(config)
     create_markdown_artifact(
         report.to_markdown(), key="preflight", description="Checks run before halting training"
     )
@@ -42,7 +44,7 @@ def preflight(config: RunConfig) -> PreflightReport:
 )
 def open_run(config: RunConfig) -> RunHandle:
     """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
-    run = open_run_in_store(open_store(config), config)
+    run = datagen.output.runs.open_run(datagen.output.runs.open_store(config), config)
     get_run_logger().info(
         "run run_id=%s resumed=%s config_hash=%s output=%s",
         run.run_id,
@@ -57,7 +59,7 @@ def open_run(config: RunConfig) -> RunHandle:
 def write_attempt_record(config: RunConfig, run: RunHandle, attempt_id: str, name: str, value: Any) -> str:
     """Store one record of this flow attempt (training, env, plan) under attempts/<attempt_id>/."""
     key = run.layout.attempt_object(attempt_id, f"{name}.json")
-    return open_store(config).write_json(key, value).url
+    return datagen.output.runs.open_store(config).write_json(key, value).url
 
 
 @task(name="report", task_run_name="report-{run.run_id}", cache_policy=NO_CACHE)
@@ -71,10 +73,10 @@ def write_report(
     generation_wall_s: float,
 ) -> RunReport:
     """Build the report, store it (JSON + markdown) once, and publish it as table and markdown artifacts."""
-    store = open_store(config)
+    store = datagen.output.runs.open_store(config)
     layout: RunLayout = run.layout
     rows_by_dataset: dict[str, int] = dict(tokenize_summary.get("rows_by_dataset") or {})
-    report = build_report(
+    report = datagen.output.report.build_report(
         run_id=run.run_id,
         config=config,
         prepared=prepared,
@@ -82,8 +84,8 @@ def write_report(
         tokenize_summary=tokenize_summary,
         servers=servers,
         generation_wall_s=generation_wall_s,
-        dataset_mix=dataset_mix(config, prepared),
-        mix_by_category=mix_table(config, prepared, rows_by_dataset),
+        dataset_mix=datagen.prompts.mix.dataset_mix(config, prepared),
+        mix_by_category=datagen.prompts.mix.mix_table(config, prepared, rows_by_dataset),
     )
     try:
         store.write_json(layout.report_json, report)
@@ -104,8 +106,8 @@ def write_report(
 @task(name="manifest", task_run_name="manifest-{run.run_id}", cache_policy=NO_CACHE)
 def finalize_manifest(config: RunConfig, run: RunHandle, report: RunReport) -> RunManifest:
     """Write manifest.json last: every object of the run with size and checksum."""
-    manifest = write_manifest(
-        open_store(config),
+    manifest = datagen.output.manifest.write_manifest(
+        datagen.output.runs.open_store(config),
         run.layout,
         config_hash=run.config_hash,
         counts=report.totals.model_dump(),
