@@ -30,7 +30,8 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from datagen.config import RunConfig
 from datagen.errors import ShardsFailedError
 from datagen.generation.dispatcher import Dispatcher
-from datagen.host.fleet import Fleet, fleet_pidfile, stop_fleet_from_pidfile
+from datagen.host.fleet import Fleet
+from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.report import RunReport, RunSummary

@@ -19,7 +19,7 @@ from prefect.client.schemas.filters import (
 from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Cancelling
 
-import datagen.host.fleet
+import datagen.host.fleet_registry
 import datagen.host.plan
 import datagen.host.probe
 import datagen.host.training
@@ -136,7 +136,7 @@ def start_fleet(fleet: Fleet, fleets_root: Path) -> list[str]:
 
     """
     logger = get_run_logger()
-    orphans = datagen.host.fleet.cleanup_orphans(fleets_root, recursive=True)
+    orphans = datagen.host.fleet_registry.cleanup_orphans(fleets_root, recursive=True)
     if orphans:
         logger.warning("stopped orphaned servers count=%d", orphans)
     fleet.start()

@@ -2,8 +2,8 @@
 
 :class:`Fleet` launches every server of a :class:`datagen.host.plan.ServerPlan` at once, each in its own
 process group with its output in its own log file, and records them in a JSON pidfile registry
-(``<state_dir>/servers.json``) so another process (a Prefect state hook, the next run after a crash)
-can stop them with :func:`stop_fleet_from_pidfile` / :func:`cleanup_orphans`. Readiness means HTTP 200
+(``<state_dir>/servers.json``, :mod:`datagen.host.fleet_registry`) so another process (a Prefect state
+hook, the next run after a crash) can stop them. Readiness means HTTP 200
 on the engine's health path *and* a live process *and* no fatal line in the log, all under one deadline:
 a crashed server is noticed at once, never after the whole timeout. When the plan has a router
 (sglang-router), it is one more owned process, started once every server is ready; clients then use
@@ -15,11 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -28,57 +26,28 @@ from types import TracebackType
 from typing import IO
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.engines import get_engine
 from datagen.errors import ServerStartError
+from datagen.host import processes
+from datagen.host.fleet_registry import (
+    STOP_GRACE_S,
+    FleetRegistry,
+    ServerRecord,
+    fleet_pidfile,
+    mark_live,
+    mark_stopped,
+    write_registry,
+)
 from datagen.host.plan import ServerPlan, ServerSpec
 
 logger = logging.getLogger(__name__)
 
-PIDFILE_NAME = "servers.json"
-PIDFILE_VERSION = 1
 POLL_INTERVAL_S = 0.25
 HEALTH_TIMEOUT_S = 5.0
-# SIGTERM gives servers time to free GPU memory and sockets; after this they get SIGKILL.
-STOP_GRACE_S = 30.0
-# Bound on how long SIGKILLed processes may take to disappear (they cannot refuse; this only guards waits).
-KILL_WAIT_S = 10.0
 LOG_TAIL_LINES = 40
 # Startup logs are small; reading more than this from the end is never needed to spot a fatal line.
 MAX_LOG_SCAN_BYTES = 4 * 1024 * 1024
-
-
-# Pidfiles of the fleets running in this process: never orphans, whatever cleanup is asked for.
-_LIVE_PIDFILES: set[Path] = set()
-
-
-class ServerRecord(BaseModel):
-    """One running server as the pidfile registry records it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    index: int
-    pid: int
-    pgid: int
-    port: int
-    url: str
-    cmd: list[str]
-    log_path: str | None = None
-    started_at: str = Field(description="ISO 8601 UTC time of the launch.")
-
-
-class FleetRegistry(BaseModel):
-    """Content of the pidfile: who owns the servers and which processes they are."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    version: int = PIDFILE_VERSION
-    owner_pid: int
-    owner_start_ticks: int | None = Field(
-        default=None, description="Start time of the owner (/proc stat field 22) so pid reuse is detected."
-    )
-    servers: list[ServerRecord] = Field(default_factory=list)
 
 
 @dataclass
@@ -173,7 +142,7 @@ class Fleet:
                 return
             self._stopping.clear()
             self._started = True
-            _LIVE_PIDFILES.add(self.pidfile_path.resolve())
+            mark_live(self.pidfile_path)
             try:
                 for server in self._servers:
                     if server.spec.launch is not None:
@@ -202,11 +171,11 @@ class Fleet:
         self.stop_monitor()
         with self._lock:
             groups = [(server, server.pgid) for server in self._owned if server.process is not None]
-            _terminate_groups([pgid for _, pgid in groups if pgid is not None], self.stop_grace_s)
+            processes.terminate_groups([pgid for _, pgid in groups if pgid is not None], self.stop_grace_s)
             for server, _ in groups:
                 assert server.process is not None
                 with suppress(subprocess.TimeoutExpired):
-                    server.process.wait(timeout=KILL_WAIT_S)
+                    server.process.wait(timeout=processes.KILL_WAIT_S)
                 server.process = None
                 server.ready = False
                 self._close_log(server)
@@ -214,7 +183,7 @@ class Fleet:
                 with suppress(FileNotFoundError):
                     self.pidfile_path.unlink()
             self._started = False
-            _LIVE_PIDFILES.discard(self.pidfile_path.resolve())
+            mark_stopped(self.pidfile_path)
             if groups:
                 logger.info("fleet stopped servers=%d", len(groups))
 
@@ -370,7 +339,7 @@ class Fleet:
             code = old.poll()
             server.history.append(f"exited with code {code} at {_now()}")
             # Children of a dead leader (engine workers holding GPU memory) would block the new server.
-            _terminate_groups([old.pid], grace_s=0.0)
+            processes.terminate_groups([old.pid], grace_s=0.0)
         server.restarts += 1
         logger.warning(
             "restarting server url=%s attempt=%d/%d",
@@ -383,9 +352,9 @@ class Fleet:
         if failures:
             logger.error("restart failed url=%s: %s", server.spec.url, failures[0][1])
             if server.process is not None:
-                _terminate_groups([server.process.pid], grace_s=self.stop_grace_s)
+                processes.terminate_groups([server.process.pid], grace_s=self.stop_grace_s)
                 with suppress(subprocess.TimeoutExpired):
-                    server.process.wait(timeout=KILL_WAIT_S)
+                    server.process.wait(timeout=processes.KILL_WAIT_S)
             return False
         logger.info("server restarted url=%s", server.spec.url)
         return True
@@ -478,228 +447,15 @@ class Fleet:
             if server.process is not None
         ]
         registry = FleetRegistry(
-            owner_pid=os.getpid(), owner_start_ticks=_start_ticks(os.getpid()), servers=records
+            owner_pid=os.getpid(), owner_start_ticks=processes.start_ticks(os.getpid()), servers=records
         )
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        temporary = self.pidfile_path.with_suffix(".json.tmp")
-        temporary.write_text(registry.model_dump_json(indent=2))
-        # Atomic replace: a hook reading concurrently sees the old or the new registry, never half.
-        temporary.replace(self.pidfile_path)
+        write_registry(self.pidfile_path, registry)
 
     @staticmethod
     def _close_log(server: _Server) -> None:
         if server.log_file is not None:
             server.log_file.close()
             server.log_file = None
-
-
-# --- stopping from another process ------------------------------------------------------------
-
-
-def fleet_pidfile(state_dir: str | Path) -> Path:
-    """The pidfile registry a :class:`Fleet` with this ``state_dir`` writes (for hooks and cleanup)."""
-    return Path(state_dir) / PIDFILE_NAME
-
-
-def read_registry(path: Path) -> FleetRegistry | None:
-    """The registry in ``path``; None when the file is missing or unreadable (logged)."""
-    try:
-        return FleetRegistry.model_validate_json(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as error:
-        logger.warning("unreadable fleet pidfile path=%s error=%s", path, error)
-        return None
-
-
-def stop_fleet_from_pidfile(path: str | Path, *, grace_s: float = STOP_GRACE_S) -> int:
-    """Stop the servers recorded in a pidfile (for hooks running in another process).
-
-    A recorded group is only signalled when its leader still runs the recorded command line (or the
-    leader is gone but members of its group remain), so a reused pid is never killed.
-
-    Args:
-        path: The pidfile (``<state_dir>/servers.json``).
-        grace_s: Time between SIGTERM and SIGKILL.
-
-    Returns:
-        The number of server process groups that were signalled. The pidfile is removed.
-
-    """
-    pidfile = Path(path)
-    registry = read_registry(pidfile)
-    if registry is None:
-        with suppress(FileNotFoundError):
-            pidfile.unlink()
-        return 0
-    groups = [record.pgid for record in registry.servers if _group_is_ours(record)]
-    _terminate_groups(groups, grace_s)
-    with suppress(FileNotFoundError):
-        pidfile.unlink()
-    if groups:
-        logger.info("stopped servers from pidfile path=%s groups=%d", pidfile, len(groups))
-    return len(groups)
-
-
-def cleanup_orphans(state_dir: str | Path, *, grace_s: float = STOP_GRACE_S, recursive: bool = False) -> int:
-    """Stop servers left by an earlier run whose owner process is gone (call before starting).
-
-    Servers of an owner that is still alive (another run on this host) are left alone and logged.
-
-    Args:
-        state_dir: The state folder holding ``servers.json``.
-        grace_s: Time between SIGTERM and SIGKILL.
-        recursive: Also look in every folder below ``state_dir`` (one state folder per flow run: pass
-            their common parent to find the orphans of any earlier run).
-
-    Returns:
-        The number of orphaned server groups stopped.
-
-    """
-    root = Path(state_dir)
-    pidfiles = sorted(root.rglob(PIDFILE_NAME)) if recursive else [fleet_pidfile(root)]
-    stopped = 0
-    for pidfile in pidfiles:
-        registry = read_registry(pidfile)
-        if registry is None:
-            continue
-        if pidfile.resolve() in _LIVE_PIDFILES or (
-            registry.owner_pid != os.getpid() and _owner_alive(registry)
-        ):
-            logger.warning(
-                "servers in %s belong to a live fleet (pid=%d): left alone", pidfile, registry.owner_pid
-            )
-            continue
-        stopped += stop_fleet_from_pidfile(pidfile, grace_s=grace_s)
-    return stopped
-
-
-# --- process helpers --------------------------------------------------------------------------
-
-
-def _terminate_groups(pgids: list[int], grace_s: float) -> None:
-    """SIGTERM every group, wait up to ``grace_s`` for all to vanish, SIGKILL the rest."""
-    live = [pgid for pgid in pgids if _signal_group(pgid, signal.SIGTERM)] if grace_s > 0 else list(pgids)
-    deadline = time.monotonic() + grace_s
-    while live and time.monotonic() < deadline:
-        time.sleep(POLL_INTERVAL_S / 2)
-        live = [pgid for pgid in live if _group_exists(pgid)]
-    stubborn = [pgid for pgid in live if _signal_group(pgid, signal.SIGKILL)]
-    if stubborn and grace_s > 0:
-        logger.warning("server groups ignored SIGTERM for %.0fs, killed pgids=%s", grace_s, stubborn)
-    kill_deadline = time.monotonic() + KILL_WAIT_S
-    while stubborn and time.monotonic() < kill_deadline:
-        time.sleep(POLL_INTERVAL_S / 2)
-        stubborn = [pgid for pgid in stubborn if _group_exists(pgid)]
-
-
-def _signal_group(pgid: int, sig: signal.Signals) -> bool:
-    try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        logger.warning("no permission to signal process group pgid=%d", pgid)
-        return False
-    return True
-
-
-def _group_exists(pgid: int) -> bool:
-    # A zombie leader still counts as a group member until reaped; reap it if it is our child.
-    with suppress(ChildProcessError, OSError):
-        os.waitpid(pgid, os.WNOHANG)
-    for pid in _group_members(pgid):
-        if not _is_zombie(pid):
-            return True
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
-    return not Path("/proc").is_dir()
-
-
-def _group_members(pgid: int) -> Iterator[int]:
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return
-    for entry in proc.iterdir():
-        if entry.name.isdigit() and _pgid_of(int(entry.name)) == pgid:
-            yield int(entry.name)
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name (field 2) may contain spaces and parentheses: split after its closing paren.
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def _pgid_of(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[2]) if fields else None
-
-
-def _is_zombie(pid: int) -> bool:
-    fields = _stat_fields(pid)
-    return fields is None or fields[0] in {"Z", "X"}
-
-
-def _start_ticks(pid: int) -> int | None:
-    fields = _stat_fields(pid)
-    return int(fields[19]) if fields else None
-
-
-def _owner_alive(registry: FleetRegistry) -> bool:
-    try:
-        os.kill(registry.owner_pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    ticks = _start_ticks(registry.owner_pid)
-    if registry.owner_start_ticks is not None and ticks is not None:
-        return ticks == registry.owner_start_ticks
-    return True
-
-
-def process_cmdline(pid: int) -> list[str] | None:
-    """The argv of a running process (``/proc``, or ``ps`` where there is no ``/proc``); None if gone."""
-    proc_file = Path(f"/proc/{pid}/cmdline")
-    if Path("/proc").is_dir():
-        try:
-            raw = proc_file.read_bytes()
-        except OSError:
-            return None
-        return [part.decode(errors="replace") for part in raw.split(b"\0") if part] or None
-    result = subprocess.run(
-        ["ps", "-o", "args=", "-p", str(pid)], capture_output=True, text=True, check=False
-    )
-    return result.stdout.split() if result.returncode == 0 and result.stdout.strip() else None
-
-
-def _cmdline_matches(actual: list[str], recorded: list[str]) -> bool:
-    if actual == recorded:
-        return True
-    # Without /proc, `ps` splits arguments on spaces; compare the joined form instead.
-    return " ".join(actual) == " ".join(recorded)
-
-
-def _group_is_ours(record: ServerRecord) -> bool:
-    leader_cmd = process_cmdline(record.pgid)
-    if leader_cmd is not None and not _is_zombie(record.pgid):
-        if _cmdline_matches(leader_cmd, record.cmd):
-            return True
-        logger.warning(
-            "pid %d now runs %r, not the recorded server %r: leaving it alone",
-            record.pgid,
-            leader_cmd,
-            record.cmd,
-        )
-        return False
-    # Leader gone: while members of its group remain the kernel cannot reuse the id, so they are ours.
-    return any(not _is_zombie(pid) for pid in _group_members(record.pgid))
 
 
 # --- logs and messages ------------------------------------------------------------------------

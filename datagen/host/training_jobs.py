@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import TrainingJobConfig
 from datagen.errors import TrainingHaltError
+from datagen.host import processes
 from datagen.host.probe import parse_compute_apps_csv, query_compute_apps
 
 # A process that started this long after the pidfile was written cannot be the one that wrote it.
@@ -91,71 +92,7 @@ class FlowRunControl(Protocol):
         ...
 
 
-# --- process helpers ----------------------------------------------------------------------------
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    # The command name may contain spaces and parentheses: split after its closing paren.
-    return raw[raw.rfind(")") + 2 :].split()
-
-
-def is_process_running(pid: int) -> bool:
-    """Whether ``pid`` exists and is not a zombie (an exited child holds no GPU memory)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    fields = _stat_fields(pid)
-    return fields is None or fields[0] not in {"Z", "X"}
-
-
-def process_start_epoch_s(pid: int) -> float | None:
-    """When ``pid`` started (seconds since the epoch), from ``/proc``; None where unknown."""
-    fields = _stat_fields(pid)
-    try:
-        boot_line = next(
-            line for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
-        )
-    except (OSError, StopIteration):
-        return None
-    if fields is None:
-        return None
-    return int(boot_line.split()[1]) + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (workers of a launcher such as torchrun), from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return []
-    for entry in proc.iterdir():
-        if entry.name.isdigit():
-            fields = _stat_fields(int(entry.name))
-            if fields is not None:
-                children.setdefault(int(fields[1]), []).append(int(entry.name))
-    found: list[int] = []
-    stack = [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return sorted(found)
-
-
-def process_cmdline(pid: int) -> str | None:
-    """The command line of ``pid`` with arguments joined by spaces; None when gone or unreadable."""
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    return " ".join(part.decode(errors="replace") for part in raw.split(b"\0") if part) or None
+# --- signalling ---------------------------------------------------------------------------------
 
 
 def _signal_pids(pids: list[int], signum: signal.Signals, what: str) -> None:
@@ -214,12 +151,12 @@ class PidfileJob:
         if pid is None:
             return JobTarget(description=f"no pidfile at {self.pidfile}", running=False)
         description = f"pid {pid} from {self.pidfile}"
-        if not is_process_running(pid) or self._reused(pid):
+        if not processes.is_running(pid) or self._reused(pid):
             return JobTarget(description=description, running=False, pids=[pid])
-        return JobTarget(description=description, running=True, pids=[pid, *descendants(pid)])
+        return JobTarget(description=description, running=True, pids=[pid, *processes.descendants(pid)])
 
     def _reused(self, pid: int) -> bool:
-        started = process_start_epoch_s(pid)
+        started = processes.start_epoch_s(pid)
         try:
             written = self.pidfile.stat().st_mtime
         except OSError:
@@ -232,12 +169,12 @@ class PidfileJob:
 
     def is_running(self, target: JobTarget) -> bool:
         """Whether the main pid still runs."""
-        return bool(target.pids) and is_process_running(target.pids[0])
+        return bool(target.pids) and processes.is_running(target.pids[0])
 
     def force_stop(self, target: JobTarget) -> None:
         """SIGKILL the main pid and every descendant found when the job was located."""
         _signal_pids(
-            [pid for pid in target.pids if is_process_running(pid)], signal.SIGKILL, str(self.pidfile)
+            [pid for pid in target.pids if processes.is_running(pid)], signal.SIGKILL, str(self.pidfile)
         )
 
     def default_restart_argv(self) -> list[str] | None:
@@ -284,8 +221,8 @@ class CmdlineJob:
         own = {os.getpid(), os.getppid()}
         matched = []
         for pid in sorted(self.gpu_pids() - own):
-            cmdline = process_cmdline(pid)
-            if cmdline is not None and self.pattern.search(cmdline) and is_process_running(pid):
+            cmdline = processes.read_command_line(pid)
+            if cmdline is not None and self.pattern.search(cmdline) and processes.is_running(pid):
                 matched.append(pid)
         description = f"GPU processes matching /{self.pattern.pattern}/: {matched or 'none'}"
         return JobTarget(description=description, running=bool(matched), pids=matched)
@@ -296,11 +233,11 @@ class CmdlineJob:
 
     def is_running(self, target: JobTarget) -> bool:
         """Whether any matched process still runs."""
-        return any(is_process_running(pid) for pid in target.pids)
+        return any(processes.is_running(pid) for pid in target.pids)
 
     def force_stop(self, target: JobTarget) -> None:
         """SIGKILL every matched process still running."""
-        live = [pid for pid in target.pids if is_process_running(pid)]
+        live = [pid for pid in target.pids if processes.is_running(pid)]
         _signal_pids(live, signal.SIGKILL, f"matching /{self.pattern.pattern}/")
 
     def default_restart_argv(self) -> list[str] | None:
@@ -411,7 +348,7 @@ class SystemdJob:
                 unit=self.unit,
             )
         pids = [status.main_pid] if status.main_pid else []
-        pids += [child for pid in pids for child in descendants(pid)]
+        pids += [child for pid in pids for child in processes.descendants(pid)]
         return JobTarget(
             description=f"systemd unit {self.unit} ({status.active_state}, main pid {status.main_pid})",
             running=status.running,

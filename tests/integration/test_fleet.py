@@ -19,7 +19,8 @@ import pytest
 from datagen.config import RunConfig
 from datagen.engines import LaunchCommand
 from datagen.errors import ServerStartError
-from datagen.host.fleet import PIDFILE_NAME, Fleet, FleetRegistry, cleanup_orphans
+from datagen.host.fleet import Fleet
+from datagen.host.fleet_registry import PIDFILE_NAME, FleetRegistry, cleanup_orphans
 from datagen.host.plan import ServerPlan, ServerSpec, plan_servers, port_is_free
 from datagen.host.probe import probe_environment
 
@@ -230,7 +231,7 @@ def test_a_different_process_stops_the_fleet_through_the_pidfile(tmp_path: Path)
     fleet.start()
     groups = [fleet.pid(url) for url in fleet.urls]
     code = (
-        "from datagen.host.fleet import stop_fleet_from_pidfile; "
+        "from datagen.host.fleet_registry import stop_fleet_from_pidfile; "
         f"print(stop_fleet_from_pidfile({str(fleet.pidfile_path)!r}))"
     )
 
@@ -265,7 +266,7 @@ def test_orphans_of_a_dead_owner_are_stopped_but_a_reused_pid_is_left_alone(tmp_
         assert fleet.is_alive(fleet.urls[0])
         # A new run (another process) finds the crashed run's servers.
         code = (
-            "from datagen.host.fleet import cleanup_orphans; "
+            "from datagen.host.fleet_registry import cleanup_orphans; "
             f"print(cleanup_orphans({str(tmp_path / 'fleets')!r}, grace_s=5, recursive=True))"
         )
         result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
