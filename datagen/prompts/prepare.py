@@ -19,8 +19,6 @@ is the same in every run with the same seed. Prompts of the existing corpus
 
 from __future__ import annotations
 
-import hashlib
-import heapq
 import logging
 from collections.abc import Iterator, Sequence
 from collections.abc import Set as AbstractSet
@@ -31,55 +29,24 @@ from datagen.errors import DatasetError, OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.prompts.datasets.corpus import load_corpus_ids
-from datagen.prompts.datasets.identity import prompt_id_for
 from datagen.prompts.datasets.inspect import InspectReport, inspect_dataset
 from datagen.prompts.datasets.model import NormalisedPrompt, Rejection
 from datagen.prompts.datasets.registry import get_normaliser, normalise_row
 from datagen.prompts.datasets.sources import iter_rows
 from datagen.prompts.datasets.tally import RejectionTally
 from datagen.prompts.mix import quota_for
+from datagen.prompts.rules import Candidate, LengthRule, QuotaRule, first_rejection, prompt_rules
 from datagen.records import PreparedDataset, PromptRecord, PromptShardRef
 
 logger = logging.getLogger(__name__)
 
-PRIORITY_BYTES = 8  # 64-bit sampling priorities: ties are practically impossible
-PREVIEW_CHARS = 200
-
 __all__ = [
     "InspectReport",
-    "count_prompt_tokens",
     "inspect_dataset",
     "iter_prompt_shard",
     "load_prompt_ids",
     "prepare_prompts",
 ]
-
-
-def count_prompt_tokens(
-    tokenizer: Any, prompt: NormalisedPrompt | PromptRecord, *, enable_thinking: bool | None = None
-) -> int:
-    """Tokens of the prompt as the target renders it: its chat template, tools, generation prompt.
-
-    Args:
-        tokenizer: A ``transformers`` tokenizer with a chat template.
-        prompt: The prompt.
-        enable_thinking: Passed to the template when set (it changes the generation prompt).
-
-    Returns:
-        The token count.
-
-    """
-    kwargs: dict[str, Any] = {}
-    if enable_thinking is not None:
-        kwargs["enable_thinking"] = enable_thinking
-    text = tokenizer.apply_chat_template(
-        [message.to_chat_dict() for message in prompt.messages],
-        tools=prompt.tools or None,
-        add_generation_prompt=True,
-        tokenize=False,
-        **kwargs,
-    )
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 def _load_tokenizer(location: str) -> Any:
@@ -94,45 +61,6 @@ def _load_tokenizer(location: str) -> Any:
             f"Cannot load the tokenizer {location} to count prompt tokens (max_prompt_tokens): {error}. "
             "Set model.tokenizer_path to a local tokenizer directory."
         ) from error
-
-
-def _language_allowed(language: str | None, allowed: list[str] | None) -> bool:
-    """Rows that record no language pass; ``zh`` in the list admits ``zh-cn`` and ``zh-tw``."""
-    if not allowed or language is None:
-        return True
-    wanted = {item.strip().lower() for item in allowed}
-    code = language.strip().lower()
-    return code in wanted or code.split("-")[0] in wanted
-
-
-def _priority(seed: int, prompt_id: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{prompt_id}".encode()).digest()
-    return int.from_bytes(digest[:PRIORITY_BYTES], "big")
-
-
-class _BottomK:
-    """The ``k`` candidates of smallest priority seen so far (a max-heap of size ``k``)."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k
-        self._heap: list[tuple[int, str, PromptRecord]] = []
-
-    def would_keep(self, priority: int) -> bool:
-        return len(self._heap) < self.k or priority < -self._heap[0][0]
-
-    def offer(self, priority: int, record: PromptRecord) -> PromptRecord | None:
-        """Keep ``record`` (call only when :meth:`would_keep`); return the record it evicted, if any."""
-        entry = (-priority, record.prompt_id, record)
-        if len(self._heap) < self.k:
-            heapq.heappush(self._heap, entry)
-            return None
-        return heapq.heappushpop(self._heap, entry)[2]
-
-    def in_source_order(self) -> list[PromptRecord]:
-        return sorted(
-            (entry[2] for entry in self._heap),
-            key=lambda record: (record.source_index or 0, record.metadata.get("turn_index", 0)),
-        )
 
 
 class _ShardWriter:
@@ -174,10 +102,6 @@ class _ShardWriter:
             PromptShardRef(dataset=self.dataset, shard_index=index, path=key, prompts=len(self.buffer))
         )
         self.buffer = []
-
-
-def _preview(prompt: NormalisedPrompt) -> str:
-    return (prompt.messages[-1].content or "")[:PREVIEW_CHARS]
 
 
 class _PromptStream:
@@ -229,11 +153,10 @@ def prepare_prompts(
 ) -> PreparedDataset:
     """Read one dataset and write its prompt shards and summary (write-once, resumable).
 
-    Steps: stream rows, normalise (multi-turn policy), drop rows in other languages
-    (``languages``), drop prompts of the existing corpus, drop duplicates of earlier prompts of this
-    dataset or of ``exclude_prompt_ids``, drop prompts longer than ``max_prompt_tokens`` under the
-    target's chat template, sample the dataset's quota (:func:`datagen.prompts.mix.quota_for`) with
-    ``config.seed``, write shards of ``shard_size``, then the summary.
+    Steps: stream rows, normalise (multi-turn policy), run each prompt through the chain of
+    :mod:`datagen.prompts.rules` (language, existing corpus, duplicates of this dataset or of
+    ``exclude_prompt_ids``, the seeded sample of the quota from :func:`datagen.prompts.mix.quota_for`,
+    length under the target's chat template), write shards of ``shard_size``, then the summary.
 
     Args:
         store: The run's output store.
@@ -268,53 +191,37 @@ def prepare_prompts(
         corpus_ids = load_corpus_ids(config.existing_corpus)
     if dataset.max_prompt_tokens is not None and tokenizer is None:
         tokenizer = _load_tokenizer(config.model.tokenizer)
-    enable_thinking = config.sampling_for(dataset).enable_thinking
-    excluded = exclude_prompt_ids or set()
     tally = RejectionTally()
     stream = _PromptStream(dataset, tally)
     writer = _ShardWriter(store, layout, dataset.name, dataset.shard_size)
-    sampler = _BottomK(quota) if quota is not None else None
-    seen: set[str] = set()
+    sample = QuotaRule(quota) if quota is not None else None
+    length = (
+        LengthRule(tokenizer, dataset.max_prompt_tokens, config.sampling_for(dataset).enable_thinking)
+        if dataset.max_prompt_tokens is not None
+        else None
+    )
+    rules = prompt_rules(
+        languages=dataset.languages,
+        corpus_ids=corpus_ids,
+        excluded=exclude_prompt_ids or set(),
+        quota=sample,
+        length=length,
+    )
     for prompt in stream:
-        index = prompt.source_index
-        if not _language_allowed(prompt.language, dataset.languages):
-            tally.add("wrong_language", f"language {prompt.language!r} not in {dataset.languages}", index)
+        candidate = Candidate(prompt, config.seed)
+        rejection = first_rejection(rules, candidate)
+        if rejection is not None:
+            tally.add(rejection.reason, rejection.detail, prompt.source_index, rejection.example)
             continue
-        prompt_id = prompt_id_for(prompt.messages, prompt.tools)
-        if prompt_id in corpus_ids:
-            detail = f"prompt {prompt_id} is in the existing corpus"
-            tally.add("in_existing_corpus", detail, index, _preview(prompt))
-            continue
-        if prompt_id in seen or prompt_id in excluded:
-            where = "this dataset" if prompt_id in seen else "an earlier dataset of the run"
-            tally.add("duplicate", f"same content as prompt {prompt_id} of {where}", index, _preview(prompt))
-            continue
-        seen.add(prompt_id)
-        priority = _priority(config.seed, prompt_id)
-        if sampler is not None and not sampler.would_keep(priority):
-            # Never drawn whatever follows (the cut-off only falls): skip the costly length check.
-            tally.add("over_cap", f"not drawn by the sample of the quota ({quota})", index)
-            continue
-        if dataset.max_prompt_tokens is not None:
-            try:
-                tokens = count_prompt_tokens(tokenizer, prompt, enable_thinking=enable_thinking)
-            except Exception as error:  # a template refusing one prompt must not stop the dataset
-                tally.add("template_error", f"{type(error).__name__}: {error}", index, _preview(prompt))
-                continue
-            if tokens > dataset.max_prompt_tokens:
-                detail = f"{tokens} tokens > max_prompt_tokens {dataset.max_prompt_tokens}"
-                tally.add("too_long", detail, index, _preview(prompt))
-                continue
-        record = _to_record(prompt, prompt_id, dataset.name)
-        if sampler is None:
+        record = _to_record(prompt, candidate.prompt_id, dataset.name)
+        if sample is None:
             writer.add(record)
-        else:
-            evicted = sampler.offer(priority, record)
-            if evicted is not None:
-                detail = f"not drawn by the sample of the quota ({quota})"
-                tally.add("over_cap", detail, evicted.source_index or 0)
-    if sampler is not None:
-        for record in sampler.in_source_order():
+            continue
+        pushed_out = sample.take(candidate.priority, record)
+        if pushed_out is not None:
+            tally.add("over_cap", sample.over_cap_detail, pushed_out.source_index or 0)
+    if sample is not None:
+        for record in sample.drawn_in_source_order():
             writer.add(record)
     writer.flush()
     summary = PreparedDataset(
