@@ -33,13 +33,8 @@ def record(item: Candidate) -> PromptRecord:
 def test_the_chain_runs_language_corpus_duplicate_quota_length_in_order() -> None:
     rules = prompt_rules(languages=["en"], corpus_ids=set(), excluded=set(), quota=QuotaRule(1), length=None)
     assert [rule.name for rule in rules] == ["language", "corpus", "duplicate", "quota"]
-    assert [
-        rule.name
-        for rule in prompt_rules(languages=None, corpus_ids=set(), excluded=set(), quota=None, length=None)
-    ] == [
-        "corpus",
-        "duplicate",
-    ]
+    bare = prompt_rules(languages=None, corpus_ids=set(), excluded=set(), quota=None, length=None)
+    assert [rule.name for rule in bare] == ["corpus", "duplicate"]
 
 
 def test_the_first_rule_that_rejects_names_the_reason() -> None:
