@@ -24,9 +24,9 @@ import datagen.host.plan
 import datagen.host.probe
 import datagen.host.training
 from datagen.config import RunConfig, TrainingJobConfig
+from datagen.host.env_report import EnvReport
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan
-from datagen.host.probe import EnvReport
 from datagen.host.training import HaltRecord, RestartRecord
 
 # A flow run in one of these states has not started executing: cancelling it needs no worker.

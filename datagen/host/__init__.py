@@ -1,19 +1,23 @@
 """The GPU host: what it offers, how its servers are planned and run, and the training job that shares it.
 
-Owns probing the environment (:mod:`probe`, :mod:`cuda_env`), sizing the model against GPU memory
-(:mod:`model_size`), the server plan (:mod:`plan`), the one owner of server processes (:mod:`fleet`) and
-its pidfile registry (:mod:`fleet_registry`), halting and restarting the training job (:mod:`training`,
-:mod:`training_jobs`), the demo's stand-in trainer (:mod:`standin_trainer`) and ``/proc`` process
-inspection and process-group teardown shared by all of them (:mod:`processes`).
+Owns probing the environment (:mod:`probe`; ``nvidia-smi`` run and parsed in :mod:`nvidia_smi`, CUDA and
+torch in :mod:`cuda_env`, the report model in :mod:`env_report`, its problems and fixes in :mod:`diagnose`),
+sizing the model against GPU memory (:mod:`model_size`), the server plan (:mod:`plan`), the one owner of
+server processes (:mod:`fleet`) and its pidfile registry (:mod:`fleet_registry`), halting and restarting the
+training job (:mod:`training`, :mod:`training_jobs`), the demo's stand-in trainer (:mod:`standin_trainer`)
+and ``/proc`` process inspection and process-group teardown shared by all of them (:mod:`processes`).
 
 May import: the shared top level (config, settings, errors, records), :mod:`datagen.engines`, :mod:`datagen.output`.
 """
 
 __all__ = [
     "cuda_env",
+    "diagnose",
+    "env_report",
     "fleet",
     "fleet_registry",
     "model_size",
+    "nvidia_smi",
     "plan",
     "probe",
     "processes",

@@ -31,8 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.config import EngineKind, FleetConfig, RunConfig
 from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
 from datagen.errors import PlanError
+from datagen.host.env_report import EnvReport
 from datagen.host.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
-from datagen.host.probe import EnvReport
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import TrainingJobConfig
 from datagen.errors import TrainingHaltError
-from datagen.host.probe import (
-    IDLE_GPU_MEMORY_MIB,
+from datagen.host.env_report import IDLE_GPU_MEMORY_MIB
+from datagen.host.nvidia_smi import (
     parse_compute_apps_csv,
     parse_gpu_query_csv,
     query_compute_apps,
@@ -271,7 +271,7 @@ def gpu_memory_released(target: JobTarget, gpu: GpuQueries) -> bool | None:
     """Whether the job's GPU memory is free now.
 
     With pids: none of them is listed by ``--query-compute-apps``. Without (a flow run): every GPU shows
-    at most :data:`datagen.host.probe.IDLE_GPU_MEMORY_MIB` in use.
+    at most :data:`datagen.host.env_report.IDLE_GPU_MEMORY_MIB` in use.
 
     Returns:
         None without nvidia-smi (nothing to check on a CPU host).

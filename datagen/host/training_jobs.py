@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.config import TrainingJobConfig
 from datagen.errors import TrainingHaltError
 from datagen.host import processes
-from datagen.host.probe import parse_compute_apps_csv, query_compute_apps
+from datagen.host.nvidia_smi import parse_compute_apps_csv, query_compute_apps
 
 # A process that started this long after the pidfile was written cannot be the one that wrote it.
 PID_REUSE_SLACK_S = 5.0
@@ -191,7 +191,7 @@ class CmdlineJob:
     Args:
         pattern: Regex searched (``re.search``) in each GPU process's space-joined command line.
         compute_apps: Returns ``nvidia-smi --query-compute-apps=pid,... --format=csv`` output, None without
-            nvidia-smi; :func:`datagen.host.probe.query_compute_apps` by default.
+            nvidia-smi; :func:`datagen.host.nvidia_smi.query_compute_apps` by default.
 
     """
 

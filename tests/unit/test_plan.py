@@ -14,9 +14,10 @@ from datagen.config import RunConfig
 from datagen.engines import SGLangEngine
 from datagen.engines.sglang import MAMBA_FLAG_OLD, parse_server_args_flags
 from datagen.errors import PlanError
+from datagen.host.env_report import EnvReport
 from datagen.host.model_size import shape_from_config
 from datagen.host.plan import ServerPlan, ServerSpec, client_url, plan_servers, port_is_free, router_launch
-from datagen.host.probe import EnvReport, build_report, probe_from_dir
+from datagen.host.probe import build_report, probe_from_dir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 PACKAGES: dict[str, str | None] = {}

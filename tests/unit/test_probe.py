@@ -17,14 +17,9 @@ from datagen.host.cuda_env import (
     parse_torch_version_py,
     read_torch_version_file,
 )
-from datagen.host.probe import (
-    EnvReport,
-    parse_compute_apps_csv,
-    parse_gpu_query_csv,
-    parse_topology,
-    probe_environment,
-    probe_from_dir,
-)
+from datagen.host.env_report import EnvReport
+from datagen.host.nvidia_smi import parse_compute_apps_csv, parse_gpu_query_csv, parse_topology
+from datagen.host.probe import probe_environment, probe_from_dir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 NO_PACKAGES: dict[str, str | None] = {"torch": None, "sglang": None}
