@@ -63,13 +63,14 @@ def run(
     from datagen.errors import ConfigError, DatagenError
     from datagen.prompts.mix import validate_mix
 
+    load_flow = _flow_loader(ctx)
     try:
         loaded = load_run_config(config, overrides={"run_id": run_id, "output": output})
         validate_mix(loaded)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:
-        summary = run_flow(_flow_loader(ctx), loaded)
+        summary = run_flow(load_flow, loaded)
     except DatagenError as error:
         _fail(f"datagen run failed: {error}", EXIT_RUN_FAILED)
     except Exception as error:

@@ -193,3 +193,13 @@ def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
     assert report["interconnect"]["kind"] == "nvlink"
     assert report["plan"]["mode"] == mode
     assert [server["gpu_ids"] for server in report["plan"]["servers"]] == gpu_groups
+
+
+def test_the_core_cli_without_the_flow_refuses_to_run_and_names_the_entry_point() -> None:
+    code = "from datagen.app.cli import app\napp(['run', '--config', 'configs/demo.yaml'])\n"
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == EXIT_CONFIG_ERROR
+    assert "python -m flows.cli_entry" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
