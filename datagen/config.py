@@ -121,6 +121,17 @@ class FleetConfig(StrictModel):
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to every server argv.")
     env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the servers.")
     sglang: SGLangOptions = Field(default_factory=SGLangOptions)
+    speculative: Literal["off", "mtp"] = Field(
+        default="off",
+        description="Speculative decoding: `mtp` runs the model's built-in MTP layers as the drafter (sglang; "
+        "the recipe of the model family, refused for models without MTP layers). Distribution-preserving at "
+        "temperature > 0 (rejection sampling); keep min_p unset.",
+    )
+    tune_result: str | None = Field(
+        default=None,
+        description="A `datagen tune --output FILE` result (JSON): its best in-flight count per server (and "
+        "max running requests for sglang) replace the planned ones.",
+    )
     fix_jit_env: bool = Field(
         default=False,
         description="Add the CUDA include/stub paths the probe found (CPATH, LIBRARY_PATH, CUDA_HOME) to the "
@@ -139,6 +150,14 @@ class FleetConfig(StrictModel):
     def _external_needs_urls(self) -> FleetConfig:
         if self.engine == "external" and not self.external_urls:
             raise ValueError("engine 'external' needs fleet.external_urls: the base URLs of running servers")
+        if self.speculative == "mtp" and self.engine != "sglang":
+            raise ValueError(
+                f"fleet.speculative: mtp needs engine sglang (engine is {self.engine}); set it to off or switch engine"
+            )
+        if self.speculative == "mtp" and self.sglang.speculative:
+            raise ValueError(
+                "fleet.speculative: mtp and fleet.sglang.speculative both set speculative flags: keep one"
+            )
         return self
 
 

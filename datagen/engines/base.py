@@ -8,13 +8,16 @@ The :class:`datagen.host.fleet.Fleet` owns the processes.
 from __future__ import annotations
 
 import re
-from typing import Literal, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import FleetConfig, ModelConfig
+from datagen.host.model_size import ModelShape
 
 DeviceKind = Literal["cpu", "cuda"]
+ProblemSeverity = Literal["info", "warning", "error"]
 
 # Log lines that mean a starting server is dead or will never serve; shared by every engine.
 COMMON_FATAL_LOG_PATTERNS: tuple[str, ...] = (
@@ -74,6 +77,45 @@ class ServerSlot(BaseModel):
     extra_env: dict[str, str] = Field(
         default_factory=dict, description="Planned variables (JIT fixes); fleet.env still wins."
     )
+    cuda_graph_max_bs: int | None = Field(default=None, gt=0, description="Largest decode batch captured.")
+    chunked_prefill_tokens: int | None = Field(default=None, gt=0, description="Tokens per prefill chunk.")
+    disable_overlap_schedule: bool = Field(default=False, description="Required by some hybrid cache modes.")
+    speculative_args: list[str] = Field(
+        default_factory=list, description="Planned speculative-decoding flags (fleet.speculative recipe)."
+    )
+
+
+class EngineProblem(NamedTuple):
+    """Something about this host that matters for one engine (the probe turns it into a report problem)."""
+
+    severity: ProblemSeverity
+    message: str
+    fix: str | None
+
+
+class CapacityRequest(BaseModel):
+    """What the planner knows when it sizes one server: its GPUs, the model, the requests to expect."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    compute_capability: str | None = None
+    gpu_memory_total_mib: int | None = Field(default=None, description="Smallest GPU of the server.")
+    gpu_memory_in_use_mib: int = Field(default=0, ge=0, description="Held by others when probed (per GPU).")
+    tensor_parallel: int = Field(default=1, ge=1)
+    shape: ModelShape | None = None
+    request_tokens: int = Field(gt=0, description="Prompt + answer tokens one request may occupy.")
+    configured_inflight: int = Field(gt=0, description="fleet.max_inflight_per_server.")
+    speculative: Literal["off", "mtp"] = "off"
+
+
+class CapacityPlan(BaseModel):
+    """An engine's sizing of one server: slot fields, the dispatcher's cap, and why."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    slot_fields: dict[str, Any] = Field(default_factory=dict, description="ServerSlot fields to set.")
+    max_inflight: int = Field(gt=0, description="Requests the dispatcher keeps in flight on the server.")
+    reasons: list[str] = Field(default_factory=list)
 
 
 @runtime_checkable
@@ -83,7 +125,13 @@ class Engine(Protocol):
     name: str
     """Engine kind as written in ``fleet.engine``."""
     health_path: str
-    """HTTP path answering 200 once the server serves."""
+    """HTTP path answering 200 once the server serves (readiness and liveness)."""
+    metrics_path: str | None
+    """Prometheus metrics path; None when the engine has none (clients then measure themselves)."""
+    unsupported_sampling_fields: frozenset[str]
+    """Chat-completion sampling fields the engine refuses (422); the dispatcher leaves them out."""
+    supports_generate: bool
+    """Whether the engine serves SGLang's ``/generate`` (token ids in, token ids out: exact-token mode)."""
     fatal_log_patterns: tuple[re.Pattern[str], ...]
     """A match in a starting server's log means it will never become ready."""
     supports_tensor_parallel: bool
@@ -101,6 +149,16 @@ class Engine(Protocol):
 
     def served_model_name(self, model: ModelConfig) -> str:
         """The model name clients must send in requests to a server of this engine."""
+        ...
+
+    def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
+        """Size one GPU server (memory share, concurrency, batch sizes) and the dispatcher's cap for it."""
+        ...
+
+    def host_problems(
+        self, packages: Mapping[str, str | None], compute_capabilities: list[str]
+    ) -> list[EngineProblem]:
+        """What the probe should report about this engine on a host with these packages and GPUs."""
         ...
 
 

@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from datagen.config import FleetConfig, ModelConfig
-from datagen.engines.base import LaunchCommand, ServerSlot, compile_patterns
+from datagen.engines.base import (
+    CapacityPlan,
+    CapacityRequest,
+    EngineProblem,
+    LaunchCommand,
+    ServerSlot,
+    compile_patterns,
+)
 
 
 class ExternalEngine:
@@ -11,6 +20,10 @@ class ExternalEngine:
 
     name = "external"
     health_path = "/health"
+    # Unknown server software: ask for metrics only where the engine is known to serve them.
+    metrics_path: str | None = None
+    unsupported_sampling_fields: frozenset[str] = frozenset()
+    supports_generate = False
     fatal_log_patterns = compile_patterns(())
     supports_tensor_parallel = False
     launches_processes = False
@@ -31,3 +44,16 @@ class ExternalEngine:
     def served_model_name(self, model: ModelConfig) -> str:
         """The configured served name, else the model path."""
         return model.served_name or model.path
+
+    def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
+        """Someone else sized the servers: the dispatcher keeps ``fleet.max_inflight_per_server``."""
+        return CapacityPlan(
+            max_inflight=request.configured_inflight,
+            reasons=[f"in flight per server: {request.configured_inflight} (fleet.max_inflight_per_server)"],
+        )
+
+    def host_problems(
+        self, packages: Mapping[str, str | None], compute_capabilities: list[str]
+    ) -> list[EngineProblem]:
+        """Nothing runs here: no problems."""
+        return []

@@ -1,43 +1,44 @@
 """SGLang (`python -m sglang.launch_server`): the production GPU engine.
 
-Flag names are detected from the installed sglang's source rather than guessed from its version: the
-hybrid-model cache strategy flag was renamed (``--mamba-scheduler-strategy`` ->
-``--mamba-radix-cache-strategy``) and the old name is gone in recent releases.
+Flag names are taken from the target sglang's own argument parser (:mod:`datagen.engines.sglang_flags`),
+never guessed from its version: the hybrid-model cache strategy flag was renamed
+(``--mamba-scheduler-strategy`` -> ``--mamba-radix-cache-strategy``) and ``--cuda-graph-max-bs`` became
+``--cuda-graph-max-bs-decode``. Sizing lives in :mod:`datagen.engines.sglang_tuning`.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-import re
 import sys
-from collections.abc import Collection
-from pathlib import Path
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from datagen.config import FleetConfig, ModelConfig
 from datagen.engines.base import (
     COMMON_FATAL_LOG_PATTERNS,
+    CapacityPlan,
+    CapacityRequest,
+    EngineProblem,
     LaunchCommand,
     ServerSlot,
     compile_patterns,
     gpu_env,
 )
+from datagen.engines.sglang_flags import sglang_flags
+from datagen.engines.sglang_tuning import cuda_graph_flag, plan_sglang_capacity
 
 logger = logging.getLogger(__name__)
 
 MAMBA_FLAG_NEW = "--mamba-radix-cache-strategy"
 MAMBA_FLAG_OLD = "--mamba-scheduler-strategy"
 INSTALL_HINT = "pip install 'datagen[gpu]' on the GPU host"
-
-# On SM120 (Blackwell workstation) hybrid models only run with flashinfer among the backends sglang allows.
+SM90 = "9.0"
+SM120 = "12.0"
+# On SM120 (RTX PRO 6000 Blackwell) sglang rejects fa3/fa4 (and trtllm_mha lacks SM120): flashinfer runs.
 SM120_ATTENTION_BACKEND = "flashinfer"
-
-# A quoted flag literal: argparse definitions and aliases (every release).
-_QUOTED_FLAG = re.compile(r"""["'](--[a-z0-9][a-z0-9-]*)["']""")
-# A ServerArgs dataclass field declared as ``name: A[...]``: recent releases derive ``--name`` from it.
-_ANNOTATED_FIELD = re.compile(r"^    ([a-z_][a-z0-9_]*): A\[", re.MULTILINE)
-_NO_CLI = re.compile(r"no_cli\s*=\s*True")
+# On SM90 hybrid models run their full-attention layers on FlashAttention 3.
+SM90_HYBRID_ATTENTION_BACKEND = "fa3"
 
 SGLANG_FATAL_LOG_PATTERNS: tuple[str, ...] = (
     *COMMON_FATAL_LOG_PATTERNS,
@@ -47,53 +48,9 @@ SGLANG_FATAL_LOG_PATTERNS: tuple[str, ...] = (
 )
 
 
-def find_server_args_source() -> Path | None:
-    """Locate ``sglang/srt/server_args.py`` of the installed sglang without importing sglang.
-
-    Returns:
-        The file, or None when sglang is not installed.
-
-    """
-    try:
-        spec = importlib.util.find_spec("sglang")
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for location in spec.submodule_search_locations:
-        candidate = Path(location) / "srt" / "server_args.py"
-        if candidate.is_file():
-            return candidate
-    return None
-
-
-def parse_server_args_flags(source: str) -> list[str]:
-    """Every launch flag sglang's ``server_args.py`` defines.
-
-    Older releases spell each flag in ``parser.add_argument("--tp-size", ...)``; recent ones derive it
-    from the ``ServerArgs`` field (``tp_size: A[...]`` -> ``--tp-size``) unless the field says
-    ``no_cli=True``, and spell only aliases and deprecated names. Both are read.
-
-    Args:
-        source: Text of ``server_args.py``.
-
-    Returns:
-        The flags, sorted.
-
-    """
-    flags = set(_QUOTED_FLAG.findall(source))
-    fields = list(_ANNOTATED_FIELD.finditer(source))
-    for field, following in zip(fields, [*fields[1:], None], strict=False):
-        block = source[field.start() : following.start() if following else len(source)]
-        if not _NO_CLI.search(block):
-            flags.add("--" + field.group(1).replace("_", "-"))
-    return sorted(flags)
-
-
 def installed_server_flags() -> list[str] | None:
-    """:func:`parse_server_args_flags` of the installed sglang; None when sglang is not installed."""
-    path = find_server_args_source()
-    return parse_server_args_flags(path.read_text(encoding="utf-8")) if path else None
+    """Flags of the sglang installed for this interpreter, from its own parser; None without sglang."""
+    return sglang_flags()
 
 
 def mamba_flag_from_flags(flags: Collection[str] | None) -> str | None:
@@ -114,16 +71,13 @@ def mamba_flag_from_flags(flags: Collection[str] | None) -> str | None:
     return None
 
 
-def detect_mamba_strategy_flag(server_args_source: str | None) -> str | None:
-    """:func:`mamba_flag_from_flags` for the text of ``server_args.py`` (None: sglang absent)."""
-    if server_args_source is None:
-        return MAMBA_FLAG_NEW
-    return mamba_flag_from_flags(parse_server_args_flags(server_args_source))
-
-
-def installed_mamba_strategy_flag() -> str | None:
-    """:func:`detect_mamba_strategy_flag` applied to the installed sglang (if any)."""
-    return mamba_flag_from_flags(installed_server_flags())
+def attention_backend_for(capability: str | None, hybrid: bool) -> tuple[str | None, str]:
+    """The attention backend sglang needs on a GPU of ``capability`` (None: sglang's default), and why."""
+    if capability == SM120:
+        return SM120_ATTENTION_BACKEND, "SM 12.0: sglang rejects fa3/fa4 there (and for hybrid models)"
+    if capability == SM90 and hybrid:
+        return SM90_HYBRID_ATTENTION_BACKEND, "SM 9.0 with a hybrid model"
+    return None, ""
 
 
 class SGLangEngine:
@@ -132,11 +86,15 @@ class SGLangEngine:
     Args:
         mamba_strategy_flag: The flag carrying ``fleet.sglang.mamba_cache_strategy``; None means the target
             sglang has no such flag. Use :meth:`for_installed` to detect it from the installed sglang.
+        accepted_flags: Every flag the target sglang accepts (None: unknown, nothing is checked).
 
     """
 
     name = "sglang"
     health_path = "/health"
+    metrics_path: str | None = "/metrics"
+    unsupported_sampling_fields: frozenset[str] = frozenset()
+    supports_generate = True
     fatal_log_patterns = compile_patterns(SGLANG_FATAL_LOG_PATTERNS)
     supports_tensor_parallel = True
     launches_processes = True
@@ -154,7 +112,7 @@ class SGLangEngine:
 
     @classmethod
     def for_installed(cls) -> SGLangEngine:
-        """The recipe with flag names detected from the sglang installed here (current names if none)."""
+        """The recipe with flag names read from the sglang installed here (current names if none)."""
         return cls.for_flags(installed_server_flags())
 
     def check_available(self) -> list[str]:
@@ -172,11 +130,54 @@ class SGLangEngine:
             return [f"sglang is not installed in {sys.executable}: {INSTALL_HINT}"]
         return []
 
+    def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
+        """Memory share, running requests, CUDA-graph batch, hybrid cache mode, MTP, attention backend."""
+        plan = plan_sglang_capacity(request, fleet, self.accepted_flags)
+        hybrid = request.shape is not None and request.shape.hybrid
+        backend, why = attention_backend_for(request.compute_capability, hybrid)
+        if backend is not None and not fleet.sglang.attention_backend:
+            plan.slot_fields["attention_backend"] = backend
+            plan.reasons.append(f"--attention-backend {backend}: {why}")
+        return plan
+
+    def host_problems(
+        self, packages: Mapping[str, str | None], compute_capabilities: list[str]
+    ) -> list[EngineProblem]:
+        """Report a missing sglang or flashinfer, and the SM 12.0 attention restriction."""
+        problems: list[EngineProblem] = []
+        if packages and packages.get("sglang") is None:
+            return [
+                EngineProblem(
+                    "info",
+                    "sglang is not installed: only the transformers engine can serve here",
+                    "`pip install 'datagen[gpu]'` on this host to use fleet.engine: sglang",
+                )
+            ]
+        if SM120 in compute_capabilities:
+            backend, why = attention_backend_for(SM120, hybrid=True)
+            problems.append(
+                EngineProblem(
+                    "info",
+                    f"SM 12.0 GPUs: {why}",
+                    f"nothing to do: the planner passes --attention-backend {backend} on SM 12.0",
+                )
+            )
+        if packages.get("sglang") is not None and packages.get("flashinfer-python") is None:
+            problems.append(
+                EngineProblem(
+                    "warning",
+                    "sglang is installed without flashinfer-python",
+                    "`pip install flashinfer-python` at the version sglang pins",
+                )
+            )
+        return problems
+
     def build_launch(self, slot: ServerSlot, model: ModelConfig, fleet: FleetConfig) -> LaunchCommand:
         """The argv and env of one SGLang server.
 
         Args:
-            slot: GPUs of the server (its tensor-parallel size is their count) and where it listens.
+            slot: GPUs of the server (its tensor-parallel size is their count), where it listens, and the
+                planned sizing (:meth:`plan_capacity`).
             model: Model path, tokenizer, served name, context length.
             fleet: ``fleet.sglang`` knobs, ``extra_args`` (appended last) and ``env``.
 
@@ -184,7 +185,7 @@ class SGLangEngine:
             The launch command.
 
         Raises:
-            ValueError: A cache strategy is configured but the installed sglang has no flag for it, or a
+            ValueError: A cache strategy is configured but the target sglang has no flag for it, or a
                 flag is not accepted by the sglang whose flags the recipe knows.
 
         """
@@ -212,8 +213,8 @@ class SGLangEngine:
             argv += ["--context-length", str(context)]
         # Explicit config wins over the planner's choice, which wins over sglang's own default.
         backend = options.attention_backend or slot.attention_backend
-        if backend is None and slot.compute_capability == "12.0":
-            backend = SM120_ATTENTION_BACKEND
+        if backend is None:
+            backend, _ = attention_backend_for(slot.compute_capability, hybrid=False)
         if backend is not None:
             argv += ["--attention-backend", backend]
         mem_fraction = options.mem_fraction_static or slot.mem_fraction_static
@@ -222,19 +223,30 @@ class SGLangEngine:
         max_running = options.max_running_requests or slot.max_running_requests
         if max_running is not None:
             argv += ["--max-running-requests", str(max_running)]
+        if slot.chunked_prefill_tokens is not None:
+            argv += ["--chunked-prefill-size", str(slot.chunked_prefill_tokens)]
+        graph_flag = cuda_graph_flag(self.accepted_flags)
+        if slot.cuda_graph_max_bs is not None and graph_flag is not None:
+            argv += [graph_flag, str(slot.cuda_graph_max_bs)]
         if options.disable_radix_cache:
             argv.append("--disable-radix-cache")
+        elif options.mamba_cache_strategy is not None:
+            # With the radix cache off the strategy has no effect (sglang returns before reading it).
+            if self.mamba_strategy_flag is None:
+                raise ValueError(
+                    "fleet.sglang.mamba_cache_strategy is set but the target sglang has neither "
+                    f"{MAMBA_FLAG_NEW} nor {MAMBA_FLAG_OLD}: upgrade sglang or unset the option"
+                )
+            argv += [self.mamba_strategy_flag, options.mamba_cache_strategy]
+        if slot.disable_overlap_schedule or (
+            not options.disable_radix_cache and options.mamba_cache_strategy == "no_buffer"
+        ):
+            argv.append("--disable-overlap-schedule")
         if options.reasoning_parser:
             argv += ["--reasoning-parser", options.reasoning_parser]
         if options.tool_call_parser:
             argv += ["--tool-call-parser", options.tool_call_parser]
-        if options.mamba_cache_strategy is not None:
-            if self.mamba_strategy_flag is None:
-                raise ValueError(
-                    "fleet.sglang.mamba_cache_strategy is set but the installed sglang has neither "
-                    f"{MAMBA_FLAG_NEW} nor {MAMBA_FLAG_OLD}: upgrade sglang or unset the option"
-                )
-            argv += [self.mamba_strategy_flag, options.mamba_cache_strategy]
+        argv += slot.speculative_args
         argv += speculative_args(options.speculative or {})
         argv += fleet.extra_args
         self._check_flags(argv)
@@ -248,7 +260,7 @@ class SGLangEngine:
         ]
         if unknown:
             raise ValueError(
-                f"the installed sglang does not accept {', '.join(unknown)}: remove them from fleet.extra_args / "
+                f"the target sglang does not accept {', '.join(unknown)}: remove them from fleet.extra_args / "
                 "fleet.sglang, or upgrade sglang"
             )
 

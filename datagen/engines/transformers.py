@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Mapping
 
 from datagen.config import FleetConfig, ModelConfig
 from datagen.engines.base import (
     COMMON_FATAL_LOG_PATTERNS,
+    CapacityPlan,
+    CapacityRequest,
+    EngineProblem,
     LaunchCommand,
     ServerSlot,
     compile_patterns,
@@ -32,6 +36,11 @@ class TransformersEngine:
 
     name = "transformers"
     health_path = "/health"
+    # `transformers serve` has no Prometheus endpoint: `datagen tune` measures throughput client-side.
+    metrics_path: str | None = None
+    # `transformers serve` answers 422 to top_k and min_p in chat completions.
+    unsupported_sampling_fields = frozenset({"top_k", "min_p"})
+    supports_generate = False
     fatal_log_patterns = compile_patterns(TRANSFORMERS_FATAL_LOG_PATTERNS)
     # One server is one model on one device: transformers serve has no tensor parallelism.
     supports_tensor_parallel = False
@@ -93,6 +102,25 @@ class TransformersEngine:
     def served_model_name(self, model: ModelConfig) -> str:
         """The name ``transformers serve`` gives the preloaded model: the path it was given."""
         return model.path
+
+    def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
+        """Continuous batching sizes itself from free memory: the dispatcher keeps the configured cap.
+
+        ``datagen tune`` measures the best in-flight count on a live fleet (no /metrics here).
+        """
+        return CapacityPlan(
+            max_inflight=request.configured_inflight,
+            reasons=[
+                f"in flight per server: {request.configured_inflight} (fleet.max_inflight_per_server; "
+                "`datagen tune` measures the best value)"
+            ],
+        )
+
+    def host_problems(
+        self, packages: Mapping[str, str | None], compute_capabilities: list[str]
+    ) -> list[EngineProblem]:
+        """Missing transformers is reported by preflight (engine availability), not by the probe."""
+        return []
 
 
 def _importable(module: str) -> bool:

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import re
 
+from datagen.engines.sglang import SGLangEngine
 from datagen.host.env_report import IDLE_GPU_MEMORY_MIB, EnvReport, Problem
-
-# The SM whose attention kernels sglang restricts (Blackwell workstation/server PCIe cards).
-SM120 = "12.0"
 
 
 def _version_tuple(version: str | None) -> tuple[int, ...] | None:
@@ -197,29 +195,6 @@ def _toolkit_problems(report: EnvReport) -> list[Problem]:
 
 
 def _engine_problems(report: EnvReport) -> list[Problem]:
-    problems: list[Problem] = []
-    if report.packages and report.sglang_version is None:
-        problems.append(
-            Problem(
-                severity="info",
-                message="sglang is not installed: only the transformers engine can serve here",
-                fix="`pip install 'datagen[gpu]'` on this host to use fleet.engine: sglang",
-            )
-        )
-    if SM120 in report.compute_capabilities and report.sglang_version is not None:
-        problems.append(
-            Problem(
-                severity="info",
-                message="SM 12.0 GPUs: sglang rejects the fa3/fa4 attention backends here",
-                fix="nothing to do: the planner passes --attention-backend flashinfer on SM 12.0",
-            )
-        )
-    if report.sglang_version is not None and report.flashinfer_version is None:
-        problems.append(
-            Problem(
-                severity="warning",
-                message="sglang is installed without flashinfer-python",
-                fix="`pip install flashinfer-python` at the version sglang pins",
-            )
-        )
-    return problems
+    # Engine rules live with the engine (datagen/engines); the probe only reports them.
+    found = SGLangEngine().host_problems(report.packages, report.compute_capabilities)
+    return [Problem(severity=severity, message=message, fix=fix) for severity, message, fix in found]

@@ -1,9 +1,15 @@
-"""How big a model is, from its ``config.json`` alone: parameters, weight bytes, KV bytes per token.
+"""How big a model is, from its ``config.json`` alone: parameters, weight bytes, per-token and per-request state.
 
 The planner uses it to decide whether one GPU holds the model (data parallel) or tensor parallelism is
-needed, and to size CPU KV caches by tokens. Estimates count the embedding, attention and MLP/MoE
-projections (norms and biases are noise at this scale); linear-attention layers of hybrid models are
-counted like attention layers, which errs on the large side.
+needed, and how many requests fit a server. Estimates count the embedding, attention, linear-attention
+(Gated DeltaNet) and MLP/MoE projections, a multimodal wrapper's vision tower, and MTP layers separately
+(they are loaded only with speculative decoding); norms and biases are noise at this scale.
+
+Hybrid models (Qwen3.5/3.6, Qwen3-Next) keep a KV cache only for their full-attention layers (bytes per
+token) and a fixed recurrent state per request for each linear-attention layer: a convolution state of
+``(2 * key_heads * key_dim + value_heads * value_dim) * (conv_kernel - 1)`` elements (model dtype) and an
+SSM state of ``value_heads * key_dim * value_dim`` elements in ``mamba_ssm_dtype`` (float32 by default),
+the shapes SGLang's mamba pool allocates (``sglang/srt/configs/mamba_utils.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ HYBRID_MODEL_TYPES = frozenset(
     {"qwen3_next", "qwen3_5", "qwen3_5_moe", "jamba", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid"}
 )
 FULL_ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+# SGLang keeps the SSM state in float32 unless the config's mamba_ssm_dtype says otherwise.
+DEFAULT_SSM_STATE_BYTES = 4.0
 
 
 class ModelShape(BaseModel):
@@ -57,31 +65,85 @@ class ModelShape(BaseModel):
     max_position_embeddings: int | None = None
     hybrid: bool = False
     full_attention_layers: int
+    linear_attention_layers: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    ssm_state_dtype_bytes: float = DEFAULT_SSM_STATE_BYTES
+    attention_output_gate: bool = False
+    mtp_layers: int = 0
+    vision_params: int = 0
 
     @property
     def params(self) -> int:
-        """Estimated parameter count."""
+        """Estimated parameter count of what a server loads without speculative decoding (no MTP layers)."""
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
-        q_out = self.num_attention_heads * self.head_dim
+        linear = self.linear_attention_layers * self._linear_attention_params
+        return embed + lm_head + self.num_layers * self._mlp_params + linear + self.vision_params + (
+            self.full_attention_layers * self._attention_params
+        )
+
+    @property
+    def mtp_params(self) -> int:
+        """Parameters of the MTP layers: a fusing projection plus one full-attention decoder layer each."""
+        return self.mtp_layers * (2 * self.hidden_size * self.hidden_size + self._attention_params + self._mlp_params)
+
+    @property
+    def _attention_params(self) -> int:
+        # An output gate doubles the query projection (Qwen3.5/3.6 attn_output_gate).
+        q_out = self.num_attention_heads * self.head_dim * (2 if self.attention_output_gate else 1)
         kv_out = self.num_kv_heads * self.head_dim
-        attention = 2 * self.hidden_size * q_out + 2 * self.hidden_size * kv_out
+        return self.hidden_size * q_out + self.num_attention_heads * self.head_dim * self.hidden_size + (
+            2 * self.hidden_size * kv_out
+        )
+
+    @property
+    def _linear_attention_params(self) -> int:
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        projections = self.hidden_size * (self._conv_dim + value_dim + 2 * self.linear_num_value_heads)
+        return projections + value_dim * self.hidden_size + self._conv_dim * self.linear_conv_kernel_dim
+
+    @property
+    def _conv_dim(self) -> int:
+        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + (
+            self.linear_num_value_heads * self.linear_value_head_dim
+        )
+
+    @property
+    def _mlp_params(self) -> int:
         if self.num_experts:
             mlp = self.num_experts * 3 * self.hidden_size * self.moe_intermediate_size
             mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size
-            mlp += self.hidden_size * self.num_experts  # router
-        else:
-            mlp = 3 * self.hidden_size * self.intermediate_size
-        return embed + lm_head + self.num_layers * (attention + mlp)
+            return mlp + self.hidden_size * self.num_experts  # router
+        return 3 * self.hidden_size * self.intermediate_size
 
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the weights in their checkpoint dtype."""
+        """Bytes of the weights in their checkpoint dtype (MTP layers excluded, see :attr:`mtp_weight_bytes`)."""
         return int(self.params * self.dtype_bytes)
+
+    @property
+    def mtp_weight_bytes(self) -> int:
+        """Bytes of the MTP layers, loaded only with speculative decoding."""
+        return int(self.mtp_params * self.dtype_bytes)
 
     def kv_bytes_per_token(self, dtype_bytes: float = KV_CACHE_DTYPE_BYTES) -> int:
         """KV cache bytes one token takes across the full-attention layers (whole model, one replica)."""
         return int(self.full_attention_layers * 2 * self.num_kv_heads * self.head_dim * dtype_bytes)
+
+    def recurrent_state_bytes_per_request(self) -> int:
+        """Fixed state one request holds across the linear-attention layers (whole model, one replica)."""
+        conv = self._conv_dim * max(0, self.linear_conv_kernel_dim - 1) * self.dtype_bytes
+        ssm = (
+            self.linear_num_value_heads
+            * self.linear_key_head_dim
+            * self.linear_value_head_dim
+            * self.ssm_state_dtype_bytes
+        )
+        return int(self.linear_attention_layers * (conv + ssm))
 
 
 def _get(config: dict[str, Any], *names: str, default: Any = None) -> Any:
@@ -134,15 +196,15 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
     moe_intermediate = _get(merged, "moe_intermediate_size", default=0)
     layer_types = [str(kind) for kind in merged.get("layer_types") or []]
     model_type = _get(merged, "model_type")
-    linear_layers = [kind for kind in layer_types if kind not in FULL_ATTENTION_LAYER_TYPES]
+    linear_layers = sum(1 for kind in layer_types if kind not in FULL_ATTENTION_LAYER_TYPES)
     hybrid = (
-        bool(linear_layers)
-        or model_type in HYBRID_MODEL_TYPES
-        or config.get("model_type") in HYBRID_MODEL_TYPES
+        bool(linear_layers) or model_type in HYBRID_MODEL_TYPES or config.get("model_type") in HYBRID_MODEL_TYPES
     )
-    full_layers = layers - len(linear_layers) if layer_types else layers
+    full_layers = layers - linear_layers if layer_types else layers
     if hybrid and not layer_types and merged.get("full_attention_interval"):
         full_layers = layers // int(merged["full_attention_interval"])
+        linear_layers = layers - full_layers
+    ssm_dtype = str(merged.get("mamba_ssm_dtype") or "").replace("torch.", "")
     return ModelShape(
         model_type=config.get("model_type") or model_type,
         hidden_size=hidden,
@@ -160,7 +222,30 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
         max_position_embeddings=_get(merged, "max_position_embeddings"),
         hybrid=hybrid,
         full_attention_layers=max(1, full_layers),
+        linear_attention_layers=linear_layers if hybrid else 0,
+        linear_num_key_heads=_get(merged, "linear_num_key_heads", default=0),
+        linear_num_value_heads=_get(merged, "linear_num_value_heads", default=0),
+        linear_key_head_dim=_get(merged, "linear_key_head_dim", default=0),
+        linear_value_head_dim=_get(merged, "linear_value_head_dim", default=0),
+        linear_conv_kernel_dim=_get(merged, "linear_conv_kernel_dim", default=0),
+        ssm_state_dtype_bytes=DTYPE_BYTES.get(ssm_dtype, DEFAULT_SSM_STATE_BYTES),
+        attention_output_gate=bool(merged.get("attn_output_gate", False)),
+        mtp_layers=int(_get(merged, "mtp_num_hidden_layers", "num_nextn_predict_layers", default=0) or 0),
+        vision_params=_vision_params(config.get("vision_config")),
     )
+
+
+def _vision_params(vision: Any) -> int:
+    """Parameters of a multimodal wrapper's vision tower (ViT blocks plus the patch merger)."""
+    if not isinstance(vision, dict):
+        return 0
+    depth = int(vision.get("depth") or 0)
+    width = int(vision.get("hidden_size") or 0)
+    mlp = int(vision.get("intermediate_size") or 4 * width)
+    merged_width = width * int(vision.get("spatial_merge_size") or 1) ** 2
+    out = int(vision.get("out_hidden_size") or width)
+    blocks = depth * (4 * width * width + 2 * width * mlp)
+    return blocks + merged_width * merged_width + merged_width * out
 
 
 def read_model_shape(model_path: str | Path) -> ModelShape | None:

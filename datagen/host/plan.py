@@ -8,8 +8,10 @@ the fleet looks the way it does:
   and only inside an NVLink island (the smallest size that fits); a :class:`PlanError` when even the
   largest island cannot hold it. The fit is computed from the model's ``config.json``
   (:mod:`datagen.host.model_size`).
-- SGLang: attention backend by compute capability and model type, memory fraction, max running requests
-  (the dispatcher's per-server cap), context length, and only flags the installed sglang accepts.
+- Engine sizing (``Engine.plan_capacity``): for SGLang the attention backend by compute capability and model
+  type, memory fraction, max running requests and CUDA-graph batch from the KV/state budget, the hybrid
+  cache mode, MTP, and only flags the target sglang accepts; the dispatcher's in-flight cap per server
+  (``ServerSpec.max_inflight``) follows. See docs/engines.md.
 - CPU servers: threads and a KV cache sized by tokens, so several fit on a small CI box.
 - Optionally an sglang-router in front of the servers.
 """
@@ -30,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import EngineKind, FleetConfig, RunConfig
 from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
+from datagen.engines.base import CapacityRequest
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
 from datagen.host.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
@@ -45,9 +48,11 @@ MAX_PORT_PROBES = 200
 CPU_CACHE_MEMORY_FRACTION = 0.3
 # Addresses that mean "every interface" are not connectable; clients use loopback instead.
 WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
-# Share of each GPU's memory a server takes for weights plus KV cache (sglang --mem-fraction-static); the
-# rest is for activations and CUDA graphs.
+# Share of each GPU's memory assumed for weights plus cache when deciding whether a model fits one GPU
+# (the engine then sizes the real share from the probed memory, see Engine.plan_capacity).
 PLANNED_MEM_FRACTION_STATIC = 0.85
+# Memory a GPU shows as used with nothing on it (driver context, monitoring agents): not subtracted.
+IDLE_GPU_MEMORY_MIB = 1024
 # A model "fits" a GPU only if this share of the GPU's memory is left for the KV cache after its weights.
 MIN_KV_CACHE_SHARE = 0.10
 TP_SIZES = (2, 4, 8, 16)
@@ -61,8 +66,6 @@ CPU_MASK_BYTES = 4
 # Prompt length assumed for sizing when no dataset caps its prompts.
 DEFAULT_PROMPT_BUDGET_TOKENS = 1024
 CONTEXT_ROUND_TOKENS = 256
-SM90 = "9.0"
-SM120 = "12.0"
 ROUTER_MODULE = "sglang_router"
 ROUTER_INSTALL_HINT = "pip install sglang-router (the `gpu` extra installs it with sglang)"
 
@@ -79,6 +82,9 @@ class ServerSpec(BaseModel):
     url: str = Field(description="Base URL clients use, e.g. http://127.0.0.1:30000 (no /v1).")
     log_path: str | None = Field(default=None, description="File receiving the server's stdout and stderr.")
     launch: LaunchCommand | None = Field(default=None, description="None for external servers.")
+    max_inflight: int | None = Field(
+        default=None, gt=0, description="Requests the dispatcher keeps in flight on this server (planned)."
+    )
 
 
 class ServerPlan(BaseModel):
@@ -107,6 +113,11 @@ class ServerPlan(BaseModel):
     def client_urls(self) -> list[str]:
         """Where the dispatcher sends requests: the router when there is one, else every server."""
         return [self.router.url] if self.router is not None else self.urls
+
+    def max_inflight_per_server(self, default: int) -> int:
+        """The planned in-flight cap per server (the smallest of the servers'), ``default`` when unplanned."""
+        planned = [server.max_inflight for server in self.servers if server.max_inflight is not None]
+        return min(planned) if planned else default
 
     def inflight_per_client_url(self, per_server: int) -> int:
         """The dispatcher's in-flight cap per client URL: the router carries every server's share."""
@@ -288,15 +299,17 @@ def plan_servers(
 
     shape = _model_shape(config, reasons)
     groups, mode = _gpu_groups(env, config, recipe, shape, reasons)
-    compute_caps = {gpu.index: gpu.compute_capability for gpu in env.gpus}
+    gpus = {gpu.index: gpu for gpu in env.gpus}
     if mode == "cpu":
         count = fleet.num_servers or fleet.cpu_servers
         groups = [[] for _ in range(count)]
+        if fleet.speculative != "off":
+            raise PlanError("fleet.speculative needs GPU servers (sglang); set it to off for CPU servers")
     ports = choose_ports(fleet.host, fleet.base_port, len(groups), reasons)
     context = _context_length(config, shape, reasons)
     base = _cpu_slot_fields(config, shape, context, len(groups), reasons) if mode == "cpu" else {}
-    if mode != "cpu" and recipe.name == "sglang":
-        base |= _sglang_slot_fields(config, context, reasons)
+    if mode != "cpu":
+        base["context_length_tokens"] = context
     if mode != "cpu" and fleet.fix_jit_env:
         jit_env = env.jit_env()
         base["extra_env"] = jit_env
@@ -307,15 +320,22 @@ def plan_servers(
                 or "nothing (none needed)"
             )
         )
-    backends_told: set[str] = set()
+    told: set[str] = set()
     servers = []
     for index, (gpu_ids, port) in enumerate(zip(groups, ports, strict=True)):
-        capability = compute_caps.get(gpu_ids[0]) if gpu_ids else None
+        capability = gpus[gpu_ids[0]].compute_capability if gpu_ids else None
         fields = dict(base)
-        if recipe.name == "sglang" and mode != "cpu":
-            fields["attention_backend"] = _attention_backend(
-                capability, shape, config, backends_told, reasons
+        max_inflight = fleet.max_inflight_per_server
+        if mode != "cpu":
+            capacity = recipe.plan_capacity(
+                _capacity_request(env, config, shape, context, gpu_ids, capability), fleet
             )
+            fields |= capacity.slot_fields
+            max_inflight = capacity.max_inflight
+            for reason in capacity.reasons:
+                if reason not in told:
+                    told.add(reason)
+                    reasons.append(reason)
         slot = ServerSlot(
             index=index,
             host=fleet.host,
@@ -338,6 +358,7 @@ def plan_servers(
                 url=client_url(fleet.host, port),
                 log_path=str(log_dir / f"server-{index:02d}.log"),
                 launch=launch,
+                max_inflight=max_inflight,
             )
         )
     plan = ServerPlan(
@@ -556,36 +577,30 @@ def _sampling_budget_tokens(config: RunConfig, context: int | None, shape: Model
     return budget
 
 
-def _sglang_slot_fields(config: RunConfig, context: int | None, reasons: list[str]) -> dict[str, object]:
-    options = config.fleet.sglang
-    fields: dict[str, object] = {"context_length_tokens": context}
-    if options.mem_fraction_static is None:
-        fields["mem_fraction_static"] = PLANNED_MEM_FRACTION_STATIC
-        reasons.append(f"--mem-fraction-static {PLANNED_MEM_FRACTION_STATIC:g} (weights + KV cache)")
-    if options.max_running_requests is None:
-        fields["max_running_requests"] = config.fleet.max_inflight_per_server
-        reasons.append(
-            f"--max-running-requests {config.fleet.max_inflight_per_server}: the dispatcher never sends a "
-            "server more (fleet.max_inflight_per_server)"
-        )
-    return fields
-
-
-def _attention_backend(
-    capability: str | None, shape: ModelShape | None, config: RunConfig, told: set[str], reasons: list[str]
-) -> str | None:
-    if config.fleet.sglang.attention_backend:
-        return None
-    backend: str | None = None
-    why = ""
-    if capability == SM120:
-        backend, why = "flashinfer", "SM 12.0: sglang rejects fa3/fa4 there (and for hybrid models)"
-    elif capability == SM90 and shape is not None and shape.hybrid:
-        backend, why = "fa3", "SM 9.0 with a hybrid model"
-    if backend is not None and why not in told:
-        told.add(why)
-        reasons.append(f"--attention-backend {backend}: {why}")
-    return backend
+def _capacity_request(
+    env: EnvReport,
+    config: RunConfig,
+    shape: ModelShape | None,
+    context: int | None,
+    gpu_ids: list[int],
+    capability: str | None,
+) -> CapacityRequest:
+    """What the engine needs to size the server on ``gpu_ids`` (its smallest GPU decides)."""
+    members = [gpu for gpu in env.gpus if gpu.index in gpu_ids]
+    totals = [gpu.memory_total_mib for gpu in members if gpu.memory_total_mib]
+    in_use = max(
+        (max(0, (gpu.memory_used_mib or 0) - IDLE_GPU_MEMORY_MIB) for gpu in members), default=0
+    )
+    return CapacityRequest(
+        compute_capability=capability,
+        gpu_memory_total_mib=min(totals) if totals else None,
+        gpu_memory_in_use_mib=in_use,
+        tensor_parallel=max(1, len(gpu_ids)),
+        shape=shape,
+        request_tokens=_sampling_budget_tokens(config, context, shape),
+        configured_inflight=config.fleet.max_inflight_per_server,
+        speculative=config.fleet.speculative,
+    )
 
 
 def _cpu_slot_fields(

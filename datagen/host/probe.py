@@ -18,9 +18,10 @@ import logging
 import platform
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
-from datagen.engines.sglang import installed_server_flags
+from datagen.engines.sglang_flags import SGLangIntrospectionError, sglang_flags
 from datagen.errors import ProbeError
 from datagen.host.cuda_env import (
     CudaToolkit,
@@ -204,7 +205,18 @@ def probe_environment(record_dir: str | Path | None = None) -> EnvReport:
                 )
             )
     toolkit = find_cuda_toolkit()
-    flags = installed_server_flags()
+    try:
+        # sglang's own parser, asked in this interpreter (the one the servers run in).
+        flags = sglang_flags()
+    except (SGLangIntrospectionError, OSError, subprocess.TimeoutExpired) as error:
+        flags = None
+        problems.append(
+            Problem(
+                severity="warning",
+                message=f"cannot read the flags the installed sglang accepts: {error}",
+                fix="check that `python -m sglang.launch_server --help` runs in this interpreter",
+            )
+        )
     packages = installed_versions()
     if record_dir is not None:
         _record(Path(record_dir), outputs, toolkit, flags, packages)
