@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +18,14 @@ from datagen.engines import (
 from datagen.engines.sglang import (
     MAMBA_FLAG_NEW,
     MAMBA_FLAG_OLD,
-    detect_mamba_strategy_flag,
+    mamba_flag_from_flags,
     speculative_args,
 )
+from datagen.engines.sglang_tuning import cuda_graph_flag
 from datagen.errors import ConfigError
 
 MODEL = ModelConfig(path="/models/qwen3")
+PROBE_FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 CPU_SLOT = ServerSlot(index=0, host="127.0.0.1", port=30000, device="cpu", cpu_threads=2)
 GPU_SLOT = ServerSlot(
     index=3, host="0.0.0.0", port=30003, device="cuda", gpu_ids=[3], compute_capability="9.0"
@@ -121,7 +124,8 @@ def test_sglang_launch_carries_every_configured_knob() -> None:
     assert _flag_value(argv, "--max-running-requests") == "512"
     assert _flag_value(argv, "--reasoning-parser") == "qwen3"
     assert _flag_value(argv, "--tool-call-parser") == "qwen25"
-    assert _flag_value(argv, MAMBA_FLAG_NEW) == "extra_buffer"
+    # With the radix cache off sglang ignores the strategy: it is not passed.
+    assert MAMBA_FLAG_NEW not in argv
     assert MAMBA_FLAG_OLD not in argv
     assert "--disable-radix-cache" in argv
     assert "--enable-metrics" in argv
@@ -133,17 +137,22 @@ def test_sglang_launch_carries_every_configured_knob() -> None:
     assert launch.env == {"CUDA_VISIBLE_DEVICES": "0,1"}
 
 
-def test_sglang_old_release_gets_the_old_mamba_flag() -> None:
-    fleet = FleetConfig(engine="sglang", sglang=SGLangOptions(mamba_cache_strategy="no_buffer"))
+def test_sglang_old_release_gets_the_old_mamba_flag_and_no_buffer_disables_the_overlap_schedule() -> None:
+    fleet = FleetConfig(
+        engine="sglang", sglang=SGLangOptions(mamba_cache_strategy="no_buffer", disable_radix_cache=False)
+    )
 
     argv = SGLangEngine(mamba_strategy_flag=MAMBA_FLAG_OLD).build_launch(GPU_SLOT, MODEL, fleet).argv
 
     assert _flag_value(argv, MAMBA_FLAG_OLD) == "no_buffer"
     assert MAMBA_FLAG_NEW not in argv
+    assert "--disable-overlap-schedule" in argv
 
 
 def test_sglang_without_any_mamba_flag_refuses_a_configured_strategy() -> None:
-    fleet = FleetConfig(engine="sglang", sglang=SGLangOptions(mamba_cache_strategy="no_buffer"))
+    fleet = FleetConfig(
+        engine="sglang", sglang=SGLangOptions(mamba_cache_strategy="no_buffer", disable_radix_cache=False)
+    )
 
     with pytest.raises(ValueError, match="mamba_cache_strategy"):
         SGLangEngine(mamba_strategy_flag=None).build_launch(GPU_SLOT, MODEL, fleet)
@@ -174,21 +183,32 @@ def test_sglang_on_sm120_defaults_to_flashinfer_attention() -> None:
     assert _flag_value(argv, "--attention-backend") == "flashinfer"
 
 
-@pytest.mark.parametrize(
-    ("source", "expected"),
-    [
-        (None, MAMBA_FLAG_NEW),
-        ('parser.add_argument("--mamba-radix-cache-strategy", choices=[...])', MAMBA_FLAG_NEW),
-        (
-            'add_argument("--mamba-radix-cache-strategy")\nadd_argument("--mamba-scheduler-strategy")',
-            MAMBA_FLAG_NEW,
-        ),
-        ('parser.add_argument("--mamba-scheduler-strategy", type=str)', MAMBA_FLAG_OLD),
-        ('parser.add_argument("--tp-size")', None),
-    ],
-)
-def test_mamba_flag_is_detected_from_server_args_source(source: str | None, expected: str | None) -> None:
-    assert detect_mamba_strategy_flag(source) == expected
+def _recorded_flags(bundle: str) -> list[str]:
+    # Written by sglang's own parser (tests/fixtures/probe/build_sglang_bundles.py), not by hand.
+    return (PROBE_FIXTURES / bundle / "sglang-flags.txt").read_text().split()
+
+
+def test_flag_names_are_chosen_from_what_each_real_sglang_release_accepts() -> None:
+    current = _recorded_flags("pcie-8x-sm120-sglang-0.5.23")
+    older = _recorded_flags("pcie-8x-sm120-sglang-0.5.14")
+
+    assert mamba_flag_from_flags(current) == MAMBA_FLAG_NEW and MAMBA_FLAG_OLD not in current
+    assert mamba_flag_from_flags(older) == MAMBA_FLAG_NEW and MAMBA_FLAG_OLD in older
+    assert mamba_flag_from_flags(["--tp-size"]) is None
+    assert mamba_flag_from_flags(None) == MAMBA_FLAG_NEW
+    assert "--cuda-graph-max-bs" not in current
+    assert cuda_graph_flag(current) == "--cuda-graph-max-bs-decode"
+    assert cuda_graph_flag(older) == "--cuda-graph-max-bs-decode"
+    assert cuda_graph_flag(["--cuda-graph-max-bs"]) == "--cuda-graph-max-bs"
+
+
+def test_engines_declare_their_http_quirks() -> None:
+    assert TransformersEngine.unsupported_sampling_fields == {"top_k", "min_p"}
+    assert TransformersEngine.metrics_path is None and not TransformersEngine.supports_generate
+    assert SGLangEngine.unsupported_sampling_fields == frozenset()
+    assert SGLangEngine.metrics_path == "/metrics" and SGLangEngine.supports_generate
+    for engine in (TransformersEngine(), SGLangEngine(), ExternalEngine()):
+        assert engine.health_path == "/health"
 
 
 def test_speculative_options_become_prefixed_flags() -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.engines import SGLangEngine
-from datagen.engines.sglang import MAMBA_FLAG_OLD, parse_server_args_flags
+from datagen.engines.sglang import MAMBA_FLAG_OLD
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
 from datagen.host.model_size import shape_from_config
@@ -23,6 +23,12 @@ FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 PACKAGES: dict[str, str | None] = {}
 # Ports are picked from here up; far from the defaults so a developer's running servers do not interfere.
 PORT_SEARCH_START = 41000
+# 8 x RTX PRO 6000 (SM 12.0, 96 GB) over PCIe after training was halted; flags from the real sglang parser.
+IDLE_PCIE_SM120 = "pcie-8x-sm120-sglang-0.5.23"
+SGLANG_BUNDLES = ("pcie-8x-sm120-sglang-0.5.23", "pcie-8x-sm120-sglang-0.5.14")
+QWEN36_27B_DIR = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3.6-27b-shaped"
+# The seed's hand-tuned concurrency for Qwen3.6-27B on one 96 GB card (no_buffer, 37 -> 72 requests).
+SEED_RUNNING_REQUESTS = 72
 
 
 def _config(**fleet: Any) -> RunConfig:
@@ -157,7 +163,11 @@ def test_tensor_parallel_with_transformers_is_refused(tmp_path: Path, base_port:
 def test_sglang_plan_uses_the_engine_recipe_given_and_sm_from_the_probe(
     tmp_path: Path, base_port: int
 ) -> None:
-    config = _config(base_port=base_port, engine="sglang", sglang={"mamba_cache_strategy": "no_buffer"})
+    config = _config(
+        base_port=base_port,
+        engine="sglang",
+        sglang={"mamba_cache_strategy": "no_buffer", "disable_radix_cache": False},
+    )
 
     plan = plan_servers(
         _env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine(mamba_strategy_flag=MAMBA_FLAG_OLD)
@@ -172,7 +182,11 @@ def test_sglang_plan_uses_the_engine_recipe_given_and_sm_from_the_probe(
 def test_sglang_option_the_installed_release_lacks_becomes_a_plan_error(
     tmp_path: Path, base_port: int
 ) -> None:
-    config = _config(base_port=base_port, engine="sglang", sglang={"mamba_cache_strategy": "no_buffer"})
+    config = _config(
+        base_port=base_port,
+        engine="sglang",
+        sglang={"mamba_cache_strategy": "no_buffer", "disable_radix_cache": False},
+    )
 
     with pytest.raises(PlanError, match="mamba_cache_strategy"):
         plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine(mamba_strategy_flag=None))
@@ -282,8 +296,10 @@ def test_h200_pair_runs_a_27b_model_data_parallel_one_server_per_gpu(tmp_path: P
     assert launch is not None
     assert _flag(launch.argv, "--tp-size") == "1"
     assert launch.env["CUDA_VISIBLE_DEVICES"] == "1"
-    assert _flag(launch.argv, "--mem-fraction-static") == "0.85"
-    assert _flag(launch.argv, "--max-running-requests") == str(config.fleet.max_inflight_per_server)
+    assert 0.8 < float(_flag(launch.argv, "--mem-fraction-static")) <= 0.93
+    running = int(_flag(launch.argv, "--max-running-requests"))
+    assert running > config.fleet.max_inflight_per_server  # a dense 27B on a 141 GB H200 holds many more
+    assert plan.servers[1].max_inflight is not None and plan.servers[1].max_inflight > running
     assert "--attention-backend" not in launch.argv
     assert any("fit one GPU" in reason for reason in plan.reasons)
 
@@ -316,7 +332,7 @@ def test_model_that_fits_no_gpu_group_is_a_plan_error_with_the_numbers(
 def test_pcie_box_runs_data_parallel_on_all_eight_gpus(tmp_path: Path, base_port: int) -> None:
     config = _model_config(_model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port)
 
-    plan = plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())
+    plan = plan_servers(_env(IDLE_PCIE_SM120), config, tmp_path, engine=SGLangEngine())
 
     assert plan.mode == "dp"
     assert [server.gpu_ids for server in plan.servers] == [[index] for index in range(8)]
@@ -340,7 +356,7 @@ def test_hybrid_model_gets_fa3_on_sm90_and_flashinfer_on_sm120(tmp_path: Path, b
     config = _model_config(_model_dir(tmp_path, HYBRID), engine="sglang", base_port=base_port)
 
     hopper = plan_servers(_env("h200x2-nvlink"), config, tmp_path, engine=SGLangEngine())
-    blackwell = plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())
+    blackwell = plan_servers(_env(IDLE_PCIE_SM120), config, tmp_path, engine=SGLangEngine())
 
     assert all(_flag(_argv(server), "--attention-backend") == "fa3" for server in hopper.servers)
     assert all(_flag(_argv(server), "--attention-backend") == "flashinfer" for server in blackwell.servers)
@@ -349,7 +365,7 @@ def test_hybrid_model_gets_fa3_on_sm90_and_flashinfer_on_sm120(tmp_path: Path, b
 
 def test_plan_uses_the_flags_the_probed_sglang_accepts(tmp_path: Path, base_port: int) -> None:
     env = probe_from_dir(FIXTURES / "sm120-workstation")
-    strategy = {"mamba_cache_strategy": "no_buffer"}
+    strategy = {"mamba_cache_strategy": "no_buffer", "disable_radix_cache": False}
     config = _model_config(
         _model_dir(tmp_path, HYBRID), engine="sglang", base_port=base_port, sglang=strategy
     )
@@ -370,25 +386,6 @@ def test_plan_uses_the_flags_the_probed_sglang_accepts(tmp_path: Path, base_port
     )
     with pytest.raises(PlanError, match="does not accept --no-such-flag"):
         plan_servers(env, unknown, tmp_path)
-
-
-def test_server_args_flags_are_read_from_argparse_and_from_dataclass_fields() -> None:
-    old_style = (
-        'parser.add_argument("--tp-size", type=int)\nparser.add_argument("--mamba-scheduler-strategy")\n'
-    )
-    new_style = (
-        "class ServerArgs:\n"
-        "    tp_size: A[int, Arg(help='t', aliases=['--tensor-parallel-size'])] = 1\n"
-        "    mamba_radix_cache_strategy: A[\n        str,\n        Arg(choices=['auto']),\n    ] = 'auto'\n"
-        "    uses_mamba_radix_cache: A[\n        bool,\n        Arg(no_cli=True),\n    ] = False\n"
-    )
-
-    assert parse_server_args_flags(old_style) == ["--mamba-scheduler-strategy", "--tp-size"]
-    assert parse_server_args_flags(new_style) == [
-        "--mamba-radix-cache-strategy",
-        "--tensor-parallel-size",
-        "--tp-size",
-    ]
 
 
 def test_context_length_covers_the_longest_prompt_cap_plus_max_tokens(tmp_path: Path, base_port: int) -> None:
@@ -479,3 +476,70 @@ def _argv(server: ServerSpec) -> list[str]:
 
 def _flag(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
+
+
+def test_real_qwen36_config_is_a_multimodal_hybrid_with_one_mtp_layer() -> None:
+    shape = shape_from_config(json.loads((QWEN36_27B_DIR / "config.json").read_text()))
+
+    assert shape.hybrid and shape.full_attention_layers == 16 and shape.linear_attention_layers == 48
+    assert shape.mtp_layers == 1
+    assert 26e9 < shape.params < 28.5e9  # text model + vision tower, MTP layer excluded
+    assert 50e9 < shape.weight_bytes < 58e9  # the "54 GB of weights" of the seed
+    assert shape.kv_bytes_per_token() == 16 * 2 * 4 * 256 * 2  # full-attention layers only
+    # 48 layers x (conv (2*16*128 + 48*128) * 3 bf16 + SSM 48*128*128 float32)
+    assert shape.recurrent_state_bytes_per_request() == 48 * (10240 * 3 * 2 + 48 * 128 * 128 * 4)
+
+
+@pytest.mark.parametrize("bundle", SGLANG_BUNDLES)
+def test_qwen36_on_eight_sm120_pcie_gpus_plans_eight_flashinfer_servers_above_the_seed(
+    tmp_path: Path, base_port: int, bundle: str
+) -> None:
+    env = probe_from_dir(FIXTURES / bundle)
+    config = _model_config(QWEN36_27B_DIR, engine="sglang", base_port=base_port)
+
+    plan = plan_servers(env, config, tmp_path)
+
+    assert plan.mode == "dp" and [server.gpu_ids for server in plan.servers] == [[gpu] for gpu in range(8)]
+    for server in plan.servers:
+        argv = _argv(server)
+        assert _flag(argv, "--attention-backend") == "flashinfer"
+        assert "--disable-radix-cache" in argv
+        assert not any("mamba" in arg for arg in argv)  # no effect with the radix cache off
+        running = int(_flag(argv, "--max-running-requests"))
+        assert running >= SEED_RUNNING_REQUESTS
+        assert int(_flag(argv, "--cuda-graph-max-bs-decode")) == running
+        assert server.max_inflight is not None and server.max_inflight > running
+    assert plan.max_inflight_per_server(1) == plan.servers[0].max_inflight
+    assert any("recurrent state" in reason for reason in plan.reasons)
+
+
+def test_mtp_adds_the_family_recipe_and_lowers_concurrency_for_the_draft_states(
+    tmp_path: Path, base_port: int
+) -> None:
+    env = probe_from_dir(FIXTURES / IDLE_PCIE_SM120)
+    plain = plan_servers(env, _model_config(QWEN36_27B_DIR, engine="sglang", base_port=base_port), tmp_path)
+    mtp = plan_servers(
+        env, _model_config(QWEN36_27B_DIR, engine="sglang", base_port=base_port, speculative="mtp"), tmp_path
+    )
+
+    argv = _argv(mtp.servers[0])
+    assert _flag(argv, "--speculative-algorithm") == "EAGLE"
+    assert _flag(argv, "--speculative-num-steps") == "3"
+    assert _flag(argv, "--speculative-eagle-topk") == "1"
+    assert _flag(argv, "--speculative-num-draft-tokens") == "4"
+    assert int(_flag(argv, "--max-running-requests")) < int(_flag(_argv(plain.servers[0]), "--max-running-requests"))
+    assert any("distribution" in reason for reason in mtp.reasons)
+
+
+def test_mtp_is_refused_for_a_model_without_mtp_layers(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(_model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port, speculative="mtp")
+
+    with pytest.raises(PlanError, match="no MTP layers"):
+        plan_servers(probe_from_dir(FIXTURES / IDLE_PCIE_SM120), config, tmp_path)
+
+
+def test_gpu_still_held_by_training_is_a_plan_error_naming_the_memory(tmp_path: Path, base_port: int) -> None:
+    config = _model_config(QWEN36_27B_DIR, engine="sglang", base_port=base_port)
+
+    with pytest.raises(PlanError, match="held by other processes"):
+        plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import shutil
 import subprocess
 import sys
@@ -315,3 +316,33 @@ def test_single_h200_recording_is_one_sm90_gpu_without_links() -> None:
     ]
     assert report.interconnect.kind == "single"
     assert {problem.severity for problem in report.problems} == {"info"}
+
+
+@pytest.mark.parametrize("version", ["0.5.23", "0.5.14"])
+def test_cli_probe_with_model_plans_on_bundles_recorded_with_each_supported_sglang(version: str) -> None:
+    model = Path(__file__).resolve().parents[1] / "fixtures" / "models" / "qwen3.6-27b-shaped"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "datagen.app.cli",
+            "probe",
+            "--json",
+            "--from-dir",
+            str(FIXTURES / f"pcie-8x-sm120-sglang-{version}"),
+            "--model",
+            str(model),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+
+    data = json.loads(result.stdout)
+    assert data["packages"]["sglang"] == version
+    plan = data["plan"]
+    assert len(plan["servers"]) == 8
+    argv = plan["servers"][0]["launch"]["argv"]
+    assert argv[argv.index("--attention-backend") + 1] == "flashinfer"
+    assert "--disable-radix-cache" in argv
