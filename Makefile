@@ -8,7 +8,9 @@ TORCH_SPEC ?= torch==2.13.0
 DEMO_RUN_ID ?= demo
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint typecheck clean-demo help
+SGLANG_VENVS := .venv-sglang/.built
+
+.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs
 
 help:
 	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
@@ -27,7 +29,15 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m flows.cli_entry demo --run-id $(DEMO_RUN_ID)
 
-test: $(STAMP)
+# Per-version sglang venvs (wheel --no-deps + a few small packages) for the real-parser contract tests;
+# built once (~2 min from PyPI), reused while tests/support/sglang_venv.py is unchanged.
+$(SGLANG_VENVS): tests/support/sglang_venv.py $(STAMP)
+	$(BIN)/python -m tests.support.sglang_venv
+	touch $(SGLANG_VENVS)
+
+sglang-venvs: $(SGLANG_VENVS)
+
+test: $(STAMP) $(SGLANG_VENVS)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

@@ -41,7 +41,8 @@ def cache_dir() -> Path:
 
 def sglang_version(python: str | None = None) -> str | None:
     """The sglang version installed for ``python`` (this interpreter when None); None when absent."""
-    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+    # Not resolved: a venv's python is a symlink to the base interpreter, but its packages differ.
+    if python is None or os.path.abspath(python) == os.path.abspath(sys.executable):
         import importlib.metadata
 
         try:
@@ -118,7 +119,7 @@ def sglang_flags(python: str | None = None, *, use_cache: bool = True) -> list[s
     version = sglang_version(interpreter)
     if version is None:
         return None
-    key = hashlib.sha256(f"{Path(interpreter).resolve()}\0{version}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{os.path.abspath(interpreter)}\0{version}".encode()).hexdigest()[:16]
     cached = cache_dir() / f"{version}-{key}.json"
     if use_cache and cached.is_file():
         try:

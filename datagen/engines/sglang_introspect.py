@@ -28,6 +28,8 @@ from typing import Any
 # Packages sglang imports at module level that only matter on a GPU (kernels, image decoding).
 STUBBED_ROOTS = ("triton", "torchvision", "sgl_kernel", "flashinfer")
 STUB_MODULE = "_sglang_platform_stubs"
+# Any vocabulary larger than the token ids in the bodies we check (SamplingParams.verify needs one).
+VERIFY_VOCAB_SIZE = 1_000_000
 
 
 def _stub_attribute(owner: str, name: str) -> Any:
@@ -251,6 +253,11 @@ def _generate_request(cls: Any, body: dict[str, Any]) -> Any:
         raise TypeError(f"GenerateReqInput has no field(s) {', '.join(unknown)}")
     obj = cls(**body)
     obj.normalize_batch_and_arguments()
+    # The scheduler builds SamplingParams from the dict: unknown or ill-typed fields fail there.
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    params = SamplingParams(**(body.get("sampling_params") or {}))
+    params.verify(VERIFY_VOCAB_SIZE)
     return obj
 
 
