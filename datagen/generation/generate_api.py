@@ -37,7 +37,7 @@ class GenerateResult(BaseModel):
 def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     """The prompt's token ids: the chat template rendered with a generation prompt, then encoded.
 
-    This is the render :func:`datagen.output.tokenize.tokenize_record` uses for exact-id rows, so the prompt
+    This is the render :func:`datagen.output.tokenize.tokenize_completion` uses for exact-id rows, so the prompt
     part of a training row equals what the server saw.
 
     Args:
