@@ -78,6 +78,36 @@ def run(
     print_summary(summary)
 
 
+@app.command()
+def tune(
+    url: Annotated[list[str], typer.Option(help="Base URL of a running server (repeat for each).")],
+    model: Annotated[str, typer.Option(help="Model name to send in requests (the served name).")],
+    engine: Annotated[str, typer.Option(help="Engine of the servers: sglang reads /metrics.")] = "sglang",
+    levels: Annotated[str, typer.Option(help="In-flight counts per server to try, comma-separated.")] = (
+        "1,2,4,8,16,32,64,128"
+    ),
+    max_tokens: Annotated[int, typer.Option(help="Answer length of every request.")] = 256,
+    output: Annotated[Path | None, typer.Option(help="Write the result (JSON) here, for fleet.tune_result.")] = None,
+) -> None:
+    """Sweep requests in flight per server on live servers; print the throughput curve and the best setting."""
+    from datagen.app.tune import tune_inflight, tune_result_json
+
+    try:
+        result = tune_inflight(
+            url, model, engine, levels=tuple(int(level) for level in levels.split(",")), max_tokens=max_tokens
+        )
+    except ValueError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    typer.echo(result.to_table())
+    typer.echo(
+        f"best: {result.best_inflight_per_server} in flight per server "
+        f"({result.best_output_tokens_per_s:.1f} output tok/s over {len(url)} server(s))"
+    )
+    if output is not None:
+        output.write_text(tune_result_json(result), encoding="utf-8")
+        typer.echo(f"written to {output}: set fleet.tune_result: {output} to plan with it")
+
+
 @app.command("tiny-model")
 def tiny_model(
     directory: Annotated[Path, typer.Argument(help="Where to write the model and tokenizer.")],

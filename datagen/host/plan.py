@@ -36,6 +36,7 @@ from datagen.engines.base import CapacityRequest
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
 from datagen.host.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
+from datagen.host.tune_result import load_tune_result
 
 logger = logging.getLogger(__name__)
 
@@ -320,6 +321,7 @@ def plan_servers(
                 or "nothing (none needed)"
             )
         )
+    tuned = _tuned_inflight(fleet, reasons)
     told: set[str] = set()
     servers = []
     for index, (gpu_ids, port) in enumerate(zip(groups, ports, strict=True)):
@@ -336,6 +338,8 @@ def plan_servers(
                 if reason not in told:
                     told.add(reason)
                     reasons.append(reason)
+        if tuned is not None:
+            max_inflight = tuned
         slot = ServerSlot(
             index=index,
             host=fleet.host,
@@ -577,6 +581,29 @@ def _sampling_budget_tokens(config: RunConfig, context: int | None, shape: Model
     return budget
 
 
+def _tuned_inflight(fleet: FleetConfig, reasons: list[str]) -> int | None:
+    """The in-flight cap measured by ``datagen tune`` (``fleet.tune_result``), None when not given."""
+    if fleet.tune_result is None:
+        return None
+    try:
+        result = load_tune_result(fleet.tune_result)
+    except (OSError, ValueError) as error:
+        raise PlanError(
+            f"fleet.tune_result {fleet.tune_result} is not a readable `datagen tune --output` file ({error}): "
+            "run datagen tune again or unset fleet.tune_result"
+        ) from error
+    if result.engine != fleet.engine:
+        raise PlanError(
+            f"fleet.tune_result was measured with engine {result.engine}, this run uses {fleet.engine}: "
+            "tune this engine or unset fleet.tune_result"
+        )
+    reasons.append(
+        f"in flight per server: {result.best_inflight_per_server}, measured by datagen tune "
+        f"({result.best_output_tokens_per_s:.0f} output tok/s, fleet.tune_result)"
+    )
+    return result.best_inflight_per_server
+
+
 def _capacity_request(
     env: EnvReport,
     config: RunConfig,
@@ -588,9 +615,7 @@ def _capacity_request(
     """What the engine needs to size the server on ``gpu_ids`` (its smallest GPU decides)."""
     members = [gpu for gpu in env.gpus if gpu.index in gpu_ids]
     totals = [gpu.memory_total_mib for gpu in members if gpu.memory_total_mib]
-    in_use = max(
-        (max(0, (gpu.memory_used_mib or 0) - IDLE_GPU_MEMORY_MIB) for gpu in members), default=0
-    )
+    in_use = max((max(0, (gpu.memory_used_mib or 0) - IDLE_GPU_MEMORY_MIB) for gpu in members), default=0)
     return CapacityRequest(
         compute_capability=capability,
         gpu_memory_total_mib=min(totals) if totals else None,

@@ -1,0 +1,240 @@
+"""``datagen tune``: measure the in-flight count per server that saturates a live fleet.
+
+For each level (requests kept in flight per server) a short fixed prompt set is sent to every server at
+once, each server holding at most that many requests; output tokens per second over the whole fleet are
+measured client-side (the ``usage`` of each answer), and where the engine serves Prometheus metrics
+(SGLang's ``/metrics``) running and queued requests, KV-cache token usage and the engine's own generation
+throughput are sampled while the level runs. The best level is the smallest one reaching
+:data:`SATURATION_SHARE` of the highest throughput seen: past it more requests only add latency.
+
+The result (``--output FILE``, JSON :class:`TuneResult`) can be given to the planner as ``fleet.tune_result``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import statistics
+import time
+
+import httpx
+
+from datagen.engines import ExternalEngine, SGLangEngine, TransformersEngine
+from datagen.generation.wire import CHAT_COMPLETIONS_PATH
+from datagen.host.tune_result import TunePoint, TuneResult
+
+logger = logging.getLogger(__name__)
+
+# The smallest level within this share of the best throughput is chosen (beyond it: latency, no throughput).
+SATURATION_SHARE = 0.95
+DEFAULT_LEVELS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Requests per server per level, in multiples of the level, so every slot refills a few times.
+ROUNDS_PER_LEVEL = 3
+DEFAULT_MAX_TOKENS = 256
+REQUEST_TIMEOUT_S = 600.0
+METRICS_POLL_S = 1.0
+# Fixed, varied prompts: the same set on every run so curves compare across hosts and versions.
+TUNE_PROMPTS = (
+    "Explain how a hash map handles collisions, with a short example.",
+    "Write a Python function that merges two sorted lists.",
+    "Summarise the causes of the French Revolution in five sentences.",
+    "What is the derivative of x^3 * sin(x)? Show the steps.",
+    "Describe three ways to reduce memory use in a web server.",
+    "Translate 'knowledge is power' into French, German and Spanish, and explain each.",
+    "Give a SQL query that finds the second highest salary per department.",
+    "List the planets of the solar system with one fact about each.",
+)
+SGLANG_METRICS = {
+    "running": "sglang:num_running_reqs",
+    "queued": "sglang:num_queue_reqs",
+    "token_usage": "sglang:token_usage",
+    "gen_throughput": "sglang:gen_throughput",
+}
+_METRIC_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)\s*$")
+
+
+def parse_prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
+    """Sum the samples of each wanted metric in Prometheus text (labels, e.g. per-rank, are summed).
+
+    Args:
+        text: ``/metrics`` output.
+        names: Our key -> Prometheus metric name.
+
+    Returns:
+        Our key -> value, for the metrics present.
+
+    """
+    wanted = {metric: key for key, metric in names.items()}
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _METRIC_LINE.match(line.strip())
+        if match is None or match.group(1) not in wanted:
+            continue
+        key = wanted[match.group(1)]
+        values[key] = values.get(key, 0.0) + float(match.group(3))
+    return values
+
+
+def choose_best(curve: list[TunePoint]) -> TunePoint:
+    """The smallest level within :data:`SATURATION_SHARE` of the best throughput (failures disqualify)."""
+    usable = [point for point in curve if point.failed == 0 and point.output_tokens_per_s > 0] or curve
+    top = max(point.output_tokens_per_s for point in usable)
+    return min(
+        (point for point in usable if point.output_tokens_per_s >= SATURATION_SHARE * top),
+        key=lambda point: point.inflight_per_server,
+    )
+
+
+async def _one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
+) -> tuple[int, float] | None:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.7,
+        "top_p": 0.95,
+        "stream": False,
+    }
+    started = time.monotonic()
+    try:
+        response = await client.post(url + CHAT_COMPLETIONS_PATH, json=body)
+        response.raise_for_status()
+        usage = response.json().get("usage") or {}
+    except (httpx.HTTPError, ValueError) as error:
+        logger.warning("tune request failed url=%s error=%s", url, error)
+        return None
+    return int(usage.get("completion_tokens") or 0), time.monotonic() - started
+
+
+async def _server_level(
+    client: httpx.AsyncClient, url: str, model: str, level: int, count: int, max_tokens: int, offset: int
+) -> list[tuple[int, float] | None]:
+    semaphore = asyncio.Semaphore(level)
+
+    async def run(index: int) -> tuple[int, float] | None:
+        async with semaphore:
+            prompt = TUNE_PROMPTS[(offset + index) % len(TUNE_PROMPTS)]
+            return await _one_request(client, url, model, prompt, max_tokens)
+
+    return list(await asyncio.gather(*(run(index) for index in range(count))))
+
+
+async def _sample_metrics(
+    client: httpx.AsyncClient, urls: list[str], path: str, stop: asyncio.Event
+) -> list[dict[str, float]]:
+    samples: list[dict[str, float]] = []
+    while not stop.is_set():
+        fleet: dict[str, float] = {}
+        for url in urls:
+            try:
+                response = await client.get(url + path)
+                response.raise_for_status()
+            except httpx.HTTPError:
+                continue
+            for key, value in parse_prometheus(response.text, SGLANG_METRICS).items():
+                fleet[key] = fleet.get(key, 0.0) + value / len(urls)
+        if fleet:
+            samples.append(fleet)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), METRICS_POLL_S)
+    return samples
+
+
+async def _measure_level(
+    urls: list[str], model: str, level: int, max_tokens: int, metrics_path: str | None
+) -> TunePoint:
+    count = level * ROUNDS_PER_LEVEL
+    async with httpx.AsyncClient(
+        timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    ) as client:
+        stop = asyncio.Event()
+        sampler = (
+            asyncio.create_task(_sample_metrics(client, urls, metrics_path, stop)) if metrics_path else None
+        )
+        started = time.monotonic()
+        per_server = await asyncio.gather(
+            *(
+                _server_level(client, url, model, level, count, max_tokens, offset=index)
+                for index, url in enumerate(urls)
+            )
+        )
+        wall = time.monotonic() - started
+        stop.set()
+        samples = await sampler if sampler is not None else []
+    results = [result for server in per_server for result in server]
+    done = [result for result in results if result is not None]
+    tokens = sum(tokens for tokens, _ in done)
+    gauges = {
+        key: statistics.fmean(sample[key] for sample in samples if key in sample)
+        for key in SGLANG_METRICS
+        if any(key in sample for sample in samples)
+    }
+    return TunePoint(
+        inflight_per_server=level,
+        requests=len(results),
+        failed=len(results) - len(done),
+        output_tokens=tokens,
+        wall_s=round(wall, 3),
+        output_tokens_per_s=round(tokens / wall, 2) if wall > 0 else 0.0,
+        median_latency_s=round(statistics.median(latency for _, latency in done), 3) if done else None,
+        server_metrics={key: round(value, 4) for key, value in gauges.items()},
+    )
+
+
+def tune_inflight(
+    urls: list[str],
+    model: str,
+    engine: str,
+    *,
+    levels: tuple[int, ...] = DEFAULT_LEVELS,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> TuneResult:
+    """Sweep requests in flight per server on a live fleet and pick the saturating level.
+
+    Args:
+        urls: Base URLs of the servers (no ``/v1``).
+        model: Model name to send in requests.
+        engine: Engine kind of the servers (decides whether ``/metrics`` is read).
+        levels: In-flight counts per server to measure, ascending.
+        max_tokens: Answer length per request (fixed, so levels compare).
+
+    Returns:
+        The curve and the recommended in-flight count per server.
+
+    Raises:
+        ValueError: No URL or no level given.
+
+    """
+    if not urls or not levels:
+        raise ValueError("datagen tune needs at least one server URL and one level")
+    # The class attribute: building the sglang recipe would ask the installed sglang for its flags.
+    recipes = {"sglang": SGLangEngine, "transformers": TransformersEngine, "external": ExternalEngine}
+    if engine not in recipes:
+        raise ValueError(f"unknown engine {engine!r}; use one of: {', '.join(recipes)}")
+    metrics_path = recipes[engine].metrics_path
+    curve = []
+    for level in sorted(set(levels)):
+        bases = [url.rstrip("/") for url in urls]
+        point = asyncio.run(_measure_level(bases, model, level, max_tokens, metrics_path))
+        logger.info(
+            "tune level=%d tokens_per_s=%.1f failed=%d", level, point.output_tokens_per_s, point.failed
+        )
+        curve.append(point)
+    best = choose_best(curve)
+    return TuneResult(
+        engine=engine,
+        urls=list(urls),
+        max_tokens=max_tokens,
+        best_inflight_per_server=best.inflight_per_server,
+        best_output_tokens_per_s=best.output_tokens_per_s,
+        curve=curve,
+        measured_with="client+/metrics" if metrics_path else "client",
+    )
+
+
+def tune_result_json(result: TuneResult) -> str:
+    """The result as indented JSON."""
+    return result.model_dump_json(indent=2)

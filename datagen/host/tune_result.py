@@ -1,0 +1,61 @@
+"""The result of ``datagen tune`` (:mod:`datagen.app.tune`): a throughput curve and the best in-flight count.
+
+It lives with the host's planning because the planner reads it back (``fleet.tune_result``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class TunePoint(BaseModel):
+    """One level of the sweep."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    inflight_per_server: int
+    requests: int
+    failed: int = 0
+    output_tokens: int
+    wall_s: float
+    output_tokens_per_s: float
+    median_latency_s: float | None = None
+    server_metrics: dict[str, float] = Field(
+        default_factory=dict, description="Means over the level of the engine's gauges (sglang /metrics)."
+    )
+
+
+class TuneResult(BaseModel):
+    """The sweep and its recommendation; ``fleet.tune_result`` reads this file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    engine: str
+    urls: list[str]
+    max_tokens: int
+    best_inflight_per_server: int
+    best_output_tokens_per_s: float
+    curve: list[TunePoint]
+    measured_with: str = Field(description="'client' or 'client+/metrics'.")
+
+    def to_table(self) -> str:
+        """The curve as an aligned text table, best row marked."""
+        header = f"{'in flight/server':>16} {'tok/s':>10} {'req':>5} {'fail':>4} {'p50 s':>7}  metrics"
+        rows = [header]
+        for point in self.curve:
+            mark = " <- best" if point.inflight_per_server == self.best_inflight_per_server else ""
+            gauges = " ".join(f"{key}={value:.3g}" for key, value in sorted(point.server_metrics.items()))
+            latency = f"{point.median_latency_s:7.2f}" if point.median_latency_s is not None else "      -"
+            rows.append(
+                f"{point.inflight_per_server:>16} {point.output_tokens_per_s:>10.1f} {point.requests:>5} "
+                f"{point.failed:>4} {latency}  {gauges}{mark}"
+            )
+        return "\n".join(rows)
+
+
+def load_tune_result(path: str | Path) -> TuneResult:
+    """Read a ``datagen tune --output`` file (for ``fleet.tune_result``)."""
+    return TuneResult.model_validate(json.loads(Path(path).read_text(encoding="utf-8")))

@@ -1,0 +1,107 @@
+"""``datagen tune`` against real CPU ``transformers serve`` servers (no /metrics: measured client-side)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from datagen.app.tune import choose_best, parse_prometheus, tune_inflight
+from datagen.config import RunConfig
+from datagen.host.plan import plan_servers
+from datagen.host.probe import build_report
+from datagen.host.tune_result import TunePoint, load_tune_result
+from tests.support.transformers_servers import TransformersServerPool
+
+LEVELS = (1, 2, 4)
+MAX_TOKENS = 8
+
+
+def test_tune_sweeps_live_cpu_servers_and_the_plan_takes_its_result(
+    transformers_pool: TransformersServerPool, tmp_path: Path
+) -> None:
+    output = tmp_path / "tune.json"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "datagen.app.cli",
+            "tune",
+            *[arg for url in transformers_pool.urls for arg in ("--url", url)],
+            "--model",
+            transformers_pool.model,
+            "--engine",
+            "transformers",
+            "--levels",
+            ",".join(str(level) for level in LEVELS),
+            "--max-tokens",
+            str(MAX_TOKENS),
+            "--output",
+            str(output),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+
+    tuned = load_tune_result(output)
+    assert [point.inflight_per_server for point in tuned.curve] == list(LEVELS)
+    assert all(point.failed == 0 and point.output_tokens > 0 for point in tuned.curve)
+    assert tuned.measured_with == "client"  # transformers serve has no /metrics
+    assert tuned.best_inflight_per_server in LEVELS
+    assert "<- best" in result.stdout and "best:" in result.stdout
+    config = RunConfig.model_validate(
+        {
+            "model": {"path": "/models/target"},
+            "datasets": [{"name": "chat", "format": "sharegpt", "path": "/data/chat.jsonl"}],
+            "output": str(tmp_path / "out"),
+            "fleet": {"device": "cpu", "base_port": 44000, "tune_result": str(output)},
+        }
+    )
+    env = build_report(query_gpu=None, topo=None, smi=None, apps=None, nvcc=None, packages={}, hostname="cpu")
+    plan = plan_servers(env, config, tmp_path)
+    assert plan.max_inflight_per_server(64) == tuned.best_inflight_per_server
+    assert any("datagen tune" in reason for reason in plan.reasons)
+
+
+def test_best_level_is_the_smallest_within_reach_of_the_top_throughput() -> None:
+    def point(level: int, tokens_per_s: float, failed: int = 0) -> TunePoint:
+        return TunePoint(
+            inflight_per_server=level,
+            requests=10,
+            failed=failed,
+            output_tokens=100,
+            wall_s=1.0,
+            output_tokens_per_s=tokens_per_s,
+        )
+
+    curve = [point(1, 100), point(4, 370), point(8, 398), point(16, 400), point(32, 500, failed=3)]
+
+    assert choose_best(curve).inflight_per_server == 8
+
+
+def test_sglang_metrics_are_read_from_prometheus_text_and_summed_over_ranks() -> None:
+    text = (
+        "# HELP sglang:num_running_reqs running\n"
+        'sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="0"} 60.0\n'
+        'sglang:num_running_reqs{model_name="m",engine_type="unified",tp_rank="1"} 12.0\n'
+        'sglang:num_queue_reqs{model_name="m"} 3.0\n'
+        'sglang:token_usage{model_name="m"} 0.81\n'
+        'sglang:gen_throughput{model_name="m"} 2450.5\n'
+        'sglang:generation_tokens_total{model_name="m"} 9.0e6\n'
+    )
+
+    values = parse_prometheus(
+        text,
+        {
+            "running": "sglang:num_running_reqs",
+            "queued": "sglang:num_queue_reqs",
+            "token_usage": "sglang:token_usage",
+            "gen_throughput": "sglang:gen_throughput",
+        },
+    )
+
+    assert values == {"running": 72.0, "queued": 3.0, "token_usage": 0.81, "gen_throughput": 2450.5}
+    assert json.dumps(values)
