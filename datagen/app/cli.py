@@ -87,7 +87,9 @@ def tune(
         "1,2,4,8,16,32,64,128"
     ),
     max_tokens: Annotated[int, typer.Option(help="Answer length of every request.")] = 256,
-    output: Annotated[Path | None, typer.Option(help="Write the result (JSON) here, for fleet.tune_result.")] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="Write the result (JSON) here, for fleet.tune_result.")
+    ] = None,
 ) -> None:
     """Sweep requests in flight per server on live servers; print the throughput curve and the best setting."""
     from datagen.app.tune import tune_inflight, tune_result_json

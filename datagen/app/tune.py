@@ -211,10 +211,14 @@ def tune_inflight(
     if not urls or not levels:
         raise ValueError("datagen tune needs at least one server URL and one level")
     # The class attribute: building the sglang recipe would ask the installed sglang for its flags.
-    recipes = {"sglang": SGLangEngine, "transformers": TransformersEngine, "external": ExternalEngine}
+    recipes: dict[str, str | None] = {
+        "sglang": SGLangEngine.metrics_path,
+        "transformers": TransformersEngine.metrics_path,
+        "external": ExternalEngine.metrics_path,
+    }
     if engine not in recipes:
         raise ValueError(f"unknown engine {engine!r}; use one of: {', '.join(recipes)}")
-    metrics_path = recipes[engine].metrics_path
+    metrics_path = recipes[engine]
     curve = []
     for level in sorted(set(levels)):
         bases = [url.rstrip("/") for url in urls]

@@ -25,7 +25,9 @@ INTROSPECT_TIMEOUT_S = 300.0
 VERSION_TIMEOUT_S = 60.0
 CACHE_SUBDIR = Path("datagen") / "sglang-flags"
 _VERSION_CODE = (
-    "import importlib.metadata as m\ntry:\n    print(m.version('sglang'))\nexcept m.PackageNotFoundError:\n    pass\n"
+    "import importlib.metadata as m\n"
+    "try:\n    print(m.version('sglang'))\n"
+    "except m.PackageNotFoundError:\n    pass\n"
 )
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import importlib.util
@@ -88,7 +89,7 @@ class _Anything:
         return f"<stub {self._name}>"
 
 
-class _StubFinder:
+class _StubFinder(importlib.abc.Loader):
     """Meta-path finder (and loader) answering imports of absent GPU-only packages with stub modules."""
 
     def __init__(self, roots: tuple[str, ...]) -> None:
@@ -125,14 +126,15 @@ def _module_stub(name: str) -> Any:
 
     module = StubModule(name)
     module.__path__ = []
-    module.__version__ = "0.0.0+stub"
+    module.__version__ = "0.0.0+stub"  # type: ignore[attr-defined]
     return module
 
 
 def _install_sglang_triton_stub() -> bool:
     """Install sglang's own triton stand-in (written for torch's inductor); False when none is found."""
     spec = importlib.util.find_spec("sglang")
-    candidates = [os.path.join(loc, "_platform_stubs.py") for loc in (spec.submodule_search_locations or [])]
+    locations = (spec.submodule_search_locations or []) if spec is not None else []
+    candidates = [os.path.join(loc, "_platform_stubs.py") for loc in locations]
     copy = importlib.util.find_spec(STUB_MODULE)
     if copy is not None and copy.origin:
         candidates.append(copy.origin)
@@ -150,7 +152,8 @@ def _install_sglang_triton_stub() -> bool:
 
     # The stub installs itself only on Apple MPS; its triton part is what a CPU box needs too.
     saved = sys.platform, platform.machine, torch.backends.mps.is_available
-    sys.platform, platform.machine, torch.backends.mps.is_available = "darwin", lambda: "arm64", lambda: True
+    sys.platform, platform.machine = "darwin", lambda: "arm64"
+    torch.backends.mps.is_available = lambda: True  # type: ignore[assignment]
     try:
         module.install_platform_stubs()
     finally:

@@ -142,7 +142,9 @@ def plan_sglang_capacity(
             "GPU memory or model size unknown: --max-running-requests follows fleet.max_inflight_per_server "
             f"({fields['max_running_requests']}), sglang picks its memory share"
         )
-        return CapacityPlan(slot_fields=fields, max_inflight=_with_margin(fields["max_running_requests"]), reasons=reasons)
+        return CapacityPlan(
+            slot_fields=fields, max_inflight=_with_margin(fields["max_running_requests"]), reasons=reasons
+        )
 
     graph_bs_bound = CUDA_GRAPH_MAX_BS_CAP
     reserve = reserved_mib(tp, graph_bs_bound, total)

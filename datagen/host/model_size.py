@@ -82,22 +82,31 @@ class ModelShape(BaseModel):
         embed = self.vocab_size * self.hidden_size
         lm_head = 0 if self.tie_word_embeddings else embed
         linear = self.linear_attention_layers * self._linear_attention_params
-        return embed + lm_head + self.num_layers * self._mlp_params + linear + self.vision_params + (
-            self.full_attention_layers * self._attention_params
+        return (
+            embed
+            + lm_head
+            + self.num_layers * self._mlp_params
+            + linear
+            + self.vision_params
+            + (self.full_attention_layers * self._attention_params)
         )
 
     @property
     def mtp_params(self) -> int:
         """Parameters of the MTP layers: a fusing projection plus one full-attention decoder layer each."""
-        return self.mtp_layers * (2 * self.hidden_size * self.hidden_size + self._attention_params + self._mlp_params)
+        return self.mtp_layers * (
+            2 * self.hidden_size * self.hidden_size + self._attention_params + self._mlp_params
+        )
 
     @property
     def _attention_params(self) -> int:
         # An output gate doubles the query projection (Qwen3.5/3.6 attn_output_gate).
         q_out = self.num_attention_heads * self.head_dim * (2 if self.attention_output_gate else 1)
         kv_out = self.num_kv_heads * self.head_dim
-        return self.hidden_size * q_out + self.num_attention_heads * self.head_dim * self.hidden_size + (
-            2 * self.hidden_size * kv_out
+        return (
+            self.hidden_size * q_out
+            + self.num_attention_heads * self.head_dim * self.hidden_size
+            + (2 * self.hidden_size * kv_out)
         )
 
     @property
@@ -198,7 +207,9 @@ def shape_from_config(config: dict[str, Any]) -> ModelShape:
     model_type = _get(merged, "model_type")
     linear_layers = sum(1 for kind in layer_types if kind not in FULL_ATTENTION_LAYER_TYPES)
     hybrid = (
-        bool(linear_layers) or model_type in HYBRID_MODEL_TYPES or config.get("model_type") in HYBRID_MODEL_TYPES
+        bool(linear_layers)
+        or model_type in HYBRID_MODEL_TYPES
+        or config.get("model_type") in HYBRID_MODEL_TYPES
     )
     full_layers = layers - linear_layers if layer_types else layers
     if hybrid and not layer_types and merged.get("full_attention_interval"):

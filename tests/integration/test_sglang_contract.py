@@ -38,7 +38,11 @@ TOOLS = [
         "function": {
             "name": "get_weather",
             "description": "Weather of a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
         },
     }
 ]
@@ -84,7 +88,10 @@ def _requests() -> list[GenerationRequest]:
     prompt = PromptRecord(
         prompt_id="p1",
         dataset="chat",
-        messages=[Message(role="system", content="Be brief."), Message(role="user", content="Weather in Oslo?")],
+        messages=[
+            Message(role="system", content="Be brief."),
+            Message(role="user", content="Weather in Oslo?"),
+        ],
         tools=TOOLS,
     )
     plain = prompt.model_copy(update={"tools": None})
@@ -106,7 +113,9 @@ def sglang_python(request: pytest.FixtureRequest) -> str:
     return str(ensure_venv(request.param))
 
 
-def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(sglang_python: str, tmp_path: Path) -> None:
+def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(
+    sglang_python: str, tmp_path: Path
+) -> None:
     flags = sglang_flags(sglang_python, use_cache=False)
     assert flags is not None and "--model-path" in flags
     plans = _plans(flags, tmp_path)
@@ -145,14 +154,18 @@ def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(sglang_pytho
             ("generate_bodies", generate_bodies),
         )
     }
-    assert rejected == {kind: [] for kind in rejected}, f"sglang {answer['sglang_version']} rejects: {rejected}"
+    assert rejected == {kind: [] for kind in rejected}, (
+        f"sglang {answer['sglang_version']} rejects: {rejected}"
+    )
     hybrid_argvs = [argv for argv in server_argvs if "qwen3.6" in argv[argv.index("--model-path") + 1]]
     assert any("--speculative-algorithm" in argv for argv in hybrid_argvs)
     assert any("--disable-overlap-schedule" in argv for argv in hybrid_argvs)
     assert len(server_argvs) >= 90  # 2 hosts x 2 models x 4-5 variants x DP/TP, 2-8 servers each
 
 
-def test_a_misspelt_flag_and_a_misspelt_sampling_field_are_caught_by_the_real_models(sglang_python: str) -> None:
+def test_a_misspelt_flag_and_a_misspelt_sampling_field_are_caught_by_the_real_models(
+    sglang_python: str,
+) -> None:
     answer = run_introspection(
         sglang_python,
         "check",

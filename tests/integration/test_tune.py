@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from datagen.app.tune import choose_best, parse_prometheus, tune_inflight
+from datagen.app.tune import choose_best, parse_prometheus
 from datagen.config import RunConfig
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report

@@ -29,7 +29,9 @@ def _request(**sampling: Any) -> GenerationRequest:
 
 
 def test_generate_body_carries_ids_and_every_set_sampling_field_with_sglang_names() -> None:
-    body = build_generate_payload([1, 2, 3], _request(top_k=20, min_p=0.05, seed=9, max_tokens=64), rid="p1/0")
+    body = build_generate_payload(
+        [1, 2, 3], _request(top_k=20, min_p=0.05, seed=9, max_tokens=64), rid="p1/0"
+    )
 
     assert body["input_ids"] == [1, 2, 3]
     assert body["rid"] == "p1/0"
@@ -46,7 +48,12 @@ def test_generate_body_carries_ids_and_every_set_sampling_field_with_sglang_name
 
 
 def test_answer_keeps_output_ids_meta_info_and_maps_the_finish_reason() -> None:
-    meta = {"id": "x", "finish_reason": {"type": "length", "length": 8}, "prompt_tokens": 5, "completion_tokens": 8}
+    meta = {
+        "id": "x",
+        "finish_reason": {"type": "length", "length": 8},
+        "prompt_tokens": 5,
+        "completion_tokens": 8,
+    }
 
     result = parse_generate_response({"text": "hello", "output_ids": list(range(8)), "meta_info": meta})
 

@@ -527,12 +527,16 @@ def test_mtp_adds_the_family_recipe_and_lowers_concurrency_for_the_draft_states(
     assert _flag(argv, "--speculative-num-steps") == "3"
     assert _flag(argv, "--speculative-eagle-topk") == "1"
     assert _flag(argv, "--speculative-num-draft-tokens") == "4"
-    assert int(_flag(argv, "--max-running-requests")) < int(_flag(_argv(plain.servers[0]), "--max-running-requests"))
+    assert int(_flag(argv, "--max-running-requests")) < int(
+        _flag(_argv(plain.servers[0]), "--max-running-requests")
+    )
     assert any("distribution" in reason for reason in mtp.reasons)
 
 
 def test_mtp_is_refused_for_a_model_without_mtp_layers(tmp_path: Path, base_port: int) -> None:
-    config = _model_config(_model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port, speculative="mtp")
+    config = _model_config(
+        _model_dir(tmp_path, QWEN3_27B), engine="sglang", base_port=base_port, speculative="mtp"
+    )
 
     with pytest.raises(PlanError, match="no MTP layers"):
         plan_servers(probe_from_dir(FIXTURES / IDLE_PCIE_SM120), config, tmp_path)
