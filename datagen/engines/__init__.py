@@ -1,6 +1,8 @@
-"""Generation engines as launch recipes behind one protocol (:class:`Engine`).
+"""Generation engines: every engine rule behind one protocol (:class:`Engine`), see docs/engines.md.
 
-``get_engine(kind)`` returns the recipe for ``fleet.engine``. Nothing here imports an engine package:
+``get_engine(kind)`` returns the recipe for ``fleet.engine``; :mod:`model_size` reads a model's size and
+per-request state from its ``config.json``; :mod:`sglang_flags` asks the installed sglang's own parser for
+its flags; :mod:`sglang_tuning` sizes SGLang servers. Nothing here imports an engine package:
 availability is checked with ``importlib.util.find_spec`` so the orchestrator stays light.
 """
 

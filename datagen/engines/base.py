@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import FleetConfig, ModelConfig
-from datagen.host.model_size import ModelShape
+from datagen.engines.model_size import ModelShape
 
 DeviceKind = Literal["cpu", "cuda"]
 ProblemSeverity = Literal["info", "warning", "error"]

@@ -25,8 +25,8 @@ from typing import Any
 
 from datagen.config import FleetConfig
 from datagen.engines.base import CapacityPlan, CapacityRequest
+from datagen.engines.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape
 from datagen.errors import PlanError
-from datagen.host.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape
 
 # Tokens per prefill chunk we pass explicitly, so the activation reserve below matches what runs.
 CHUNKED_PREFILL_TOKENS = 8192

@@ -2,10 +2,11 @@
 
 Owns probing the environment (:mod:`probe`; ``nvidia-smi`` run and parsed in :mod:`nvidia_smi`, CUDA and
 torch in :mod:`cuda_env`, the report model in :mod:`env_report`, its problems and fixes in :mod:`diagnose`),
-sizing the model against GPU memory (:mod:`model_size`), the server plan (:mod:`plan`), the one owner of
-server processes (:mod:`fleet`) and its pidfile registry (:mod:`fleet_registry`), halting and restarting the
-training job (:mod:`training`, :mod:`training_jobs`), the demo's stand-in trainer (:mod:`standin_trainer`)
-and ``/proc`` process inspection and process-group teardown shared by all of them (:mod:`processes`).
+the server plan (:mod:`plan`; model sizes come from :mod:`datagen.engines.model_size`), the result of
+``datagen tune`` it can take (:mod:`tune_result`), the one owner of server processes (:mod:`fleet`) and its
+pidfile registry (:mod:`fleet_registry`), halting and restarting the training job (:mod:`training`,
+:mod:`training_jobs`), the demo's stand-in trainer (:mod:`standin_trainer`) and ``/proc`` process inspection
+and process-group teardown shared by all of them (:mod:`processes`).
 
 May import: the shared top level (config, settings, errors, records), :mod:`datagen.engines`, :mod:`datagen.output`.
 """
@@ -16,7 +17,6 @@ __all__ = [
     "env_report",
     "fleet",
     "fleet_registry",
-    "model_size",
     "nvidia_smi",
     "plan",
     "probe",
@@ -24,4 +24,5 @@ __all__ = [
     "standin_trainer",
     "training",
     "training_jobs",
+    "tune_result",
 ]

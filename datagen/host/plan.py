@@ -7,7 +7,7 @@ the fleet looks the way it does:
 - data parallel (one server per GPU) when the model fits one GPU; tensor parallel only when it does not,
   and only inside an NVLink island (the smallest size that fits); a :class:`PlanError` when even the
   largest island cannot hold it. The fit is computed from the model's ``config.json``
-  (:mod:`datagen.host.model_size`).
+  (:mod:`datagen.engines.model_size`).
 - Engine sizing (``Engine.plan_capacity``): for SGLang the attention backend by compute capability and model
   type, memory fraction, max running requests and CUDA-graph batch from the KV/state budget, the hybrid
   cache mode, MTP, and only flags the target sglang accepts; the dispatcher's in-flight cap per server
@@ -33,9 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.config import EngineKind, FleetConfig, RunConfig
 from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
 from datagen.engines.base import CapacityRequest
+from datagen.engines.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
-from datagen.host.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
 from datagen.host.tune_result import load_tune_result
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ def test_tune_sweeps_live_cpu_servers_and_the_plan_takes_its_result(
         [
             sys.executable,
             "-m",
-            "datagen.app.cli",
+            "flows.cli_entry",
             "tune",
             *[arg for url in transformers_pool.urls for arg in ("--url", url)],
             "--model",

@@ -12,10 +12,10 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.engines import SGLangEngine
+from datagen.engines.model_size import shape_from_config
 from datagen.engines.sglang import MAMBA_FLAG_OLD
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
-from datagen.host.model_size import shape_from_config
 from datagen.host.plan import ServerPlan, ServerSpec, client_url, plan_servers, port_is_free, router_launch
 from datagen.host.probe import build_report, probe_from_dir
 

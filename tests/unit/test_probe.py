@@ -325,7 +325,7 @@ def test_cli_probe_with_model_plans_on_bundles_recorded_with_each_supported_sgla
         [
             sys.executable,
             "-m",
-            "datagen.app.cli",
+            "flows.cli_entry",
             "probe",
             "--json",
             "--from-dir",
