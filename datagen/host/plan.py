@@ -322,6 +322,11 @@ def plan_servers(
             )
         )
     tuned = _tuned_inflight(fleet, reasons)
+    if tuned is None and "max_inflight_per_server" in fleet.model_fields_set:
+        reasons.append(
+            f"in flight per server: {fleet.max_inflight_per_server} (fleet.max_inflight_per_server is set, so it "
+            "wins over the engine's derived cap)"
+        )
     told: set[str] = set()
     servers = []
     for index, (gpu_ids, port) in enumerate(zip(groups, ports, strict=True)):
@@ -340,6 +345,9 @@ def plan_servers(
                     reasons.append(reason)
         if tuned is not None:
             max_inflight = tuned
+        elif "max_inflight_per_server" in fleet.model_fields_set:
+            # Set explicitly in the config: the operator's number wins over the derived one.
+            max_inflight = fleet.max_inflight_per_server
         slot = ServerSlot(
             index=index,
             host=fleet.host,

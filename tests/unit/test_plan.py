@@ -547,3 +547,13 @@ def test_gpu_still_held_by_training_is_a_plan_error_naming_the_memory(tmp_path: 
 
     with pytest.raises(PlanError, match="held by other processes"):
         plan_servers(_env("pcie-8gpu"), config, tmp_path, engine=SGLangEngine())
+
+
+def test_an_explicit_inflight_cap_wins_over_the_derived_one(tmp_path: Path, base_port: int) -> None:
+    env = probe_from_dir(FIXTURES / IDLE_PCIE_SM120)
+    config = _model_config(QWEN36_27B_DIR, engine="sglang", base_port=base_port, max_inflight_per_server=40)
+
+    plan = plan_servers(env, config, tmp_path)
+
+    assert {server.max_inflight for server in plan.servers} == {40}
+    assert int(_flag(_argv(plan.servers[0]), "--max-running-requests")) >= SEED_RUNNING_REQUESTS
