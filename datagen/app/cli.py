@@ -87,23 +87,71 @@ def tune(
         "1,2,4,8,16,32,64,128"
     ),
     max_tokens: Annotated[int, typer.Option(help="Answer length of every request.")] = 256,
+    vary_flag: Annotated[
+        str | None,
+        typer.Option(
+            help="Instead: restart ONE server (--launch, at the first --url) with each --values of this flag."
+        ),
+    ] = None,
+    values: Annotated[str, typer.Option(help="Values of --vary-flag, comma-separated.")] = "",
+    launch: Annotated[
+        str, typer.Option(help="The server's command line (from the plan), for --vary-flag.")
+    ] = "",
     output: Annotated[
         Path | None, typer.Option(help="Write the result (JSON) here, for fleet.tune_result.")
     ] = None,
 ) -> None:
-    """Sweep requests in flight per server on live servers; print the throughput curve and the best setting."""
-    from datagen.app.tune import tune_inflight, tune_result_json
+    """Sweep requests in flight per server on live servers; print the throughput curve and the best setting.
+
+    With --vary-flag (e.g. --max-running-requests for sglang), stop the first server yourself and give its
+    command as --launch: it is restarted once per value and measured at full load.
+    """
+    import shlex
+
+    from datagen.app.tune import tune_inflight, tune_result_json, tune_setting_by_restart
+    from datagen.host.tune_result import TuneResult
 
     try:
-        result = tune_inflight(
-            url, model, engine, levels=tuple(int(level) for level in levels.split(",")), max_tokens=max_tokens
-        )
-    except ValueError as error:
+        if vary_flag:
+            if not launch or not values:
+                _fail("--vary-flag needs --launch (the server's command) and --values", EXIT_CONFIG_ERROR)
+            best, points = tune_setting_by_restart(
+                shlex.split(launch),
+                url[0],
+                model,
+                engine,
+                vary_flag,
+                tuple(int(value) for value in values.split(",")),
+                max_tokens=max_tokens,
+            )
+            best_point = next(point for point in points if point.setting == best)
+            result = TuneResult(
+                engine=engine,
+                urls=url[:1],
+                max_tokens=max_tokens,
+                best_inflight_per_server=best_point.inflight_per_server,
+                best_output_tokens_per_s=best_point.output_tokens_per_s,
+                curve=[],
+                measured_with="client+/metrics" if engine == "sglang" else "client",
+                setting_flag=vary_flag,
+                best_setting=best,
+                setting_curve=points,
+            )
+        else:
+            result = tune_inflight(
+                url,
+                model,
+                engine,
+                levels=tuple(int(level) for level in levels.split(",")),
+                max_tokens=max_tokens,
+            )
+    except (ValueError, RuntimeError, TimeoutError) as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     typer.echo(result.to_table())
     typer.echo(
         f"best: {result.best_inflight_per_server} in flight per server "
-        f"({result.best_output_tokens_per_s:.1f} output tok/s over {len(url)} server(s))"
+        f"({result.best_output_tokens_per_s:.1f} output tok/s over {len(result.urls)} server(s))"
+        + (f", {result.setting_flag} {result.best_setting}" if result.setting_flag else "")
     )
     if output is not None:
         output.write_text(tune_result_json(result), encoding="utf-8")

@@ -15,9 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import httpx
 
@@ -35,6 +38,12 @@ ROUNDS_PER_LEVEL = 3
 DEFAULT_MAX_TOKENS = 256
 REQUEST_TIMEOUT_S = 600.0
 METRICS_POLL_S = 1.0
+# A restarted server loads its model again: SGLang with CUDA graphs takes minutes on a 27B model.
+RESTART_READY_TIMEOUT_S = 1200.0
+RESTART_STOP_GRACE_S = 30.0
+READY_POLL_S = 0.5
+# Every engine answers readiness here (Engine.health_path).
+HEALTH_PATH = "/health"
 # Fixed, varied prompts: the same set on every run so curves compare across hosts and versions.
 TUNE_PROMPTS = (
     "Explain how a hash map handles collisions, with a short example.",
@@ -184,6 +193,18 @@ async def _measure_level(
     )
 
 
+def _metrics_path(engine: str) -> str | None:
+    # The class attribute: building the sglang recipe would ask the installed sglang for its flags.
+    recipes: dict[str, str | None] = {
+        "sglang": SGLangEngine.metrics_path,
+        "transformers": TransformersEngine.metrics_path,
+        "external": ExternalEngine.metrics_path,
+    }
+    if engine not in recipes:
+        raise ValueError(f"unknown engine {engine!r}; use one of: {', '.join(recipes)}")
+    return recipes[engine]
+
+
 def tune_inflight(
     urls: list[str],
     model: str,
@@ -210,15 +231,7 @@ def tune_inflight(
     """
     if not urls or not levels:
         raise ValueError("datagen tune needs at least one server URL and one level")
-    # The class attribute: building the sglang recipe would ask the installed sglang for its flags.
-    recipes: dict[str, str | None] = {
-        "sglang": SGLangEngine.metrics_path,
-        "transformers": TransformersEngine.metrics_path,
-        "external": ExternalEngine.metrics_path,
-    }
-    if engine not in recipes:
-        raise ValueError(f"unknown engine {engine!r}; use one of: {', '.join(recipes)}")
-    metrics_path = recipes[engine]
+    metrics_path = _metrics_path(engine)
     curve = []
     for level in sorted(set(levels)):
         bases = [url.rstrip("/") for url in urls]
@@ -237,6 +250,92 @@ def tune_inflight(
         curve=curve,
         measured_with="client+/metrics" if metrics_path else "client",
     )
+
+
+def with_setting(argv: list[str], flag: str, value: int) -> list[str]:
+    """``argv`` with ``flag`` set to ``value`` (replaced where present, appended otherwise)."""
+    updated = list(argv)
+    if flag in updated:
+        position = updated.index(flag)
+        updated[position + 1 : position + 2] = [str(value)]
+        return updated
+    return [*updated, flag, str(value)]
+
+
+def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode} before it became ready")
+        try:
+            if httpx.get(url + HEALTH_PATH, timeout=READY_POLL_S * 4).status_code == httpx.codes.OK:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(READY_POLL_S)
+    raise TimeoutError(f"{url} was not ready within {timeout_s:.0f}s")
+
+
+def tune_setting_by_restart(
+    launch_argv: list[str],
+    url: str,
+    model: str,
+    engine: str,
+    flag: str,
+    values: tuple[int, ...],
+    *,
+    inflight: int | None = None,
+    max_tokens: int = DEFAULT_MAX_TOKENS,
+    ready_timeout_s: float = RESTART_READY_TIMEOUT_S,
+    log_path: Path | None = None,
+) -> tuple[int, list[TunePoint]]:
+    """Restart one server with each value of ``flag`` and measure it at full load.
+
+    The server is started from ``launch_argv`` (its own process group, stopped after each value); stop the
+    server of ``url`` before calling. For ``--max-running-requests`` the load is the value plus the planner's
+    margin; for other flags ``inflight``.
+
+    Args:
+        launch_argv: The server's command (e.g. from the plan artifact).
+        url: Where that server answers.
+        model: Model name for requests.
+        engine: Engine kind (decides whether /metrics is read).
+        flag: The flag to vary.
+        values: Its values, ascending.
+        inflight: Requests in flight during each measurement (None: value + margin).
+        max_tokens: Answer length per request.
+        ready_timeout_s: How long one start may take.
+        log_path: Where the server's output goes (appended); discarded when None.
+
+    Returns:
+        The best value (smallest within reach of the top throughput) and one point per value.
+
+    Raises:
+        RuntimeError: A start failed (the server died).
+        TimeoutError: A start did not become ready in time.
+
+    """
+    from datagen.engines.sglang_tuning import inflight_with_margin
+    from datagen.host.processes import terminate_groups
+
+    metrics_path = _metrics_path(engine)
+    points = []
+    for value in sorted(set(values)):
+        argv = with_setting(launch_argv, flag, value)
+        with open(log_path or os.devnull, "ab") as log:
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_ready(process, url.rstrip("/"), ready_timeout_s)
+            level = inflight or inflight_with_margin(value)
+            point = asyncio.run(_measure_level([url.rstrip("/")], model, level, max_tokens, metrics_path))
+        finally:
+            terminate_groups([process.pid], RESTART_STOP_GRACE_S)
+            process.wait()
+        logger.info("tune restart flag=%s value=%d tokens_per_s=%.1f", flag, value, point.output_tokens_per_s)
+        points.append(point.model_copy(update={"setting": value}))
+    best = choose_best(points)
+    assert best.setting is not None
+    return best.setting, points
 
 
 def tune_result_json(result: TuneResult) -> str:

@@ -143,7 +143,9 @@ def plan_sglang_capacity(
             f"({fields['max_running_requests']}), sglang picks its memory share"
         )
         return CapacityPlan(
-            slot_fields=fields, max_inflight=_with_margin(fields["max_running_requests"]), reasons=reasons
+            slot_fields=fields,
+            max_inflight=inflight_with_margin(fields["max_running_requests"]),
+            reasons=reasons,
         )
 
     graph_bs_bound = CUDA_GRAPH_MAX_BS_CAP
@@ -203,7 +205,7 @@ def plan_sglang_capacity(
         )
     if shape.hybrid:
         reasons += _hybrid_cache_reasons(fleet, fields)
-    max_inflight = _with_margin(running)
+    max_inflight = inflight_with_margin(running)
     reasons.append(
         f"dispatcher in flight per server: {max_inflight} ({running} running + a margin of "
         f"{max_inflight - running} so a finished request is replaced at once)"
@@ -232,5 +234,6 @@ def _hybrid_cache_reasons(fleet: FleetConfig, fields: dict[str, Any]) -> list[st
     ]
 
 
-def _with_margin(running: int) -> int:
+def inflight_with_margin(running: int) -> int:
+    """The dispatcher's cap for a server with ``running`` slots: the slots plus a refill margin."""
     return running + max(MIN_INFLIGHT_MARGIN, math.ceil(running * INFLIGHT_MARGIN_SHARE))

@@ -34,9 +34,10 @@ from datagen.config import EngineKind, FleetConfig, RunConfig
 from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
 from datagen.engines.base import CapacityRequest
 from datagen.engines.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
+from datagen.engines.sglang_tuning import CUDA_GRAPH_MAX_BS_CAP
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
-from datagen.host.tune_result import load_tune_result
+from datagen.host.tune_result import TuneResult, load_tune_result
 
 logger = logging.getLogger(__name__)
 
@@ -344,7 +345,11 @@ def plan_servers(
                     told.add(reason)
                     reasons.append(reason)
         if tuned is not None:
-            max_inflight = tuned
+            max_inflight = tuned.best_inflight_per_server
+            if tuned.setting_flag == "--max-running-requests" and tuned.best_setting and mode != "cpu":
+                fields["max_running_requests"] = tuned.best_setting
+                if fields.get("cuda_graph_max_bs"):
+                    fields["cuda_graph_max_bs"] = min(tuned.best_setting, CUDA_GRAPH_MAX_BS_CAP)
         elif "max_inflight_per_server" in fleet.model_fields_set:
             # Set explicitly in the config: the operator's number wins over the derived one.
             max_inflight = fleet.max_inflight_per_server
@@ -589,7 +594,7 @@ def _sampling_budget_tokens(config: RunConfig, context: int | None, shape: Model
     return budget
 
 
-def _tuned_inflight(fleet: FleetConfig, reasons: list[str]) -> int | None:
+def _tuned_inflight(fleet: FleetConfig, reasons: list[str]) -> TuneResult | None:
     """The in-flight cap measured by ``datagen tune`` (``fleet.tune_result``), None when not given."""
     if fleet.tune_result is None:
         return None
@@ -608,8 +613,9 @@ def _tuned_inflight(fleet: FleetConfig, reasons: list[str]) -> int | None:
     reasons.append(
         f"in flight per server: {result.best_inflight_per_server}, measured by datagen tune "
         f"({result.best_output_tokens_per_s:.0f} output tok/s, fleet.tune_result)"
+        + (f"; {result.setting_flag} {result.best_setting}" if result.setting_flag else "")
     )
-    return result.best_inflight_per_server
+    return result
 
 
 def _capacity_request(

@@ -17,6 +17,7 @@ class TunePoint(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inflight_per_server: int
+    setting: int | None = Field(default=None, description="Value of the restart sweep's flag, if any.")
     requests: int
     failed: int = 0
     output_tokens: int
@@ -40,6 +41,11 @@ class TuneResult(BaseModel):
     best_output_tokens_per_s: float
     curve: list[TunePoint]
     measured_with: str = Field(description="'client' or 'client+/metrics'.")
+    setting_flag: str | None = Field(
+        default=None, description="Flag swept by restarting one server (e.g. --max-running-requests)."
+    )
+    best_setting: int | None = Field(default=None, description="Best value of setting_flag.")
+    setting_curve: list[TunePoint] = Field(default_factory=list, description="One point per restart.")
 
     def to_table(self) -> str:
         """The curve as an aligned text table, best row marked."""
@@ -52,6 +58,12 @@ class TuneResult(BaseModel):
             rows.append(
                 f"{point.inflight_per_server:>16} {point.output_tokens_per_s:>10.1f} {point.requests:>5} "
                 f"{point.failed:>4} {latency}  {gauges}{mark}"
+            )
+        for point in self.setting_curve:
+            mark = " <- best" if point.setting == self.best_setting else ""
+            rows.append(
+                f"{self.setting_flag} {point.setting}: {point.output_tokens_per_s:.1f} tok/s at "
+                f"{point.inflight_per_server} in flight, {point.failed} failed{mark}"
             )
         return "\n".join(rows)
 

@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-from datagen.app.tune import choose_best, parse_prometheus
+import httpx
+import pytest
+
+from datagen.app.tune import choose_best, parse_prometheus, tune_setting_by_restart, with_setting
 from datagen.config import RunConfig
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report
 from datagen.host.tune_result import TunePoint, load_tune_result
-from tests.support.transformers_servers import TransformersServerPool
+from tests.support.transformers_servers import TransformersServer, TransformersServerPool, free_port
 
 LEVELS = (1, 2, 4)
 MAX_TOKENS = 8
@@ -105,3 +108,33 @@ def test_sglang_metrics_are_read_from_prometheus_text_and_summed_over_ranks() ->
 
     assert values == {"running": 72.0, "queued": 3.0, "token_usage": 0.81, "gen_throughput": 2450.5}
     assert json.dumps(values)
+
+
+def test_restart_sweep_starts_one_server_per_value_and_records_each(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # On CPU the swept flag is the paged cache size; on SGLang hosts it is --max-running-requests.
+    server = TransformersServer(tiny_model_dir, free_port(), tmp_path / "server.log")
+    argv = server.argv()
+    # "--cb-num-blocks 256" sits in the middle: the sweep replaces its value (and appends absent flags).
+    assert with_setting(argv, "--cb-num-blocks", 64)[argv.index("--cb-num-blocks") + 1] == "64"
+    assert with_setting(["x"], "--flag", 3) == ["x", "--flag", "3"]
+
+    best, points = tune_setting_by_restart(
+        argv,
+        server.url,
+        server.model,
+        "transformers",
+        "--cb-num-blocks",
+        (64, 128),
+        inflight=2,
+        max_tokens=MAX_TOKENS,
+        ready_timeout_s=180,
+        log_path=tmp_path / "server.log",
+    )
+
+    assert [point.setting for point in points] == [64, 128]
+    assert all(point.failed == 0 and point.output_tokens > 0 for point in points)
+    assert best in (64, 128)
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health", timeout=2)  # stopped after the sweep

@@ -557,3 +557,41 @@ def test_an_explicit_inflight_cap_wins_over_the_derived_one(tmp_path: Path, base
 
     assert {server.max_inflight for server in plan.servers} == {40}
     assert int(_flag(_argv(plan.servers[0]), "--max-running-requests")) >= SEED_RUNNING_REQUESTS
+
+
+def test_a_tune_result_sets_the_inflight_cap_and_the_measured_max_running_requests(
+    tmp_path: Path, base_port: int
+) -> None:
+    from datagen.host.tune_result import TunePoint, TuneResult
+
+    point = TunePoint(
+        inflight_per_server=135,
+        setting=120,
+        requests=405,
+        output_tokens=1,
+        wall_s=1.0,
+        output_tokens_per_s=1.0,
+    )
+    result = TuneResult(
+        engine="sglang",
+        urls=["http://127.0.0.1:30000"],
+        max_tokens=256,
+        best_inflight_per_server=135,
+        best_output_tokens_per_s=2000.0,
+        curve=[],
+        measured_with="client+/metrics",
+        setting_flag="--max-running-requests",
+        best_setting=120,
+        setting_curve=[point],
+    )
+    tune_file = tmp_path / "tune.json"
+    tune_file.write_text(result.model_dump_json())
+    config = _model_config(QWEN36_27B_DIR, engine="sglang", base_port=base_port, tune_result=str(tune_file))
+
+    plan = plan_servers(probe_from_dir(FIXTURES / IDLE_PCIE_SM120), config, tmp_path)
+
+    argv = _argv(plan.servers[0])
+    assert _flag(argv, "--max-running-requests") == "120"
+    assert _flag(argv, "--cuda-graph-max-bs-decode") == "120"
+    assert {server.max_inflight for server in plan.servers} == {135}
+    assert any("datagen tune" in reason for reason in plan.reasons)
