@@ -24,7 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from datagen.engines import ExternalEngine, SGLangEngine, TransformersEngine
+from datagen.engines import engine_class
+from datagen.errors import ConfigError
 from datagen.generation.wire import CHAT_COMPLETIONS_PATH
 from datagen.host.tune_result import TunePoint, TuneResult
 
@@ -194,15 +195,10 @@ async def _measure_level(
 
 
 def _metrics_path(engine: str) -> str | None:
-    # The class attribute: building the sglang recipe would ask the installed sglang for its flags.
-    recipes: dict[str, str | None] = {
-        "sglang": SGLangEngine.metrics_path,
-        "transformers": TransformersEngine.metrics_path,
-        "external": ExternalEngine.metrics_path,
-    }
-    if engine not in recipes:
-        raise ValueError(f"unknown engine {engine!r}; use one of: {', '.join(recipes)}")
-    return recipes[engine]
+    try:
+        return engine_class(engine).metrics_path
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
 
 
 def tune_inflight(

@@ -23,8 +23,32 @@ __all__ = [
     "SGLangEngine",
     "ServerSlot",
     "TransformersEngine",
+    "engine_class",
     "get_engine",
 ]
+
+_ENGINE_CLASSES: dict[str, type[ExternalEngine] | type[SGLangEngine] | type[TransformersEngine]] = {
+    "transformers": TransformersEngine,
+    "sglang": SGLangEngine,
+    "external": ExternalEngine,
+}
+
+
+def engine_class(
+    kind: EngineKind | str,
+) -> type[ExternalEngine] | type[SGLangEngine] | type[TransformersEngine]:
+    """The recipe class of an engine kind, for its class attributes, without building the recipe.
+
+    Health/metrics paths, refused sampling fields and ``supports_generate`` are class attributes; building
+    the sglang recipe asks the installed sglang for its flags (a subprocess), which reading them needs not.
+
+    Raises:
+        ConfigError: Unknown kind.
+
+    """
+    if kind not in _ENGINE_CLASSES:
+        raise ConfigError(f"unknown engine {kind!r}; use one of: transformers, sglang, external", kind=kind)
+    return _ENGINE_CLASSES[kind]
 
 
 def get_engine(kind: EngineKind | str) -> Engine:

@@ -13,6 +13,7 @@ from datagen.engines import (
     ServerSlot,
     SGLangEngine,
     TransformersEngine,
+    engine_class,
     get_engine,
 )
 from datagen.engines.sglang import (
@@ -262,3 +263,11 @@ def test_get_engine_returns_each_recipe_and_rejects_unknown_kinds() -> None:
 def test_external_engine_has_nothing_to_launch() -> None:
     with pytest.raises(TypeError, match="no process"):
         ExternalEngine().build_launch(CPU_SLOT, MODEL, FleetConfig())
+
+
+def test_engine_class_gives_the_quirks_without_building_the_recipe() -> None:
+    assert engine_class("transformers").unsupported_sampling_fields == {"top_k", "min_p"}
+    assert engine_class("sglang").supports_generate
+    assert engine_class("external").health_path == "/health"
+    with pytest.raises(ConfigError, match="unknown engine"):
+        engine_class("vllm")
