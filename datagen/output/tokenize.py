@@ -1,34 +1,44 @@
-"""Turn one completion into a training row: token ids of the whole conversation plus a loss mask.
+"""Turn completions into training rows: token ids of the whole conversation plus a loss mask.
 
-The target's own chat template renders the conversation twice: the prompt with the generation prompt
-appended (exactly what the server saw), and the prompt followed by the generated assistant turn. The
-prompt render must be a prefix of the full render, otherwise the template does not reproduce what was
-served and the row is refused.
+Loss-mask rule (text path), the one every path reproduces exactly: the target's chat template renders the
+prompt with the generation prompt appended (what the server saw) and the prompt followed by the generated
+assistant turn; the prompt render must be a prefix of the full render (otherwise the template does not
+reproduce what was served and the row is refused). The loss region is the characters of the full render from
+the end of the prompt render through the assistant turn's closing ``<|im_end|>`` inclusive, and a token of the
+full render is trained on (mask 1) exactly when its characters overlap that region. So a token that BPE merged
+across the prompt/answer boundary counts as generated, while the prompt, system text, tools, tool results,
+template filler pre-filled in the prompt (such as the empty think block of non-thinking mode) and the newline
+after ``<|im_end|>`` never are. A truncated completion (finish reason ``length``) did not end its turn, so the
+closing ``<|im_end|>`` the template adds is not trained on either.
 
-Loss-mask rule (text path): the loss region is the characters of the full render from the end of the
-prompt render through the assistant turn's closing ``<|im_end|>`` inclusive. The full render is tokenized
-once, with character offsets, and a token is trained on (mask 1) when its character span overlaps the loss
-region. So a token that BPE merged across the prompt/answer boundary counts as generated (the model had to
-produce it), while the prompt, system text, tools, tool results, template filler pre-filled in the prompt
-(such as the empty think block of non-thinking mode) and the newline after ``<|im_end|>`` are never
-trained on. A truncated completion (finish reason ``length``) did not end its turn, so its closing
-``<|im_end|>`` (added by the template) is not trained on either.
+How it is computed without character offsets: the fast tokenizer splits text on added tokens (``<|im_start|>``,
+``<think>``...) before anything else, so the token ids of ``prompt + answer`` are the ids of the prompt up to
+its last added token ("head") followed by the ids of the rest of the prompt ("tail", e.g. ``"\\n"`` after
+``<think>``) plus the answer, tokenized together. Only that window is tokenized per row; the head's ids come
+from the prompt, tokenized once per prompt and shared by its samples. When the window's first ids equal the
+tail's own ids, the answer starts on a token boundary and the mask starts right after the tail; otherwise (BPE
+merged the tail with the answer's first characters) the window's character offsets, already computed by the
+tokenizer, decide by the overlap rule above. The mask ends at the last ``<|im_end|>`` id. Both cases equal the
+overlap rule on the full render; the tests check it against full-render offsets.
 
 Exact-ids path: when the engine returned the generated token ids, the row is the tokenized prompt render
 followed by those ids (plus ``<|im_end|>`` when generation stopped on it but the ids leave it out), and the
-mask is 1 exactly on the generated ids. This avoids any re-tokenization drift.
+mask is 1 exactly on the generated ids. Each row records which path made it (``text`` or ``ids``).
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from datagen.config import SamplingParams
 from datagen.errors import ConfigError, TokenizeError
-from datagen.records import CompletionRecord, Message
+from datagen.records import AssistantCompletion, CompletionRecord, FunctionCall, Message, TokenUsage, ToolCall
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +46,69 @@ END_OF_TURN_TOKEN = "<|im_end|>"
 # Finish reasons meaning the model emitted its end-of-turn token itself.
 ENDED_TURN_REASONS = frozenset({"stop", "tool_calls"})
 REJECT_TOO_LONG = "too_long"
+TOKENIZED_FROM_TEXT = "text"
+TOKENIZED_FROM_IDS = "ids"
+TokenizedFrom = Literal["text", "ids"]
+# Prompt renders kept for the samples that follow: samples of one prompt sit next to each other in a shard,
+# so a few thousand entries cover any realistic samples_per_prompt while bounding memory (~2 KB each).
+PROMPT_CACHE_ENTRIES = 4096
+AnswerRender = Literal["auto", "full"]
+# The fixed context the answer is rendered after when the template appends turns (see RowTokenizer).
+ANSWER_CONTEXT = [Message(role="user", content="?")]
+_PROBE_TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": "Look a word up.",
+            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+        },
+    }
+]
+_PROBE_CALLS = [
+    ToolCall(id="c1", function=FunctionCall(name="lookup", arguments={"word": "drafter"})),
+    ToolCall(id="c2", function=FunctionCall(name="lookup", arguments={"word": "target", "n": [1, 2]})),
+]
+# Conversations on which the answer rendered alone must equal the full render's answer, or the template
+# renders every conversation in full: system prompts, tools, earlier reasoning, tool responses (merged),
+# parallel tool calls, answers with and without reasoning, content or calls.
+APPEND_PROBES: list[tuple[list[Message], list[dict[str, Any]] | None, AssistantCompletion]] = [
+    (
+        [Message(role="user", content="Hi there.")],
+        None,
+        AssistantCompletion(content="\nHello!\n", reasoning_content="\nGreet back.\n"),
+    ),
+    (
+        [Message(role="system", content="Be brief."), Message(role="user", content="2+2?")],
+        None,
+        AssistantCompletion(content="4"),
+    ),
+    (
+        [
+            Message(role="system", content="Use tools."),
+            Message(role="user", content="Define drafter."),
+            Message(role="assistant", content="", reasoning_content="Look it up.", tool_calls=_PROBE_CALLS),
+            Message(role="tool", content="a small model", tool_call_id="c1"),
+            Message(role="tool", content="the big model", tool_call_id="c2"),
+        ],
+        _PROBE_TOOLS,
+        AssistantCompletion(content="A drafter is a small model.", reasoning_content="Both answered."),
+    ),
+    (
+        [
+            Message(role="user", content="First question."),
+            Message(role="assistant", content="First answer.", reasoning_content="Old thoughts."),
+            Message(role="user", content="Look up two words."),
+        ],
+        _PROBE_TOOLS,
+        AssistantCompletion(content="Looking.", reasoning_content="Two calls.", tool_calls=_PROBE_CALLS),
+    ),
+    (
+        [Message(role="user", content="Call it.")],
+        _PROBE_TOOLS,
+        AssistantCompletion(content=None, tool_calls=_PROBE_CALLS[:1]),
+    ),
+]
 
 
 class TokenizedRow(BaseModel):
@@ -46,6 +119,7 @@ class TokenizedRow(BaseModel):
         loss_mask: 1 on the generated tokens (through ``<|im_end|>``), 0 elsewhere; same length.
         num_tokens: ``len(input_ids)``.
         num_loss_tokens: ``sum(loss_mask)``.
+        tokenized_from: ``text`` (rendered text re-tokenized) or ``ids`` (the engine's exact output ids).
 
     """
 
@@ -59,6 +133,7 @@ class TokenizedRow(BaseModel):
     num_tokens: int
     num_loss_tokens: int
     finish_reason: str
+    tokenized_from: TokenizedFrom = TOKENIZED_FROM_TEXT
 
 
 class RejectedRow(BaseModel):
@@ -73,6 +148,40 @@ class RejectedRow(BaseModel):
     detail: str
 
 
+@dataclass(frozen=True)
+class EncodedRow:
+    """A row in the compact form the merge writes: ids plus the one contiguous run of loss tokens.
+
+    Attributes:
+        input_ids: Token ids of the whole conversation.
+        loss_start: Index of the first trained-on token.
+        loss_end: One past the last trained-on token (the mask is 1 on ``[loss_start, loss_end)``).
+        tokenized_from: ``text`` or ``ids``.
+
+    """
+
+    input_ids: list[int]
+    loss_start: int
+    loss_end: int
+    tokenized_from: TokenizedFrom
+
+    def loss_mask(self) -> list[int]:
+        """The mask as a list of 0/1, one per token."""
+        size = len(self.input_ids)
+        return [0] * self.loss_start + [1] * (self.loss_end - self.loss_start) + [0] * (size - self.loss_end)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One prompt render and its tokenization, split at its last added token."""
+
+    text: str
+    ids: list[int]
+    head_ids: list[int]
+    tail_text: str
+    tail_ids: list[int]
+
+
 def load_tokenizer(path: str) -> Any:
     """Load the target's tokenizer from local files only (never the network).
 
@@ -84,8 +193,7 @@ def load_tokenizer(path: str) -> Any:
         A ``transformers`` fast tokenizer.
 
     Raises:
-        ConfigError: Nothing loadable is there, the tokenizer is not a fast one (offsets are needed for the
-            loss mask), or it has no chat template.
+        ConfigError: Nothing loadable is there, the tokenizer is not a fast one, or it has no chat template.
 
     """
     from transformers import AutoTokenizer
@@ -101,8 +209,8 @@ def load_tokenizer(path: str) -> Any:
         ) from None
     if not getattr(tokenizer, "is_fast", False):
         raise ConfigError(
-            f"The tokenizer at {path} is not a fast (Rust) tokenizer; the loss mask needs character offsets. "
-            "Provide a tokenizer.json next to the tokenizer config.",
+            f"The tokenizer at {path} is not a fast (Rust) tokenizer; datagen tokenizes through its Rust "
+            "backend. Provide a tokenizer.json next to the tokenizer config.",
             path=path,
         )
     if not getattr(tokenizer, "chat_template", None):
@@ -132,30 +240,84 @@ def render_conversation(
         enable_thinking: Passed to the template when set (Qwen3 switch); left out otherwise.
 
     Returns:
-        The rendered text.
+        The rendered text, identical to ``tokenizer.apply_chat_template(..., tokenize=False)``.
 
     Raises:
         TokenizeError: The template failed to render these messages.
 
     """
-    extra: dict[str, Any] = {}
-    if enable_thinking is not None:
-        extra["enable_thinking"] = enable_thinking
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            tools=tools or None,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=False,
-            **extra,
+    return TokenizerSpec.from_tokenizer(tokenizer, with_backend=False).render(
+        messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
+    )
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """What tokenizing needs from a loaded tokenizer, small enough to send to worker processes.
+
+    Workers rebuild the Rust tokenizer from its serialized form instead of importing ``AutoTokenizer``
+    (seconds per process), and render with transformers' own compiled chat template.
+
+    Attributes:
+        backend_json: The Rust tokenizer, serialized (empty when only rendering is needed).
+        chat_template: The chat template source.
+        special_tokens: The template's special-token variables (``eos_token``...), as apply_chat_template passes.
+
+    """
+
+    backend_json: str
+    chat_template: str
+    special_tokens: dict[str, str]
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, *, with_backend: bool = True) -> TokenizerSpec:
+        """The spec of a loaded ``transformers`` fast tokenizer."""
+        return cls(
+            backend_json=tokenizer.backend_tokenizer.to_str() if with_backend else "",
+            chat_template=str(tokenizer.chat_template),
+            special_tokens={str(key): str(value) for key, value in tokenizer.special_tokens_map.items()},
         )
-    except (
-        Exception
-    ) as error:  # jinja raises many types (TemplateError, TypeError, ...): all mean "cannot render"
-        raise TokenizeError(f"The chat template failed to render the conversation: {error}") from error
-    if not isinstance(text, str):
-        raise TokenizeError(f"The chat template returned {type(text).__name__}, expected text")
-    return text
+
+    def backend(self) -> Any:
+        """A fresh Rust tokenizer (``tokenizers.Tokenizer``)."""
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_str(self.backend_json)
+
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        enable_thinking: bool | None,
+    ) -> str:
+        """Render like ``apply_chat_template(..., tokenize=False)`` for plain JSON messages.
+
+        Raises:
+            TokenizeError: The template failed to render these messages.
+
+        """
+        from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template
+
+        variables: dict[str, Any] = dict(self.special_tokens)
+        if enable_thinking is not None:
+            variables["enable_thinking"] = enable_thinking
+        try:
+            # apply_chat_template minus its per-call input conversion (a quarter of the render time, and
+            # needless for plain JSON): transformers' cached sandboxed template and its reasoning aliases.
+            text = _compile_jinja_template(self.chat_template).render(
+                messages=_alias_reasoning_fields(messages),
+                tools=tools or None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except Exception as error:  # jinja raises many types (TemplateError, TypeError...): all mean "cannot render"
+            raise TokenizeError(f"The chat template failed to render the conversation: {error}") from error
+        if not isinstance(text, str):
+            raise TokenizeError(f"The chat template returned {type(text).__name__}, expected text")
+        return text
 
 
 def assistant_message(record: CompletionRecord) -> Message:
@@ -167,6 +329,228 @@ def assistant_message(record: CompletionRecord) -> Message:
         reasoning_content=completion.reasoning_content,
         tool_calls=completion.tool_calls,
     )
+
+
+class RowTokenizer:
+    """Tokenizes completions in batches with the loss-mask rule of this module.
+
+    One instance per process: it caches prompt renders (shared by the samples of a prompt) and calls the
+    Rust tokenizer once per batch.
+
+    Args:
+        spec: The target tokenizer's spec (:meth:`TokenizerSpec.from_tokenizer`).
+        max_length_tokens: Rows with more tokens are rejected (not raised); no limit when None.
+        answer_render: ``auto``: render the generated turn alone (after a tiny fixed context) when the
+            template passes the append probe (:data:`APPEND_PROBES`), else the whole conversation again;
+            ``full``: always render the whole conversation again.
+
+    Raises:
+        TokenizeError: The tokenizer has no ``<|im_end|>`` token.
+
+    """
+
+    def __init__(
+        self, spec: TokenizerSpec, *, max_length_tokens: int | None, answer_render: AnswerRender = "auto"
+    ) -> None:
+        self.spec = spec
+        self.backend = spec.backend()
+        self.max_length_tokens = max_length_tokens
+        self.end_of_turn_id = _token_id(self.backend, END_OF_TURN_TOKEN)
+        self._added_ids = frozenset(int(token_id) for token_id in self.backend.get_added_tokens_decoder())
+        self._prompts: OrderedDict[tuple[str, str, bool | None], _Prompt] = OrderedDict()
+        self._turns: dict[bool | None, tuple[str, str] | None] = {}
+        self.renders_answer_alone = answer_render == "auto" and self._template_appends_turns()
+        logger.debug("row tokenizer renders_answer_alone=%s", self.renders_answer_alone)
+
+    def encode(self, records: list[CompletionRecord]) -> list[EncodedRow | RejectedRow | TokenizeError]:
+        """Tokenize a batch of completions; one result per record, in order.
+
+        Args:
+            records: Completions to turn into rows.
+
+        Returns:
+            Per record: the row, a :class:`RejectedRow` (too long), or the :class:`TokenizeError` saying why
+            the template cannot render or reproduce it (returned, not raised, so one odd record does not
+            sink a batch).
+
+        """
+        results: list[EncodedRow | RejectedRow | TokenizeError | None] = [None] * len(records)
+        windows: list[str] = []
+        pending: list[tuple[int, _Prompt]] = []
+        for position, record in enumerate(records):
+            try:
+                prompt = self._prompt(record)
+                output_ids = record.completion.output_token_ids
+                if output_ids is not None:
+                    results[position] = self._finish(record, self._ids_row(record, prompt, output_ids))
+                    continue
+                windows.append(prompt.tail_text + self._answer_text(record, prompt))
+                pending.append((position, prompt))
+            except TokenizeError as error:
+                results[position] = error
+        if windows:
+            encodings = self.backend.encode_batch(windows, add_special_tokens=False)
+            for (position, prompt), encoding in zip(pending, encodings, strict=True):
+                record = records[position]
+                try:
+                    results[position] = self._finish(record, self._text_row(record, prompt, encoding))
+                except TokenizeError as error:
+                    results[position] = error
+        return [result for result in results if result is not None]
+
+    def _prompt(self, record: CompletionRecord) -> _Prompt:
+        """The prompt render of ``record`` (with the generation prompt), tokenized; cached per prompt."""
+        thinking = record.sampling.enable_thinking
+        key = (record.dataset, record.prompt_id, thinking)
+        cached = self._prompts.get(key)
+        if cached is not None:
+            self._prompts.move_to_end(key)
+            return cached
+        text = self.spec.render(
+            [message.to_chat_dict() for message in record.messages],
+            tools=record.tools,
+            add_generation_prompt=True,
+            enable_thinking=thinking,
+        )
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        ids: list[int] = encoding.ids
+        split = len(ids)
+        while split > 0 and ids[split - 1] not in self._added_ids:
+            split -= 1
+        tail_start = encoding.offsets[split - 1][1] if split else 0
+        prompt = _Prompt(text, ids, ids[:split], text[tail_start:], ids[split:])
+        self._prompts[key] = prompt
+        if len(self._prompts) > PROMPT_CACHE_ENTRIES:
+            self._prompts.popitem(last=False)
+        return prompt
+
+    def _answer_text(self, record: CompletionRecord, prompt: _Prompt) -> str:
+        """The characters the full render adds after the prompt render."""
+        if self.renders_answer_alone and _has_user_query(record.messages):
+            answer = self._answer_alone(record, prompt)
+            if answer is not None:
+                return answer
+        return self._answer_from_full_render(record, prompt)
+
+    def _turn_context(self, thinking: bool | None) -> tuple[str, str] | None:
+        """The fixed context's render without and with the generation prompt, per thinking switch."""
+        if thinking not in self._turns:
+            context = [message.to_chat_dict() for message in ANSWER_CONTEXT]
+            bare = self.spec.render(
+                context, tools=None, add_generation_prompt=False, enable_thinking=thinking
+            )
+            opened = self.spec.render(
+                context, tools=None, add_generation_prompt=True, enable_thinking=thinking
+            )
+            self._turns[thinking] = (bare, opened[len(bare) :]) if opened.startswith(bare) else None
+        return self._turns[thinking]
+
+    def _answer_alone(self, record: CompletionRecord, prompt: _Prompt) -> str | None:
+        """The answer's characters from rendering it after the fixed context, or None to render in full."""
+        thinking = record.sampling.enable_thinking
+        context = self._turn_context(thinking)
+        if context is None:
+            return None
+        bare, generation_prompt = context
+        if not prompt.text.endswith(generation_prompt):
+            return None
+        turn = self.spec.render(
+            [*(message.to_chat_dict() for message in ANSWER_CONTEXT), assistant_message(record).to_chat_dict()],
+            tools=None,
+            add_generation_prompt=False,
+            enable_thinking=thinking,
+        )
+        if not turn.startswith(bare + generation_prompt):
+            return None  # the full render explains the mismatch (or proves it is fine)
+        return turn[len(bare) + len(generation_prompt) :]
+
+    def _template_appends_turns(self) -> bool:
+        """Tell whether, on every probe, the full render equals the prompt render plus the answer alone."""
+        for index, (messages, tools, answer) in enumerate(APPEND_PROBES):
+            for thinking in (None, True, False):
+                if thinking is False and answer.reasoning_content:
+                    continue
+                record = _probe_record(index, messages, tools, answer, thinking)
+                try:
+                    prompt = self._prompt(record)
+                    alone = self._answer_alone(record, prompt)
+                    full = self._answer_from_full_render(record, prompt)
+                except TokenizeError:
+                    return False
+                if alone != full:
+                    logger.info("chat template fails the append probe; rendering every conversation in full")
+                    return False
+        self._prompts.clear()
+        return True
+
+    def _answer_from_full_render(self, record: CompletionRecord, prompt: _Prompt) -> str:
+        """The characters the full render adds after the prompt render, from rendering it."""
+        full_messages = [
+            *(message.to_chat_dict() for message in record.messages),
+            assistant_message(record).to_chat_dict(),
+        ]
+        full_text = self.spec.render(
+            full_messages,
+            tools=record.tools,
+            add_generation_prompt=False,
+            enable_thinking=record.sampling.enable_thinking,
+        )
+        if not full_text.startswith(prompt.text):
+            raise TokenizeError(
+                f"Completion {record.key} of {record.dataset}: the prompt render is not a prefix of the "
+                "prompt+answer render, so the chat template does not reproduce what was served (check that "
+                "`model.tokenizer_path` is the served model's tokenizer and that enable_thinking matches the "
+                "generation). First difference at character "
+                f"{_first_difference(prompt.text, full_text)}.",
+                key=record.key,
+            )
+        return full_text[len(prompt.text) :]
+
+    def _text_row(self, record: CompletionRecord, prompt: _Prompt, encoding: Any) -> EncodedRow:
+        ids: list[int] = encoding.ids
+        tail_ids = prompt.tail_ids
+        if ids[: len(tail_ids)] == tail_ids:
+            first = len(tail_ids)
+        else:
+            # BPE merged the end of the prompt with the answer: the first token reaching into the answer starts
+            # the loss (the overlap rule), found from the offsets the tokenizer computed anyway.
+            boundary = len(prompt.tail_text)
+            first = next(index for index, (_, stop) in enumerate(encoding.offsets) if stop > boundary)
+        turn_end = _last_index(ids, self.end_of_turn_id, first)
+        if turn_end < 0:
+            raise TokenizeError(
+                f"Completion {record.key}: the rendered assistant turn does not end with {END_OF_TURN_TOKEN}; "
+                "datagen supports Qwen-style chat templates only.",
+                key=record.key,
+            )
+        ended = record.finish_reason in ENDED_TURN_REASONS
+        head = len(prompt.head_ids)
+        return EncodedRow(
+            prompt.head_ids + ids,
+            head + first,
+            head + turn_end + (1 if ended else 0),
+            TOKENIZED_FROM_TEXT,
+        )
+
+    def _ids_row(self, record: CompletionRecord, prompt: _Prompt, output_ids: list[int]) -> EncodedRow:
+        generated = list(output_ids)
+        if record.finish_reason in ENDED_TURN_REASONS and (
+            not generated or generated[-1] != self.end_of_turn_id
+        ):
+            generated.append(self.end_of_turn_id)
+        ids = prompt.ids + generated
+        return EncodedRow(ids, len(prompt.ids), len(ids), TOKENIZED_FROM_IDS)
+
+    def _finish(self, record: CompletionRecord, row: EncodedRow) -> EncodedRow | RejectedRow:
+        if self.max_length_tokens is not None and len(row.input_ids) > self.max_length_tokens:
+            return RejectedRow(
+                prompt_id=record.prompt_id,
+                sample_index=record.sample_index,
+                dataset=record.dataset,
+                reason=REJECT_TOO_LONG,
+                detail=f"{len(row.input_ids)} tokens > max_length_tokens {self.max_length_tokens}",
+            )
+        return row
 
 
 def tokenize_completion(
@@ -187,49 +571,63 @@ def tokenize_completion(
             the full render (the template does not reproduce what was served).
 
     """
-    prompt_messages = [message.to_chat_dict() for message in record.messages]
-    thinking = record.sampling.enable_thinking
-    prompt_text = render_conversation(
-        tokenizer, prompt_messages, tools=record.tools, add_generation_prompt=True, enable_thinking=thinking
-    )
-    end_of_turn_id = _token_id(tokenizer, END_OF_TURN_TOKEN)
-    ended_turn = record.finish_reason in ENDED_TURN_REASONS
-    output_ids = record.completion.output_token_ids
-    if output_ids is not None:
-        input_ids, loss_mask = _exact_ids_row(tokenizer, prompt_text, output_ids, end_of_turn_id, ended_turn)
-    else:
-        full_messages = [*prompt_messages, assistant_message(record).to_chat_dict()]
-        full_text = render_conversation(
-            tokenizer,
-            full_messages,
-            tools=record.tools,
-            add_generation_prompt=False,
-            enable_thinking=thinking,
-        )
-        input_ids, loss_mask = _rendered_row(tokenizer, prompt_text, full_text, ended_turn, record)
-    if max_length_tokens is not None and len(input_ids) > max_length_tokens:
-        return RejectedRow(
-            prompt_id=record.prompt_id,
-            sample_index=record.sample_index,
-            dataset=record.dataset,
-            reason=REJECT_TOO_LONG,
-            detail=f"{len(input_ids)} tokens > max_length_tokens {max_length_tokens}",
-        )
+    spec = TokenizerSpec.from_tokenizer(tokenizer)
+    (result,) = RowTokenizer(spec, max_length_tokens=max_length_tokens).encode([record])
+    if isinstance(result, TokenizeError):
+        raise result
+    if isinstance(result, RejectedRow):
+        return result
     return TokenizedRow(
         prompt_id=record.prompt_id,
         sample_index=record.sample_index,
         dataset=record.dataset,
-        input_ids=input_ids,
-        loss_mask=loss_mask,
-        num_tokens=len(input_ids),
-        num_loss_tokens=sum(loss_mask),
+        input_ids=result.input_ids,
+        loss_mask=result.loss_mask(),
+        num_tokens=len(result.input_ids),
+        num_loss_tokens=result.loss_end - result.loss_start,
         finish_reason=record.finish_reason,
+        tokenized_from=result.tokenized_from,
     )
 
 
-def _token_id(tokenizer: Any, token: str) -> int:
-    token_id = tokenizer.convert_tokens_to_ids(token)
-    if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+def _has_user_query(messages: list[Message]) -> bool:
+    """Tell whether a real user query (not a wrapped tool response) precedes the answer.
+
+    Qwen templates decide from the last such query whether the final turn shows its think block; without
+    one they treat the final turn differently, so those rows are rendered in full.
+    """
+    return any(
+        message.role == "user" and not (message.content or "").lstrip().startswith("<tool_response>")
+        for message in messages
+    )
+
+
+def _probe_record(
+    index: int,
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None,
+    answer: AssistantCompletion,
+    thinking: bool | None,
+) -> CompletionRecord:
+    return CompletionRecord(
+        prompt_id=f"append-probe-{index}",
+        dataset="append-probe",
+        messages=messages,
+        tools=tools,
+        completion=answer,
+        finish_reason="tool_calls" if answer.tool_calls else "stop",
+        usage=TokenUsage(),
+        model="probe",
+        engine="probe",
+        server="probe",
+        sampling=SamplingParams(enable_thinking=thinking),
+        latency_s=0.0,
+    )
+
+
+def _token_id(backend: Any, token: str) -> int:
+    token_id = backend.token_to_id(token)
+    if token_id is None:
         raise TokenizeError(
             f"The tokenizer has no {token} token; datagen renders Qwen-style chat turns ending with it. "
             "Check `model.tokenizer_path`."
@@ -237,43 +635,12 @@ def _token_id(tokenizer: Any, token: str) -> int:
     return token_id
 
 
-def _exact_ids_row(
-    tokenizer: Any, prompt_text: str, output_ids: list[int], end_of_turn_id: int, ended_turn: bool
-) -> tuple[list[int], list[int]]:
-    prompt_ids: list[int] = tokenizer(prompt_text, add_special_tokens=False)["input_ids"]
-    generated = list(output_ids)
-    if ended_turn and (not generated or generated[-1] != end_of_turn_id):
-        generated.append(end_of_turn_id)
-    return prompt_ids + generated, [0] * len(prompt_ids) + [1] * len(generated)
-
-
-def _rendered_row(
-    tokenizer: Any, prompt_text: str, full_text: str, ended_turn: bool, record: CompletionRecord
-) -> tuple[list[int], list[int]]:
-    if not full_text.startswith(prompt_text):
-        raise TokenizeError(
-            f"Completion {record.key} of {record.dataset}: the prompt render is not a prefix of the "
-            "prompt+answer render, so the chat template does not reproduce what was served (check that "
-            "`model.tokenizer_path` is the served model's tokenizer and that enable_thinking matches the "
-            "generation). First difference at character "
-            f"{_first_difference(prompt_text, full_text)}.",
-            key=record.key,
-        )
-    boundary = len(prompt_text)
-    turn_end = full_text.rfind(END_OF_TURN_TOKEN)
-    if turn_end < boundary:
-        raise TokenizeError(
-            f"Completion {record.key}: the rendered assistant turn does not end with {END_OF_TURN_TOKEN}; "
-            "datagen supports Qwen-style chat templates only.",
-            key=record.key,
-        )
-    loss_end = turn_end + len(END_OF_TURN_TOKEN) if ended_turn else turn_end
-    encoding = tokenizer(full_text, add_special_tokens=False, return_offsets_mapping=True)
-    input_ids: list[int] = list(encoding["input_ids"])
-    loss_mask = [
-        1 if start < loss_end and stop > boundary else 0 for start, stop in encoding["offset_mapping"]
-    ]
-    return input_ids, loss_mask
+def _last_index(ids: list[int], value: int, start: int) -> int:
+    """Index of the last ``value`` in ``ids`` at or after ``start``, or -1."""
+    for index in range(len(ids) - 1, start - 1, -1):
+        if ids[index] == value:
+            return index
+    return -1
 
 
 def _first_difference(first: str, second: str) -> int:

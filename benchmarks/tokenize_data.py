@@ -1,0 +1,277 @@
+"""Seeded, realistic synthetic completions for the merge-and-tokenize benchmark.
+
+Rows look like what the drafter's target produces: a system prompt on some, prompts of ~340 tokens and answers
+of ~730 tokens (Qwen3 vocabulary), thinking on most rows, Python code in a third, tool definitions with a
+tool-call round trip in a quarter (answers that are parallel tool calls or text after a tool response),
+multi-turn histories, a few truncated rows and samples of one prompt next to each other (as generate_shard
+writes them). Written as a finished run (completion shards + done markers) in a local store.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+from datagen.config import SamplingParams
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    FunctionCall,
+    Message,
+    ShardSummary,
+    TokenUsage,
+    ToolCall,
+)
+
+WORDS = (
+    "the of and to in is that for it as with was on be by this are or at from which an have not but can all "
+    "value function return list data model request server token cache memory thread process file path "
+    "error result query index table column row batch shard version config option default number string "
+    "first second each every other new old large small fast slow simple complex important possible "
+    "because however therefore although since while until unless whether rather instead also only "
+    "compute measure compare check verify update create delete read write parse render train test "
+    "user assistant system tool answer question problem solution step reason example case input output "
+    "array integer float boolean dictionary object class method variable loop condition branch recursion "
+    "probability distribution gradient matrix vector sum product average median variance sequence "
+    "Paris Berlin Tokyo London weather temperature forecast city country population history science "
+    "we should first consider how the approach works then verify that edge cases are handled correctly"
+).split()
+CODE_TEMPLATES = [
+    "def {name}({a}, {b}):\n    \"\"\"Return the {what} of {a} and {b}.\"\"\"\n    if not {a}:\n        return {b}\n"
+    "    result = []\n    for item in {a}:\n        if item in {b}:\n            result.append(item * 2)\n"
+    "    return sorted(result, key=lambda x: -x)\n",
+    "class {cls}:\n    def __init__(self, {a}: int, {b}: str = \"{what}\") -> None:\n        self.{a} = {a}\n"
+    "        self.{b} = {b}\n        self._cache: dict[str, int] = {{}}\n\n    def {name}(self) -> int:\n"
+    "        key = f\"{{self.{b}}}:{{self.{a}}}\"\n        if key not in self._cache:\n"
+    "            self._cache[key] = len(self.{b}) + self.{a} ** 2\n        return self._cache[key]\n",
+    "import json\nfrom pathlib import Path\n\n\ndef {name}(path: Path) -> list[dict]:\n"
+    "    rows = []\n    with path.open() as handle:\n        for line in handle:\n            record = json.loads(line)\n"
+    "            if record.get(\"{what}\") is None:\n                continue\n            rows.append(record)\n"
+    "    return rows\n",
+]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Get the current weather and a three-day forecast for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "City name, e.g. Paris"},
+                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+                },
+                "required": ["city"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "search_documents",
+            "description": "Full-text search over the user's documents; returns the best matching passages.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "query": {"type": "string"},
+                    "limit": {"type": "integer", "minimum": 1, "maximum": 50},
+                    "filters": {"type": "object", "properties": {"year": {"type": "integer"}}},
+                },
+                "required": ["query"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "run_python",
+            "description": "Execute a Python snippet in a sandbox and return stdout, stderr and the exit code.",
+            "parameters": {
+                "type": "object",
+                "properties": {"code": {"type": "string"}, "timeout_s": {"type": "number"}},
+                "required": ["code"],
+            },
+        },
+    },
+]
+SYSTEM_PROMPTS = [
+    "You are a helpful assistant. Answer precisely and show your reasoning when it helps.",
+    "You are an expert software engineer. Prefer clear, tested code and explain trade-offs briefly.",
+]
+# Words per ~token: English prose in the Qwen3 vocabulary runs at about 1.3 tokens per word.
+PROMPT_WORDS = 190
+REASONING_WORDS = 420
+CONTENT_WORDS = 240
+TRUNCATED_SHARE = 0.02
+SAMPLES_PER_PROMPT = 2
+SHARD_COMPLETIONS = 512
+
+
+def _sentence(rng: random.Random, words: int) -> str:
+    chosen = rng.choices(WORDS, k=words)
+    chosen[0] = chosen[0].capitalize()
+    return " ".join(chosen) + rng.choice([".", ".", "?", "!", ":"])
+
+
+def _prose(rng: random.Random, words: int) -> str:
+    parts: list[str] = []
+    remaining = words
+    while remaining > 0:
+        size = min(remaining, rng.randint(8, 22))
+        parts.append(_sentence(rng, size))
+        remaining -= size
+    paragraphs = [" ".join(parts[i : i + 4]) for i in range(0, len(parts), 4)]
+    return "\n\n".join(paragraphs)
+
+
+def _identifier(rng: random.Random) -> str:
+    return "_".join(rng.choices(["load", "user", "cache", "index", "merge", "parse", "rows", "batch"], k=2))
+
+
+def _code(rng: random.Random) -> str:
+    template = rng.choice(CODE_TEMPLATES)
+    return template.format(
+        name=_identifier(rng),
+        a=rng.choice(["items", "values", "left"]),
+        b=rng.choice(["allowed", "right", "label"]),
+        cls="".join(word.capitalize() for word in _identifier(rng).split("_")),
+        what=rng.choice(WORDS),
+    )
+
+
+def _tool_call(rng: random.Random, index: int) -> ToolCall:
+    tool = rng.choice(TOOLS)["function"]
+    name = tool["name"]
+    arguments: dict[str, Any]
+    if name == "get_weather":
+        arguments = {"city": rng.choice(["Paris", "Berlin", "Tokyo"]), "unit": "celsius"}
+    elif name == "search_documents":
+        arguments = {"query": _sentence(rng, 6), "limit": rng.randint(3, 20), "filters": {"year": 2024}}
+    else:
+        arguments = {"code": _code(rng), "timeout_s": 10.0}
+    return ToolCall(id=f"call_{index}", function=FunctionCall(name=name, arguments=arguments))
+
+
+def _conversation(rng: random.Random, kind: str) -> tuple[list[Message], list[dict[str, Any]] | None]:
+    messages: list[Message] = []
+    if rng.random() < 0.5:
+        messages.append(Message(role="system", content=rng.choice(SYSTEM_PROMPTS)))
+    tools = TOOLS if kind == "tool" else None
+    if kind == "multi_turn":
+        messages.append(Message(role="user", content=_prose(rng, PROMPT_WORDS // 3)))
+        messages.append(Message(role="assistant", content=_prose(rng, PROMPT_WORDS // 3)))
+        messages.append(Message(role="user", content=_prose(rng, PROMPT_WORDS // 4)))
+    elif kind == "code":
+        request = _prose(rng, PROMPT_WORDS // 2)
+        messages.append(Message(role="user", content=f"{request}\n\n```python\n{_code(rng)}{_code(rng)}```"))
+    elif kind == "tool":
+        messages.append(Message(role="user", content=_prose(rng, PROMPT_WORDS // 3)))
+        if rng.random() < 0.6:
+            calls = [_tool_call(rng, index) for index in range(rng.randint(1, 2))]
+            messages.append(Message(role="assistant", content="", tool_calls=calls))
+            for call in calls:
+                messages.append(
+                    Message(role="tool", content=_prose(rng, 30), tool_call_id=call.id, name=call.function.name)
+                )
+    else:
+        messages.append(Message(role="user", content=_prose(rng, PROMPT_WORDS)))
+    return messages, tools
+
+
+def _completion(rng: random.Random, kind: str, thinking: bool, messages: list[Message]) -> AssistantCompletion:
+    reasoning = _prose(rng, REASONING_WORDS) if thinking else None
+    if kind == "tool" and messages[-1].role != "tool":
+        calls = [_tool_call(rng, index) for index in range(rng.randint(1, 3))]  # parallel calls
+        return AssistantCompletion(content=_sentence(rng, 12), reasoning_content=reasoning, tool_calls=calls)
+    words = CONTENT_WORDS if thinking else CONTENT_WORDS + REASONING_WORDS
+    content = _prose(rng, words)
+    if kind == "code":
+        content = f"{_prose(rng, words // 2)}\n\n```python\n{_code(rng)}{_code(rng)}```\n\n{_prose(rng, 30)}"
+    return AssistantCompletion(content=content, reasoning_content=reasoning)
+
+
+def make_completions(count: int, seed: int) -> list[CompletionRecord]:
+    """``count`` completions (``SAMPLES_PER_PROMPT`` per prompt), the same for the same seed.
+
+    Args:
+        count: Completions to make.
+        seed: Seed of every choice.
+
+    Returns:
+        The records, samples of one prompt next to each other.
+
+    """
+    rng = random.Random(seed)
+    records: list[CompletionRecord] = []
+    prompt_index = 0
+    while len(records) < count:
+        kind = rng.choices(["chat", "code", "tool", "multi_turn"], weights=[35, 30, 25, 10])[0]
+        thinking = rng.random() < 0.75
+        messages, tools = _conversation(rng, kind)
+        dataset = {"chat": "chat", "code": "code", "tool": "agent", "multi_turn": "chat"}[kind]
+        for sample in range(SAMPLES_PER_PROMPT):
+            completion = _completion(rng, kind, thinking, messages)
+            finish = "tool_calls" if completion.tool_calls else "stop"
+            if rng.random() < TRUNCATED_SHARE:
+                finish = "length"
+            records.append(
+                CompletionRecord(
+                    prompt_id=f"{dataset}-{prompt_index:07d}",
+                    sample_index=sample,
+                    dataset=dataset,
+                    messages=messages,
+                    tools=tools,
+                    completion=completion,
+                    finish_reason=finish,  # type: ignore[arg-type]
+                    usage=TokenUsage(prompt_tokens=340, completion_tokens=730),
+                    model="Qwen/Qwen3.6-27B",
+                    engine="sglang",
+                    server="http://127.0.0.1:30000",
+                    sampling=SamplingParams(enable_thinking=None if thinking else False),
+                    latency_s=12.5,
+                )
+            )
+            if len(records) == count:
+                break
+        prompt_index += 1
+    return records
+
+
+def write_run(root: Path, run_id: str, count: int, seed: int) -> RunLayout:
+    """Write ``count`` completions as a finished run under ``root`` (shards of ``SHARD_COMPLETIONS``).
+
+    Args:
+        root: Output store root (a local folder).
+        run_id: The run id.
+        count: Completions to write.
+        seed: Seed of the data.
+
+    Returns:
+        The run's layout.
+
+    """
+    store = Store(str(root))
+    layout = RunLayout(run_id)
+    records = make_completions(count, seed)
+    for index, start in enumerate(range(0, count, SHARD_COMPLETIONS)):
+        chunk = records[start : start + SHARD_COMPLETIONS]
+        dataset = "mixed"
+        store.write_jsonl(layout.completions(dataset, index), chunk)
+        store.write_jsonl(layout.failures(dataset, index), [])
+        summary = ShardSummary(
+            dataset=dataset,
+            shard_index=index,
+            requests=len(chunk),
+            completions=len(chunk),
+            failures=0,
+            prompt_tokens=0,
+            completion_tokens=0,
+            generation_s=1.0,
+            completions_path=layout.completions(dataset, index),
+            failures_path=layout.failures(dataset, index),
+        )
+        store.write_json(layout.shard_done(dataset, index), summary)
+    return layout
