@@ -2,8 +2,10 @@
 
 Reads every final completions shard whose done marker exists (sorted keys, so the row order is
 deterministic), drops what must not be trained on (truncated, empty, too long, not renderable), counting
-each drop by reason, tokenizes the rest with the target's tokenizer (:mod:`datagen.output.tokenize`), and writes
-write-once Parquet parts of at most ``tokenize.rows_per_part`` rows, holding at most one part in memory.
+each drop by reason, tokenizes the rest with the target's tokenizer on ``tokenize.workers`` processes
+(:mod:`datagen.output.tokenize_workers`, results consumed in shard order), and writes write-once Parquet parts of
+``tokenize.rows_per_part`` rows in row groups of ``tokenize.row_group_rows`` (:mod:`datagen.output.parts`),
+holding at most one part and a few shards in memory.
 Then it writes a dataset version manifest (``datasets/<name>/vNNNN.json``) listing the base version's
 shards (referenced, never rewritten) plus the new parts, and finally the tokenize summary.
 
@@ -15,33 +17,25 @@ checking that they still end at the same completion (each part records its last 
 from __future__ import annotations
 
 import datetime as dt
-import io
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.config import RunConfig
 from datagen.errors import ConfigError, OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
+from datagen.output.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
 from datagen.output.store import Store
-from datagen.output.tokenize import RejectedRow, TokenizedRow, load_tokenizer, tokenize_completion
-from datagen.records import CompletionRecord, utc_now
+from datagen.output.tokenize import TokenizerSpec, load_tokenizer
+from datagen.output.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
+from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
 
 DATASET_VERSION_SCHEMA = 1
-DROP_TRUNCATED = "truncated"
-DROP_EMPTY = "empty_completion"
-DROP_INVALID = "invalid_record"
-DROP_TEMPLATE = "template_mismatch"
-# Parquet key-value metadata of every part: where its last row came from, checked on resume.
-PART_LAST_SOURCE_KEY = b"datagen.last_source"
-PART_RUN_KEY = b"datagen.run_id"
 # How many times to step to the next version number when another writer took ours.
 MAX_VERSION_CLAIMS = 1000
 _SHARD_KEY = re.compile(r"/completions/(?P<dataset>[^/]+)/shard-(?P<index>\d+)\.jsonl$")
@@ -129,6 +123,18 @@ class _Tally:
         self.tokens_by_dataset: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
 
+    def add(self, shard: ShardRows) -> None:
+        """Count one tokenized shard."""
+        self.shards_read += 1
+        self.completions_read += shard.completions_read
+        self.dropped.update(shard.dropped)
+        self.rows += shard.rows
+        self.total_tokens += sum(shard.lengths)
+        self.loss_tokens += sum(shard.loss_tokens)
+        self.rows_by_dataset.update(shard.datasets)
+        for dataset, tokens in zip(shard.datasets, shard.lengths, strict=True):
+            self.tokens_by_dataset[dataset] += tokens
+
 
 def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> TokenizeSummary:
     """Tokenize every finished completion shard of a run into Parquet parts and a new dataset version.
@@ -150,7 +156,7 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         logger.info("merge already complete run_id=%s", layout.run_id)
         return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
     settings = config.tokenize
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    spec = TokenizerSpec.from_tokenizer(load_tokenizer(config.model.tokenizer))
     existing = _existing_parts(store, layout, settings.rows_per_part)
     base = read_base_version(store, settings.base_version) if settings.base_version else None
     shard_keys, incomplete = _finished_shards(store, layout)
@@ -162,35 +168,41 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
     ]
     skip_rows = sum(part.rows for part in existing)
     boundaries = _cumulative_boundaries(existing)
-    buffer: list[TokenizedRow] = []
-    last_source = ""
-    for source, record in _iter_completions(store, shard_keys, tally):
-        row = _screen_and_tokenize(
-            tokenizer, record, settings.include_truncated, settings.max_length_tokens, tally
-        )
-        if row is None:
-            continue
-        tally.rows += 1
-        tally.total_tokens += row.num_tokens
-        tally.loss_tokens += row.num_loss_tokens
-        tally.rows_by_dataset[row.dataset] += 1
-        tally.tokens_by_dataset[row.dataset] += row.num_tokens
-        if tally.rows <= skip_rows:
-            _check_resumed_boundary(boundaries, tally.rows, source)
-            continue
-        buffer.append(row)
-        last_source = source
-        if len(buffer) >= settings.rows_per_part:
-            parts.append(_write_part(store, layout, len(parts), buffer, last_source))
-            buffer = []
+    writer = PartWriter(
+        store,
+        layout,
+        rows_per_part=settings.rows_per_part,
+        row_group_rows=settings.row_group_rows,
+        first_index=len(existing),
+        on_part=lambda key, url, rows: parts.append(
+            TokenizedPartRef(key=key, url=url, rows=rows, source=layout.run_id)
+        ),
+    )
+    job = TokenizeJob(
+        spec=spec,
+        max_length_tokens=settings.max_length_tokens,
+        include_truncated=settings.include_truncated,
+        answer_render=settings.answer_render,
+    )
+    workers = settings.workers or available_cores()
+    logger.info("merging run_id=%s shards=%d workers=%d", layout.run_id, len(shard_keys), workers)
+    for shard in tokenize_shards(job, store, shard_keys, workers):
+        first_row = tally.rows
+        tally.add(shard)
+        sources = [f"{shard.key}#{line}" for line in shard.lines]
+        for end in boundaries:
+            if first_row < end <= tally.rows:
+                _check_resumed_boundary(boundaries, end, sources[end - first_row - 1])
+        skip = min(shard.rows, max(0, skip_rows - first_row))
+        if skip < shard.rows:
+            writer.add(shard_table(shard).slice(skip), sources[skip:])
     if tally.rows < skip_rows:
         raise TokenizeError(
             f"Run {layout.run_id}: an earlier attempt wrote {skip_rows} tokenized rows but the completions "
             f"now yield only {tally.rows}. The completions changed since; start a new run id.",
             run_id=layout.run_id,
         )
-    if buffer:
-        parts.append(_write_part(store, layout, len(parts), buffer, last_source))
+    writer.close()
 
     version_key, version = _write_dataset_version(store, layout, config, parts, base)
     summary = TokenizeSummary(
@@ -250,83 +262,6 @@ def _finished_shards(store: Store, layout: RunLayout) -> tuple[list[str], list[s
             "completion shards without done marker skipped count=%d first=%s", len(incomplete), incomplete[0]
         )
     return finished, incomplete
-
-
-def _iter_completions(
-    store: Store, shard_keys: list[str], tally: _Tally
-) -> Iterator[tuple[str, CompletionRecord]]:
-    """Stream ``(source, record)`` over every shard in order; ``source`` is ``<key>#<line>``."""
-    for key in shard_keys:
-        tally.shards_read += 1
-        for line, data in enumerate(store.iter_jsonl(key)):
-            tally.completions_read += 1
-            try:
-                record = CompletionRecord.model_validate(data)
-            except ValidationError as error:
-                tally.dropped[DROP_INVALID] += 1
-                logger.warning("invalid completion record key=%s line=%d error=%s", key, line, error)
-                continue
-            yield f"{key}#{line}", record
-
-
-def _screen_and_tokenize(
-    tokenizer: Any,
-    record: CompletionRecord,
-    include_truncated: bool,
-    max_length_tokens: int | None,
-    tally: _Tally,
-) -> TokenizedRow | None:
-    """The record's training row, or None after counting why it is dropped."""
-    if record.finish_reason == "length" and not include_truncated:
-        tally.dropped[DROP_TRUNCATED] += 1
-        return None
-    completion = record.completion
-    if not (completion.content and completion.content.strip()) and not completion.tool_calls:
-        tally.dropped[DROP_EMPTY] += 1
-        return None
-    try:
-        row = tokenize_completion(tokenizer, record, max_length_tokens=max_length_tokens)
-    except TokenizeError as error:
-        # One odd record must not sink the merge; a systematic mismatch shows as a large count in the report.
-        tally.dropped[DROP_TEMPLATE] += 1
-        logger.warning("completion not renderable key=%s error=%s", record.key, error)
-        return None
-    if isinstance(row, RejectedRow):
-        tally.dropped[row.reason] += 1
-        return None
-    return row
-
-
-def _write_part(
-    store: Store, layout: RunLayout, index: int, rows: list[TokenizedRow], last_source: str
-) -> TokenizedPartRef:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    schema = pa.schema(
-        [
-            pa.field("input_ids", pa.list_(pa.int32())),
-            pa.field("loss_mask", pa.list_(pa.int8())),
-            pa.field("prompt_id", pa.string()),
-            pa.field("sample_index", pa.int32()),
-            pa.field("dataset", pa.string()),
-            pa.field("num_tokens", pa.int32()),
-            pa.field("num_loss_tokens", pa.int32()),
-            pa.field("finish_reason", pa.string()),
-        ],
-        metadata={PART_LAST_SOURCE_KEY: last_source.encode(), PART_RUN_KEY: layout.run_id.encode()},
-    )
-    columns: dict[str, list[Any]] = {name: [] for name in schema.names}
-    for row in rows:
-        for name in schema.names:
-            columns[name].append(getattr(row, name))
-    table = pa.Table.from_pydict(columns, schema=schema)
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
-    key = layout.tokenized_part(index)
-    info = store.write_bytes(key, sink.getvalue())
-    logger.info("wrote tokenized part key=%s rows=%d bytes=%d", key, len(rows), info.size_bytes)
-    return TokenizedPartRef(key=key, url=info.url, rows=len(rows), source=layout.run_id)
 
 
 def _existing_parts(store: Store, layout: RunLayout, rows_per_part: int) -> list[_ExistingPart]:

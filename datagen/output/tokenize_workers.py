@@ -1,0 +1,226 @@
+"""Tokenize completion shards in worker processes, in order, with bounded memory.
+
+Each task is one finished completions shard, read by the parent (so workers need no storage credentials) and
+sent as bytes: a worker splits its JSON lines, validates them, drops what
+must not be trained on (counting why), tokenizes the rest in batches (:class:`~datagen.output.tokenize.RowTokenizer`)
+and returns the rows in columnar form (flat ``int32`` token ids, an ``int8`` mask, row lengths), which the
+parent turns into Arrow without touching Python ints. The parent consumes results in shard order, with at
+most ``2 x workers`` shards in flight, so the output order is deterministic and memory does not grow with the
+number of rows. Workers are started with ``spawn`` (safe next to the threads of a Prefect task run) and
+rebuild the Rust tokenizer from its serialized form rather than importing ``AutoTokenizer``.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+from array import array
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from datagen.errors import TokenizeError
+from datagen.output.store import Store
+from datagen.output.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer, TokenizerSpec
+from datagen.records import CompletionRecord
+
+logger = logging.getLogger(__name__)
+
+DROP_TRUNCATED = "truncated"
+DROP_EMPTY = "empty_completion"
+DROP_INVALID = "invalid_record"
+DROP_TEMPLATE = "template_mismatch"
+# Completions per tokenizer call: large enough to amortize the per-call cost, small enough (~1 MB of text)
+# that a batch never dominates a worker's memory.
+BATCH_COMPLETIONS = 256
+# Shards in flight per worker: one being tokenized, one queued, so no worker waits on the parent.
+IN_FLIGHT_PER_WORKER = 2
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity set, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class TokenizeJob:
+    """Everything a worker needs, sent once when it starts.
+
+    Attributes:
+        spec: The target tokenizer (:class:`TokenizerSpec`).
+        max_length_tokens: Longer rows are dropped as ``too_long``.
+        include_truncated: Keep completions that hit max_tokens.
+        answer_render: See :class:`~datagen.output.tokenize.RowTokenizer`.
+
+    """
+
+    spec: TokenizerSpec
+    max_length_tokens: int | None
+    include_truncated: bool
+    answer_render: AnswerRender = "auto"
+
+
+@dataclass
+class ShardRows:
+    """The rows of one completions shard, columnar, plus what was read and dropped.
+
+    Attributes:
+        key: The shard's key.
+        completions_read: JSON lines read.
+        dropped: Completions not kept, by reason.
+        lines: Source line (0-based) of each row, for the resume check.
+        lengths: Tokens per row.
+        input_ids: Every row's ids, concatenated.
+        loss_mask: Every row's mask, concatenated (0/1 bytes).
+
+    """
+
+    key: str
+    completions_read: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+    lines: list[int] = field(default_factory=list)
+    prompt_ids: list[str] = field(default_factory=list)
+    sample_indices: list[int] = field(default_factory=list)
+    datasets: list[str] = field(default_factory=list)
+    finish_reasons: list[str] = field(default_factory=list)
+    tokenized_from: list[str] = field(default_factory=list)
+    lengths: array[int] = field(default_factory=lambda: array("i"))
+    loss_tokens: array[int] = field(default_factory=lambda: array("i"))
+    input_ids: array[int] = field(default_factory=lambda: array("i"))
+    loss_mask: bytearray = field(default_factory=bytearray)
+
+    @property
+    def rows(self) -> int:
+        """Rows kept."""
+        return len(self.lines)
+
+    def add(self, line: int, record: CompletionRecord, row: EncodedRow) -> None:
+        """Append one row."""
+        size = len(row.input_ids)
+        self.lines.append(line)
+        self.prompt_ids.append(record.prompt_id)
+        self.sample_indices.append(record.sample_index)
+        self.datasets.append(record.dataset)
+        self.finish_reasons.append(record.finish_reason)
+        self.tokenized_from.append(row.tokenized_from)
+        self.lengths.append(size)
+        self.loss_tokens.append(row.loss_end - row.loss_start)
+        self.input_ids.extend(row.input_ids)
+        self.loss_mask += bytes(row.loss_start)
+        self.loss_mask += b"\x01" * (row.loss_end - row.loss_start)
+        self.loss_mask += bytes(size - row.loss_end)
+
+
+class ShardTokenizer:
+    """Tokenizes whole shards with one :class:`RowTokenizer` (one per process)."""
+
+    def __init__(self, job: TokenizeJob) -> None:
+        self.job = job
+        self.rows = RowTokenizer(
+            job.spec, max_length_tokens=job.max_length_tokens, answer_render=job.answer_render
+        )
+
+    def tokenize_shard(self, key: str, data: bytes) -> ShardRows:
+        """Screen and tokenize one shard's JSON lines (see the module docstring)."""
+        result = ShardRows(key)
+        batch: list[tuple[int, CompletionRecord]] = []
+        for line, raw in enumerate(data.splitlines()):
+            if not raw.strip():
+                continue
+            result.completions_read += 1
+            record = self._screen(key, line, raw, result)
+            if record is None:
+                continue
+            batch.append((line, record))
+            if len(batch) >= BATCH_COMPLETIONS:
+                self._tokenize_batch(batch, result)
+                batch = []
+        if batch:
+            self._tokenize_batch(batch, result)
+        return result
+
+    def _screen(self, key: str, line: int, raw: bytes, result: ShardRows) -> CompletionRecord | None:
+        try:
+            record = CompletionRecord.model_validate_json(raw)
+        except ValidationError as error:
+            result.dropped[DROP_INVALID] += 1
+            logger.warning("invalid completion record key=%s line=%d error=%s", key, line, error)
+            return None
+        if record.finish_reason == "length" and not self.job.include_truncated:
+            result.dropped[DROP_TRUNCATED] += 1
+            return None
+        completion = record.completion
+        if not (completion.content and completion.content.strip()) and not completion.tool_calls:
+            if not completion.output_token_ids:
+                result.dropped[DROP_EMPTY] += 1
+                return None
+        return record
+
+    def _tokenize_batch(self, batch: list[tuple[int, CompletionRecord]], result: ShardRows) -> None:
+        encoded = self.rows.encode([record for _, record in batch])
+        for (line, record), row in zip(batch, encoded, strict=True):
+            if isinstance(row, TokenizeError):
+                # One odd record must not sink the merge; a systematic mismatch shows as a large count.
+                result.dropped[DROP_TEMPLATE] += 1
+                logger.warning("completion not renderable key=%s error=%s", record.key, row)
+            elif isinstance(row, RejectedRow):
+                result.dropped[row.reason] += 1
+            else:
+                result.add(line, record, row)
+
+
+_worker: ShardTokenizer | None = None
+
+
+def _start_worker(job: TokenizeJob) -> None:
+    global _worker
+    # One process per core already: the tokenizer's own thread pool would only oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _worker = ShardTokenizer(job)
+
+
+def _tokenize_in_worker(key: str, data: bytes) -> ShardRows:
+    assert _worker is not None, "worker used before _start_worker"
+    return _worker.tokenize_shard(key, data)
+
+
+def tokenize_shards(job: TokenizeJob, store: Store, keys: list[str], workers: int) -> Iterator[ShardRows]:
+    """Tokenize shards on ``workers`` processes (in this process when 1), yielding results in ``keys`` order.
+
+    Args:
+        job: What to tokenize with.
+        store: Where the shards are (read here, in the parent).
+        keys: Shard keys, in output order.
+        workers: Worker processes.
+
+    Yields:
+        One :class:`ShardRows` per key, in order.
+
+    """
+    if workers <= 1 or len(keys) <= 1:
+        local = ShardTokenizer(job)
+        for key in keys:
+            yield local.tokenize_shard(key, store.read_bytes(key))
+        return
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(min(workers, len(keys)), initializer=_start_worker, initargs=(job,)) as pool:
+        pending: deque[Any] = deque()
+        queued = iter(keys)
+        limit = workers * IN_FLIGHT_PER_WORKER
+        for key in queued:
+            pending.append(pool.apply_async(_tokenize_in_worker, (key, store.read_bytes(key))))
+            if len(pending) >= limit:
+                break
+        while pending:
+            result: ShardRows = pending.popleft().get()
+            next_key = next(queued, None)
+            if next_key is not None:
+                pending.append(pool.apply_async(_tokenize_in_worker, (next_key, store.read_bytes(next_key))))
+            yield result
