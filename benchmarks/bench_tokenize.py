@@ -182,7 +182,14 @@ def measure(name: str, root: Path, tokenizer: Path, procs: int) -> dict[str, Any
     shutil.copytree(root, data)  # datagen writes its parts into the run; every contender starts clean
     out = work / "outputs.json"
     command = [sys.executable, __file__, "--run-one", name, str(data), str(tokenizer), str(procs), str(out)]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_DATASETS_DISABLE_PROGRESS_BARS": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(work / "hf-home"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
     peak = 0
     process = subprocess.Popen(command, env=env)
     stop = threading.Event()
