@@ -298,7 +298,7 @@ class TokenizerSpec:
             TokenizeError: The template failed to render these messages.
 
         """
-        from transformers.utils.chat_template_utils import _alias_reasoning_fields, _compile_jinja_template
+        from transformers.utils import chat_template_utils
 
         variables: dict[str, Any] = dict(self.special_tokens)
         if enable_thinking is not None:
@@ -306,8 +306,10 @@ class TokenizerSpec:
         try:
             # apply_chat_template minus its per-call input conversion (a quarter of the render time, and
             # needless for plain JSON): transformers' cached sandboxed template and its reasoning aliases.
-            text = _compile_jinja_template(self.chat_template).render(
-                messages=_alias_reasoning_fields(messages),
+            # Releases before 5.2x do not alias reasoning fields; do exactly what the installed one does.
+            alias = getattr(chat_template_utils, "_alias_reasoning_fields", None)
+            text = chat_template_utils._compile_jinja_template(self.chat_template).render(
+                messages=alias(messages) if alias else messages,
                 tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,

@@ -177,17 +177,23 @@ class ShardTokenizer:
 
 
 _worker: ShardTokenizer | None = None
+_worker_error: BaseException | None = None
 
 
 def _start_worker(job: TokenizeJob) -> None:
-    global _worker
+    global _worker, _worker_error
     # One process per core already: the tokenizer's own thread pool would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    _worker = ShardTokenizer(job)
+    try:
+        _worker = ShardTokenizer(job)
+    except Exception as error:
+        # A Pool restarts workers whose initializer raises, forever: keep the error for the first task instead.
+        _worker_error = error
 
 
 def _tokenize_in_worker(key: str, data: bytes) -> ShardRows:
-    assert _worker is not None, "worker used before _start_worker"
+    if _worker is None:
+        raise _worker_error or RuntimeError("tokenizer worker used before it started")
     return _worker.tokenize_shard(key, data)
 
 
