@@ -26,6 +26,8 @@ app = typer.Typer(
 )
 datasets_app = typer.Typer(help="Look at prompt datasets without starting anything.", no_args_is_help=True)
 app.add_typer(datasets_app, name="datasets")
+corpus_app = typer.Typer(help="The existing training corpus.", no_args_is_help=True)
+app.add_typer(corpus_app, name="corpus")
 
 EXIT_CONFIG_ERROR = 2
 EXIT_RUN_FAILED = 1
@@ -271,6 +273,43 @@ def demo(
     from datagen.app.demo import run_demo
 
     sys.exit(run_demo(run_id, _flow_loader(ctx)))
+
+
+@corpus_app.command("adopt")
+def corpus_adopt(
+    url: Annotated[str, typer.Argument(help="The existing corpus (read only): a folder or s3://bucket/prefix.")],
+    output: Annotated[str, typer.Option(help="Output store root for the manifest: a folder or s3://...")],
+    name: Annotated[str, typer.Option(help="Dataset name of the version.")] = "existing-corpus",
+    category_field: Annotated[
+        str | None, typer.Option(help="Column / record field holding each row's category.")
+    ] = None,
+    category_key_pattern: Annotated[
+        str | None, typer.Option(help="Regex with a `category` group, searched in each object key.")
+    ] = None,
+) -> None:
+    """Reference the existing corpus in place as a base dataset version (nothing under URL is written)."""
+    from pydantic import ValidationError
+
+    from datagen.errors import DatagenError
+    from datagen.output.corpus import CategoryRule, adopt_corpus
+    from datagen.output.store import Store
+
+    try:
+        rule = CategoryRule(field=category_field, key_pattern=category_key_pattern)
+        adopted = adopt_corpus(url, Store(output, protected_prefixes=[url]), name=name, rule=rule)
+    except ValidationError as error:
+        _fail(f"invalid category rule: {error}", EXIT_CONFIG_ERROR)
+    except DatagenError as error:
+        _fail(f"corpus adopt failed: {error}", EXIT_RUN_FAILED)
+    version = adopted.version
+    typer.echo(
+        f"adopted {url}: {len(version.shards)} parts ({version.rows} rows), "
+        f"{len(version.completion_sources)} completions files "
+        f"({sum(source.rows for source in version.completion_sources)} rows)\n"
+        f"  categories {json.dumps(version.categories)}\n"
+        f"  version    {adopted.version_url}\n"
+        f"  next runs: set tokenize.base_version: {adopted.version_url}"
+    )
 
 
 def main(load_flow: FlowLoader) -> None:

@@ -51,7 +51,26 @@ class TokenizedPartRef(BaseModel):
     key: str | None = Field(default=None, description="Object key relative to the store root, for new parts.")
     url: str = Field(description="Full location of the part.")
     rows: int
-    source: str = Field(description="Run id that produced it, or 'base:<version url>' for inherited shards.")
+    source: str = Field(
+        description="Run id that produced it, 'base:<version url>' for inherited shards, 'adopted:<corpus url>' "
+        "for parts of an adopted corpus."
+    )
+    size_bytes: int | None = Field(default=None, description="Object size, recorded for adopted parts.")
+    sha256: str | None = Field(default=None, description="Object checksum, recorded for adopted parts.")
+    tokens: int | None = Field(default=None, description="Tokens in the part, when counted.")
+    loss_tokens: int | None = Field(default=None, description="Trained-on tokens in the part, when counted.")
+
+
+class CompletionSourceRef(BaseModel):
+    """A completions file of an adopted corpus: referenced (never copied), validated and counted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    rows: int
+    size_bytes: int
+    sha256: str
+    usage_tokens: int = Field(description="Prompt + completion tokens the records' usage reports.")
 
 
 class DatasetVersion(BaseModel):
@@ -70,6 +89,19 @@ class DatasetVersion(BaseModel):
     base_version: str | None = None
     rows: int
     shards: list[TokenizedPartRef]
+    adopted_from: str | None = Field(
+        default=None, description="Corpus URL this version adopted in place (`datagen corpus adopt`)."
+    )
+    completion_sources: list[CompletionSourceRef] = Field(
+        default_factory=list, description="Completions files of an adopted corpus (referenced, not parts)."
+    )
+    categories: dict[str, int] = Field(
+        default_factory=dict, description="Rows per category of an adopted corpus, by its category rule."
+    )
+
+    def parquet_urls(self) -> list[str]:
+        """Every Parquet part of the training set, base versions' included, in order: what a reader loads."""
+        return [shard.url for shard in self.shards]
 
 
 class TokenizeSummary(BaseModel):
@@ -360,15 +392,21 @@ def _write_dataset_version(
             # An interrupted attempt of this run already published its version: reuse it, never add a second.
             return key, DatasetVersion.model_validate(stored)
     inherited: list[TokenizedPartRef] = []
+    inherited_sources: list[CompletionSourceRef] = []
     base_url: str | None = None
     if base is not None:
         base_url, base_version = base
         inherited = [
             shard.model_copy(
-                update={"source": shard.source if shard.source.startswith("base:") else f"base:{base_url}"}
+                update={
+                    "source": shard.source
+                    if shard.source.startswith(("base:", "adopted:"))
+                    else f"base:{base_url}"
+                }
             )
             for shard in base_version.shards
         ]
+        inherited_sources = list(base_version.completion_sources)
     shards = [*inherited, *parts]
     number = max(numbers, default=0) + 1
     for _ in range(MAX_VERSION_CLAIMS):
@@ -379,6 +417,7 @@ def _write_dataset_version(
             base_version=base_url,
             rows=sum(shard.rows for shard in shards),
             shards=shards,
+            completion_sources=inherited_sources,
         )
         key = dataset_version(name, number)
         try:
