@@ -213,13 +213,21 @@ def measure(name: str, root: Path, tokenizer: Path, procs: int) -> dict[str, Any
     sampler.join()
     if code != 0:
         raise SystemExit(f"{name} failed with exit code {code}")
-    result = {"name": name, "wall_s": wall_s, "cpu_s": cpu_s, "peak_rss_mib": peak / 2**20, **digest(json.loads(out.read_text()))}
+    result = {
+        "name": name,
+        "wall_s": wall_s,
+        "cpu_s": cpu_s,
+        "peak_rss_mib": peak / 2**20,
+        **digest(json.loads(out.read_text())),
+    }
     shutil.rmtree(work)
     return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--sizes", type=int, nargs="+", default=[20_000, 80_000])
     parser.add_argument("--procs", type=int, default=2, help="Processes for every contender.")
     parser.add_argument("--repeats", type=int, default=2, help="Runs per contender and size (interleaved).")
@@ -238,7 +246,9 @@ def main() -> None:
 
     base = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     tokenizer = build_qwen_tokenizer_dir(base / "tokenizer", args.template)
-    print(f"machine: {os.cpu_count()} cores, load {os.getloadavg()}; procs={args.procs}; template={args.template}")
+    print(
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()}; procs={args.procs}; template={args.template}"
+    )
     report: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for size in args.sizes:
         root = base / f"data-{size}"
@@ -296,7 +306,8 @@ def _print_report(report: dict[int, dict[str, list[dict[str, Any]]]], procs: int
                     )
     if "datagen" in next(iter(report.values())) and len(report) > 1:
         peaks = [
-            statistics.median(result["peak_rss_mib"] for result in runs["datagen"]) for runs in report.values()
+            statistics.median(result["peak_rss_mib"] for result in runs["datagen"])
+            for runs in report.values()
         ]
         print(f"datagen peak RSS, largest / smallest size: {max(peaks) / min(peaks):.3f}")
     if failures:

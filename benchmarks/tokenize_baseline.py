@@ -34,7 +34,8 @@ def _assistant(completion: dict[str, Any]) -> dict[str, Any]:
         message["reasoning_content"] = completion["reasoning_content"]
     if completion.get("tool_calls"):
         message["tool_calls"] = [
-            {key: value for key, value in call.items() if value is not None} for call in completion["tool_calls"]
+            {key: value for key, value in call.items() if value is not None}
+            for call in completion["tool_calls"]
         ]
     return message
 

@@ -26,7 +26,7 @@ from datagen.records import (
     ToolCall,
 )
 
-WORDS = (
+_WORD_TEXT = (
     "the of and to in is that for it as with was on be by this are or at from which an have not but can all "
     "value function return list data model request server token cache memory thread process file path "
     "error result query index table column row batch shard version config option default number string "
@@ -38,18 +38,19 @@ WORDS = (
     "probability distribution gradient matrix vector sum product average median variance sequence "
     "Paris Berlin Tokyo London weather temperature forecast city country population history science "
     "we should first consider how the approach works then verify that edge cases are handled correctly"
-).split()
+)
+WORDS = _WORD_TEXT.split()
 CODE_TEMPLATES = [
-    "def {name}({a}, {b}):\n    \"\"\"Return the {what} of {a} and {b}.\"\"\"\n    if not {a}:\n        return {b}\n"
+    'def {name}({a}, {b}):\n    """Return the {what} of {a} and {b}."""\n    if not {a}:\n        return {b}\n'
     "    result = []\n    for item in {a}:\n        if item in {b}:\n            result.append(item * 2)\n"
     "    return sorted(result, key=lambda x: -x)\n",
-    "class {cls}:\n    def __init__(self, {a}: int, {b}: str = \"{what}\") -> None:\n        self.{a} = {a}\n"
+    'class {cls}:\n    def __init__(self, {a}: int, {b}: str = "{what}") -> None:\n        self.{a} = {a}\n'
     "        self.{b} = {b}\n        self._cache: dict[str, int] = {{}}\n\n    def {name}(self) -> int:\n"
-    "        key = f\"{{self.{b}}}:{{self.{a}}}\"\n        if key not in self._cache:\n"
+    '        key = f"{{self.{b}}}:{{self.{a}}}"\n        if key not in self._cache:\n'
     "            self._cache[key] = len(self.{b}) + self.{a} ** 2\n        return self._cache[key]\n",
     "import json\nfrom pathlib import Path\n\n\ndef {name}(path: Path) -> list[dict]:\n"
     "    rows = []\n    with path.open() as handle:\n        for line in handle:\n            record = json.loads(line)\n"
-    "            if record.get(\"{what}\") is None:\n                continue\n            rows.append(record)\n"
+    '            if record.get("{what}") is None:\n                continue\n            rows.append(record)\n'
     "    return rows\n",
 ]
 TOOLS = [
@@ -174,14 +175,18 @@ def _conversation(rng: random.Random, kind: str) -> tuple[list[Message], list[di
             messages.append(Message(role="assistant", content="", tool_calls=calls))
             for call in calls:
                 messages.append(
-                    Message(role="tool", content=_prose(rng, 30), tool_call_id=call.id, name=call.function.name)
+                    Message(
+                        role="tool", content=_prose(rng, 30), tool_call_id=call.id, name=call.function.name
+                    )
                 )
     else:
         messages.append(Message(role="user", content=_prose(rng, PROMPT_WORDS)))
     return messages, tools
 
 
-def _completion(rng: random.Random, kind: str, thinking: bool, messages: list[Message]) -> AssistantCompletion:
+def _completion(
+    rng: random.Random, kind: str, thinking: bool, messages: list[Message]
+) -> AssistantCompletion:
     reasoning = _prose(rng, REASONING_WORDS) if thinking else None
     if kind == "tool" and messages[-1].role != "tool":
         calls = [_tool_call(rng, index) for index in range(rng.randint(1, 3))]  # parallel calls

@@ -277,7 +277,9 @@ def demo(
 
 @corpus_app.command("adopt")
 def corpus_adopt(
-    url: Annotated[str, typer.Argument(help="The existing corpus (read only): a folder or s3://bucket/prefix.")],
+    url: Annotated[
+        str, typer.Argument(help="The existing corpus (read only): a folder or s3://bucket/prefix.")
+    ],
     output: Annotated[str, typer.Option(help="Output store root for the manifest: a folder or s3://...")],
     name: Annotated[str, typer.Option(help="Dataset name of the version.")] = "existing-corpus",
     category_field: Annotated[

@@ -88,7 +88,9 @@ class AdoptedCorpus(BaseModel):
     version: DatasetVersion
 
 
-def adopt_corpus(corpus_url: str, output: Store, *, name: str, rule: CategoryRule | None = None) -> AdoptedCorpus:
+def adopt_corpus(
+    corpus_url: str, output: Store, *, name: str, rule: CategoryRule | None = None
+) -> AdoptedCorpus:
     """Reference every object under ``corpus_url`` in a new dataset version written to ``output``.
 
     Args:
@@ -143,7 +145,9 @@ def _adopt_part(corpus: Store, key: str, rule: CategoryRule) -> tuple[TokenizedP
         names = set(parquet.schema_arrow.names)
         missing = {"input_ids", "loss_mask"} - names
         if missing:
-            raise DatasetError(f"{url} lacks the column(s) {sorted(missing)}; it is not a tokenized training part.")
+            raise DatasetError(
+                f"{url} lacks the column(s) {sorted(missing)}; it is not a tokenized training part."
+            )
         column = rule.field if rule.field in names else None
         tokens = loss_tokens = rows = 0
         counts: Counter[str] = Counter()
@@ -173,7 +177,9 @@ def _adopt_part(corpus: Store, key: str, rule: CategoryRule) -> tuple[TokenizedP
     return part, counts
 
 
-def _adopt_completions(corpus: Store, key: str, rule: CategoryRule) -> tuple[CompletionSourceRef, Counter[str]]:
+def _adopt_completions(
+    corpus: Store, key: str, rule: CategoryRule
+) -> tuple[CompletionSourceRef, Counter[str]]:
     """Validate and count one completions JSONL file while streaming it through SHA-256."""
     url = corpus.url(key)
     digest = hashlib.sha256()
@@ -198,7 +204,14 @@ def _adopt_completions(corpus: Store, key: str, rule: CategoryRule) -> tuple[Com
 
 
 def _count_line(
-    url: str, line: int, raw: bytes, rule: CategoryRule, key: str, counts: Counter[str], rows: int, tokens: int
+    url: str,
+    line: int,
+    raw: bytes,
+    rule: CategoryRule,
+    key: str,
+    counts: Counter[str],
+    rows: int,
+    tokens: int,
 ) -> tuple[int, int]:
     if not raw.strip():
         return rows, tokens
@@ -228,7 +241,11 @@ def _publish(
             continue
         numbers.append(int(match["version"]))
         stored = DatasetVersion.model_validate(json.loads(output.read_bytes(key)))
-        if stored.adopted_from == corpus_url and stored.shards == shards and stored.completion_sources == sources:
+        if (
+            stored.adopted_from == corpus_url
+            and stored.shards == shards
+            and stored.completion_sources == sources
+        ):
             logger.info("corpus already adopted key=%s", key)
             return AdoptedCorpus(version_key=key, version_url=output.url(key), version=stored)
     number = max(numbers, default=0) + 1
@@ -249,6 +266,10 @@ def _publish(
         except OutputExistsError:
             number += 1
             continue
-        logger.info("wrote adopted version key=%s parts=%d completion_files=%d", key, len(shards), len(sources))
+        logger.info(
+            "wrote adopted version key=%s parts=%d completion_files=%d", key, len(shards), len(sources)
+        )
         return AdoptedCorpus(version_key=key, version_url=output.url(key), version=version)
-    raise DatasetError(f"Could not claim a version number for dataset {name} after {MAX_VERSION_CLAIMS} tries.")
+    raise DatasetError(
+        f"Could not claim a version number for dataset {name} after {MAX_VERSION_CLAIMS} tries."
+    )

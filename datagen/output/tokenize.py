@@ -13,7 +13,7 @@ closing ``<|im_end|>`` the template adds is not trained on either.
 
 How it is computed without character offsets: the fast tokenizer splits text on added tokens (``<|im_start|>``,
 ``<think>``...) before anything else, so the token ids of ``prompt + answer`` are the ids of the prompt up to
-its last added token ("head") followed by the ids of the rest of the prompt ("tail", e.g. ``"\\n"`` after
+its last added token ("head") followed by the ids of the rest of the prompt ("tail", e.g. a newline after
 ``<think>``) plus the answer, tokenized together. Only that window is tokenized per row; the head's ids come
 from the prompt, tokenized once per prompt and shared by its samples. When the window's first ids equal the
 tail's own ids, the answer starts on a token boundary and the mask starts right after the tail; otherwise (BPE
@@ -46,9 +46,9 @@ END_OF_TURN_TOKEN = "<|im_end|>"
 # Finish reasons meaning the model emitted its end-of-turn token itself.
 ENDED_TURN_REASONS = frozenset({"stop", "tool_calls"})
 REJECT_TOO_LONG = "too_long"
-TOKENIZED_FROM_TEXT = "text"
-TOKENIZED_FROM_IDS = "ids"
 TokenizedFrom = Literal["text", "ids"]
+TOKENIZED_FROM_TEXT: TokenizedFrom = "text"
+TOKENIZED_FROM_IDS: TokenizedFrom = "ids"
 # Prompt renders kept for the samples that follow: samples of one prompt sit next to each other in a shard,
 # so a few thousand entries cover any realistic samples_per_prompt while bounding memory (~2 KB each).
 PROMPT_CACHE_ENTRIES = 4096
@@ -61,7 +61,11 @@ _PROBE_TOOLS: list[dict[str, Any]] = [
         "function": {
             "name": "lookup",
             "description": "Look a word up.",
-            "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+            "parameters": {
+                "type": "object",
+                "properties": {"word": {"type": "string"}},
+                "required": ["word"],
+            },
         },
     }
 ]
@@ -315,7 +319,9 @@ class TokenizerSpec:
                 add_generation_prompt=add_generation_prompt,
                 **variables,
             )
-        except Exception as error:  # jinja raises many types (TemplateError, TypeError...): all mean "cannot render"
+        except (
+            Exception
+        ) as error:  # jinja raises many types (TemplateError, TypeError...): all mean "cannot render"
             raise TokenizeError(f"The chat template failed to render the conversation: {error}") from error
         if not isinstance(text, str):
             raise TokenizeError(f"The chat template returned {type(text).__name__}, expected text")
@@ -457,7 +463,10 @@ class RowTokenizer:
         if not prompt.text.endswith(generation_prompt):
             return None
         turn = self.spec.render(
-            [*(message.to_chat_dict() for message in ANSWER_CONTEXT), assistant_message(record).to_chat_dict()],
+            [
+                *(message.to_chat_dict() for message in ANSWER_CONTEXT),
+                assistant_message(record).to_chat_dict(),
+            ],
             tools=None,
             add_generation_prompt=False,
             enable_thinking=thinking,
@@ -628,7 +637,7 @@ def _probe_record(
 
 
 def _token_id(backend: Any, token: str) -> int:
-    token_id = backend.token_to_id(token)
+    token_id: int | None = backend.token_to_id(token)
     if token_id is None:
         raise TokenizeError(
             f"The tokenizer has no {token} token; datagen renders Qwen-style chat turns ending with it. "

@@ -157,10 +157,10 @@ class ShardTokenizer:
             result.dropped[DROP_TRUNCATED] += 1
             return None
         completion = record.completion
-        if not (completion.content and completion.content.strip()) and not completion.tool_calls:
-            if not completion.output_token_ids:
-                result.dropped[DROP_EMPTY] += 1
-                return None
+        has_text = bool(completion.content and completion.content.strip()) or bool(completion.tool_calls)
+        if not has_text and not completion.output_token_ids:
+            result.dropped[DROP_EMPTY] += 1
+            return None
         return record
 
     def _tokenize_batch(self, batch: list[tuple[int, CompletionRecord]], result: ShardRows) -> None:

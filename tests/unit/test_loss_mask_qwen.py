@@ -115,7 +115,9 @@ def generated_text(tokenizer: Any, rec: CompletionRecord) -> str:
     return full[len(prompt) : turn_end + (len(END) if ended else 0)]
 
 
-def assert_mask_exact(tokenizer: Any, rec: CompletionRecord, input_ids: list[int], loss_mask: list[int]) -> None:
+def assert_mask_exact(
+    tokenizer: Any, rec: CompletionRecord, input_ids: list[int], loss_mask: list[int]
+) -> None:
     """The mask is 1 exactly on the generated tokens (and the end of turn the model produced), 0 elsewhere."""
     assert len(input_ids) == len(loss_mask)
     assert set(loss_mask) <= {0, 1}
@@ -129,7 +131,9 @@ def assert_mask_exact(tokenizer: Any, rec: CompletionRecord, input_ids: list[int
     assert tokenizer.decode(input_ids[first : last + 1]) == generated_text(tokenizer, rec)
     end_of_turn = tokenizer.convert_tokens_to_ids(END)
     ended = rec.finish_reason in {"stop", "tool_calls"}
-    assert (input_ids[last] == end_of_turn) == ended, "the end of turn is trained on iff the model produced it"
+    assert (input_ids[last] == end_of_turn) == ended, (
+        "the end of turn is trained on iff the model produced it"
+    )
     assert tokenizer.decode(input_ids[last + 1 :]) == ("\n" if ended else END + "\n")
 
 
@@ -169,7 +173,10 @@ CASES: dict[str, CompletionRecord] = {
         AssistantCompletion(content="Paris.", reasoning_content="Same kind of question."),
     ),
     "tool_definitions_and_one_call": record(
-        [USER], AssistantCompletion(content="", tool_calls=[CALL_BERLIN]), thinking=False, tools=[WEATHER_TOOL]
+        [USER],
+        AssistantCompletion(content="", tool_calls=[CALL_BERLIN]),
+        thinking=False,
+        tools=[WEATHER_TOOL],
     ),
     "parallel_tool_calls_with_reasoning": record(
         [Message(role="user", content="Weather in Berlin and Paris, and search drafters.")],
@@ -185,7 +192,12 @@ CASES: dict[str, CompletionRecord] = {
         [
             Message(role="system", content="Use the tools."),
             Message(role="user", content="Weather in Berlin and Paris?"),
-            Message(role="assistant", content="", reasoning_content="Two calls.", tool_calls=[CALL_BERLIN, CALL_PARIS]),
+            Message(
+                role="assistant",
+                content="",
+                reasoning_content="Two calls.",
+                tool_calls=[CALL_BERLIN, CALL_PARIS],
+            ),
             Message(role="tool", content='{"temp_c": 18}', tool_call_id="c1"),
             Message(role="tool", content='{"temp_c": 21}', tool_call_id="c2"),
         ],
@@ -198,7 +210,10 @@ CASES: dict[str, CompletionRecord] = {
         finish_reason="length",
     ),
     "truncated_answer": record(
-        [USER], AssistantCompletion(content="Paris is the capital and"), thinking=False, finish_reason="length"
+        [USER],
+        AssistantCompletion(content="Paris is the capital and"),
+        thinking=False,
+        finish_reason="length",
     ),
 }
 
@@ -257,8 +272,13 @@ def test_parallel_tool_calls_are_trained_on_in_the_templates_format(qwen: tuple[
     row = check(tokenizer, CASES["parallel_tool_calls_with_reasoning"])
     text = masked(tokenizer, row)
     if name == "qwen3.6":
-        assert "<tool_call>\n<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>\n</function>" in text
-        assert "<function=search>\n<parameter=query>\ndrafter models\n</parameter>\n<parameter=limit>\n3\n" in text
+        assert (
+            "<tool_call>\n<function=get_weather>\n<parameter=city>\nBerlin\n</parameter>\n</function>" in text
+        )
+        assert (
+            "<function=search>\n<parameter=query>\ndrafter models\n</parameter>\n<parameter=limit>\n3\n"
+            in text
+        )
     else:
         assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Berlin"}}\n</tool_call>' in text
     assert text.count("<tool_call>") == 3
@@ -288,7 +308,10 @@ def test_rendering_matches_apply_chat_template(qwen: tuple[str, Any]) -> None:
         prompt, _ = renders(tokenizer, rec)
         extra = rec.sampling.enable_thinking
         ours = spec.render(
-            [m.to_chat_dict() for m in rec.messages], tools=rec.tools, add_generation_prompt=True, enable_thinking=extra
+            [m.to_chat_dict() for m in rec.messages],
+            tools=rec.tools,
+            add_generation_prompt=True,
+            enable_thinking=extra,
         )
         assert ours == prompt
 
@@ -296,7 +319,10 @@ def test_rendering_matches_apply_chat_template(qwen: tuple[str, Any]) -> None:
 def test_exact_ids_rows_use_the_engines_ids_verbatim(qwen: tuple[str, Any]) -> None:
     _, tokenizer = qwen
     # Ids a model may emit that differ from re-tokenizing the text ("Par" + "is." instead of "Paris.").
-    output_ids = [*tokenizer.encode("Par", add_special_tokens=False), *tokenizer.encode("is.", add_special_tokens=False)]
+    output_ids = [
+        *tokenizer.encode("Par", add_special_tokens=False),
+        *tokenizer.encode("is.", add_special_tokens=False),
+    ]
     rec = record([USER], AssistantCompletion(content="Paris.", output_token_ids=output_ids), thinking=False)
     row = tokenize_completion(tokenizer, rec, max_length_tokens=None)
     assert isinstance(row, TokenizedRow)
