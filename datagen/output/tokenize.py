@@ -177,8 +177,10 @@ class EncodedRow:
 
 @dataclass(frozen=True)
 class _Prompt:
-    """One prompt render and its tokenization, split at its last added token."""
+    """One prompt render and its tokenization, split at its last added token, and what it was rendered from."""
 
+    messages: list[Message]
+    tools: list[dict[str, Any]] | None
     text: str
     ids: list[int]
     head_ids: list[int]
@@ -411,7 +413,8 @@ class RowTokenizer:
         thinking = record.sampling.enable_thinking
         key = (record.dataset, record.prompt_id, thinking)
         cached = self._prompts.get(key)
-        if cached is not None:
+        # Prompt ids are content hashes, but the cache must never be the reason a row is wrong: compare.
+        if cached is not None and cached.messages == record.messages and cached.tools == record.tools:
             self._prompts.move_to_end(key)
             return cached
         text = self.spec.render(
@@ -426,7 +429,7 @@ class RowTokenizer:
         while split > 0 and ids[split - 1] not in self._added_ids:
             split -= 1
         tail_start = encoding.offsets[split - 1][1] if split else 0
-        prompt = _Prompt(text, ids, ids[:split], text[tail_start:], ids[split:])
+        prompt = _Prompt(record.messages, record.tools, text, ids, ids[:split], text[tail_start:], ids[split:])
         self._prompts[key] = prompt
         if len(self._prompts) > PROMPT_CACHE_ENTRIES:
             self._prompts.popitem(last=False)

@@ -250,3 +250,52 @@ def test_truncated_rows_are_kept_when_configured(
     assert summary.dropped_by_reason == {"empty_completion": 1}
     truncated = [row for row in read_rows(store_root, summary) if row["finish_reason"] == "length"]
     assert len(truncated) == 1
+
+
+def test_worker_processes_write_the_same_parts_as_one_process(
+    store_root: Path, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    parts: dict[int, dict[str, bytes]] = {}
+    for workers in (1, 2):
+        root = tmp_path / f"workers-{workers}"
+        root.mkdir()
+        store = Store(str(root))
+        layout = RunLayout(RUN_ID)
+        populate(store, layout)
+        summary = merge_and_tokenize(store, layout, make_config(root, tiny_model_dir, workers=workers))
+        parts[workers] = {part.key or "": (root / (part.key or "")).read_bytes() for part in summary.parts}
+    assert parts[1] == parts[2]
+    assert len(parts[1]) == 3
+
+
+def test_parts_are_written_in_row_groups_of_the_configured_size(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path, tiny_model_dir: Path
+) -> None:
+    store, layout, _, _ = run
+    config = make_config(store_root, tiny_model_dir, rows_per_part=5, row_group_rows=2)
+    summary = merge_and_tokenize(store, layout, config)
+    assert [part.rows for part in summary.parts] == [5, 3]
+    metadata = pq.read_metadata(store_root / layout.tokenized_part(0))
+    assert [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)] == [2, 2, 1]
+
+
+def test_rows_record_how_they_were_tokenized_and_exact_ids_are_kept_verbatim(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    store = Store(str(store_root))
+    layout = RunLayout(RUN_ID)
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # Ids the engine generated, not what re-tokenizing the text would give ("Par" + "is").
+    generated = [*tokenizer.encode("Par", add_special_tokens=False), *tokenizer.encode("is", add_special_tokens=False)]
+    exact = completion("alpha", 0, "Paris").model_copy(
+        update={"completion": AssistantCompletion(content="Paris", output_token_ids=[*generated, end_of_turn])}
+    )
+    write_shard(store, layout, "alpha", 0, [exact, completion("alpha", 1, "Berlin.")])
+    summary = merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir))
+    rows = read_rows(store_root, summary)
+    assert [row["tokenized_from"] for row in rows] == ["ids", "text"]
+    ids_row = rows[0]
+    loss_ids = [token for token, bit in zip(ids_row["input_ids"], ids_row["loss_mask"], strict=True) if bit]
+    assert loss_ids == [*generated, end_of_turn]
+    assert ids_row["input_ids"][-len(loss_ids) :] == loss_ids

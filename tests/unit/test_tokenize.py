@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 
 from datagen.errors import ConfigError, TokenizeError
 from datagen.output.tokenize import (
+    EncodedRow,
     RejectedRow,
+    RowTokenizer,
     TokenizedRow,
+    TokenizerSpec,
     load_tokenizer,
     render_conversation,
     tokenize_completion,
@@ -252,3 +255,46 @@ def test_every_answer_character_is_covered_and_nothing_else_is(tokenizer: Any, c
     merged_prefix = decoded[: len(decoded) - len(region)]
     assert merged_prefix.strip() == ""
     assert prompt.endswith(merged_prefix)
+
+
+# A template whose assistant turn depends on the conversation before it (it numbers the turns): rendering the
+# answer alone after a fixed context would be wrong, and the append probe must notice.
+CONTEXT_DEPENDENT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% if m.role == 'assistant' %} (turn {{ loop.index }}){% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_answer_rendered_alone_only_when_the_template_passes_the_append_probe(tokenizer: Any) -> None:
+    spec = TokenizerSpec.from_tokenizer(tokenizer)
+    assert RowTokenizer(spec, max_length_tokens=None).renders_answer_alone
+    odd = TokenizerSpec(spec.backend_json, CONTEXT_DEPENDENT_TEMPLATE, spec.special_tokens)
+    rows = RowTokenizer(odd, max_length_tokens=None)
+    assert not rows.renders_answer_alone
+    messages = [Message(role="system", content="Be brief."), *USER]
+    (row,) = rows.encode([make_record(messages, AssistantCompletion(content="Paris."))])
+    assert isinstance(row, EncodedRow)
+    generated = tokenizer.decode(row.input_ids[row.loss_start : row.loss_end])
+    assert generated == "Paris. (turn 3)<|im_end|>"
+
+
+def test_answer_rendered_alone_gives_the_same_rows_as_full_renders(tokenizer: Any) -> None:
+    spec = TokenizerSpec.from_tokenizer(tokenizer)
+    records = [
+        make_record(USER, AssistantCompletion(content="Paris.", reasoning_content="Easy."), thinking=True),
+        make_record(USER, AssistantCompletion(content="\nParis.\n"), thinking=False),
+        make_record(
+            USER,
+            AssistantCompletion(
+                tool_calls=[ToolCall(function=FunctionCall(name="get_weather", arguments={"city": "Paris"}))]
+            ),
+            tools=TOOLS,
+            finish_reason="tool_calls",
+        ),
+        make_record(USER, AssistantCompletion(content="Paris is"), finish_reason="length"),
+    ]
+    alone = RowTokenizer(spec, max_length_tokens=None).encode(records)
+    full = RowTokenizer(spec, max_length_tokens=None, answer_render="full").encode(records)
+    assert alone == full
+    assert all(isinstance(row, EncodedRow) for row in alone)
