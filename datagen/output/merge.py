@@ -188,7 +188,6 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         logger.info("merge already complete run_id=%s", layout.run_id)
         return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
     settings = config.tokenize
-    spec = TokenizerSpec.from_tokenizer(load_tokenizer(config.model.tokenizer))
     existing = _existing_parts(store, layout, settings.rows_per_part)
     base = read_base_version(store, settings.base_version) if settings.base_version else None
     shard_keys, incomplete = _finished_shards(store, layout)
@@ -210,15 +209,18 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
             TokenizedPartRef(key=key, url=url, rows=rows, source=layout.run_id)
         ),
     )
-    job = TokenizeJob(
-        spec=spec,
-        max_length_tokens=settings.max_length_tokens,
-        include_truncated=settings.include_truncated,
-        answer_render=settings.answer_render,
-    )
+
+    def make_job() -> TokenizeJob:
+        return TokenizeJob(
+            spec=TokenizerSpec.from_tokenizer(load_tokenizer(config.model.tokenizer)),
+            max_length_tokens=settings.max_length_tokens,
+            include_truncated=settings.include_truncated,
+            answer_render=settings.answer_render,
+        )
+
     workers = settings.workers or available_cores()
     logger.info("merging run_id=%s shards=%d workers=%d", layout.run_id, len(shard_keys), workers)
-    for shard in tokenize_shards(job, store, shard_keys, workers):
+    for shard in tokenize_shards(make_job, store, shard_keys, workers):
         first_row = tally.rows
         tally.add(shard)
         sources = [f"{shard.key}#{line}" for line in shard.lines]

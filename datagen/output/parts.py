@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 PART_LAST_SOURCE_KEY = b"datagen.last_source"
 PART_RUN_KEY = b"datagen.run_id"
 PART_COMPRESSION = "zstd"
+# Dictionary-encode the repetitive string columns only: token ids (a 150k vocabulary) and masks gain nothing
+# from a dictionary but cost a third of the write time building one.
+DICTIONARY_COLUMNS = ["prompt_id", "dataset", "finish_reason", "tokenized_from"]
 
 
 def part_schema(run_id: str, last_source: str) -> Any:
@@ -136,7 +139,9 @@ class PartWriter:
         schema = part_schema(self.layout.run_id, self._last_source)
         table = pa.concat_tables(self._tables).replace_schema_metadata(schema.metadata)
         sink = io.BytesIO()
-        with pq.ParquetWriter(sink, schema, compression=PART_COMPRESSION) as writer:
+        with pq.ParquetWriter(
+            sink, schema, compression=PART_COMPRESSION, use_dictionary=DICTIONARY_COLUMNS
+        ) as writer:
             writer.write_table(table, row_group_size=self.row_group_rows)
         key = self.layout.tokenized_part(self.index)
         info = self.store.write_bytes(key, sink.getvalue())

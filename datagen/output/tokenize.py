@@ -429,7 +429,9 @@ class RowTokenizer:
         while split > 0 and ids[split - 1] not in self._added_ids:
             split -= 1
         tail_start = encoding.offsets[split - 1][1] if split else 0
-        prompt = _Prompt(record.messages, record.tools, text, ids, ids[:split], text[tail_start:], ids[split:])
+        prompt = _Prompt(
+            record.messages, record.tools, text, ids, ids[:split], text[tail_start:], ids[split:]
+        )
         self._prompts[key] = prompt
         if len(self._prompts) > PROMPT_CACHE_ENTRIES:
             self._prompts.popitem(last=False)

@@ -17,7 +17,7 @@ import multiprocessing
 import os
 from array import array
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,12 +180,13 @@ _worker: ShardTokenizer | None = None
 _worker_error: BaseException | None = None
 
 
-def _start_worker(job: TokenizeJob) -> None:
+def _start_worker(jobs: Any) -> None:
     global _worker, _worker_error
     # One process per core already: the tokenizer's own thread pool would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
-        _worker = ShardTokenizer(job)
+        # The imports above ran while the parent loaded the tokenizer; now wait for what it loaded.
+        _worker = ShardTokenizer(jobs.get())
     except Exception as error:
         # A Pool restarts workers whose initializer raises, forever: keep the error for the first task instead.
         _worker_error = error
@@ -197,11 +198,15 @@ def _tokenize_in_worker(key: str, data: bytes) -> ShardRows:
     return _worker.tokenize_shard(key, data)
 
 
-def tokenize_shards(job: TokenizeJob, store: Store, keys: list[str], workers: int) -> Iterator[ShardRows]:
+def tokenize_shards(
+    make_job: Callable[[], TokenizeJob], store: Store, keys: list[str], workers: int
+) -> Iterator[ShardRows]:
     """Tokenize shards on ``workers`` processes (in this process when 1), yielding results in ``keys`` order.
 
+    The worker processes start (and import) while ``make_job`` loads the tokenizer here, then receive it.
+
     Args:
-        job: What to tokenize with.
+        make_job: Builds what to tokenize with (loads the tokenizer); called once, here.
         store: Where the shards are (read here, in the parent).
         keys: Shard keys, in output order.
         workers: Worker processes.
@@ -211,12 +216,17 @@ def tokenize_shards(job: TokenizeJob, store: Store, keys: list[str], workers: in
 
     """
     if workers <= 1 or len(keys) <= 1:
-        local = ShardTokenizer(job)
+        local = ShardTokenizer(make_job())
         for key in keys:
             yield local.tokenize_shard(key, store.read_bytes(key))
         return
     context = multiprocessing.get_context("spawn")
-    with context.Pool(min(workers, len(keys)), initializer=_start_worker, initargs=(job,)) as pool:
+    processes = min(workers, len(keys))
+    jobs = context.Queue()
+    with context.Pool(processes, initializer=_start_worker, initargs=(jobs,)) as pool:
+        job = make_job()
+        for _ in range(processes):
+            jobs.put(job)
         pending: deque[Any] = deque()
         queued = iter(keys)
         limit = workers * IN_FLIGHT_PER_WORKER

@@ -287,9 +287,14 @@ def test_rows_record_how_they_were_tokenized_and_exact_ids_are_kept_verbatim(
     tokenizer = load_tokenizer(str(tiny_model_dir))
     end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
     # Ids the engine generated, not what re-tokenizing the text would give ("Par" + "is").
-    generated = [*tokenizer.encode("Par", add_special_tokens=False), *tokenizer.encode("is", add_special_tokens=False)]
+    generated = [
+        *tokenizer.encode("Par", add_special_tokens=False),
+        *tokenizer.encode("is", add_special_tokens=False),
+    ]
     exact = completion("alpha", 0, "Paris").model_copy(
-        update={"completion": AssistantCompletion(content="Paris", output_token_ids=[*generated, end_of_turn])}
+        update={
+            "completion": AssistantCompletion(content="Paris", output_token_ids=[*generated, end_of_turn])
+        }
     )
     write_shard(store, layout, "alpha", 0, [exact, completion("alpha", 1, "Berlin.")])
     summary = merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir))
