@@ -18,6 +18,8 @@ import os
 from array import array
 from collections import Counter, deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,7 +190,7 @@ def _start_worker(jobs: Any) -> None:
         # The imports above ran while the parent loaded the tokenizer; now wait for what it loaded.
         _worker = ShardTokenizer(jobs.get())
     except Exception as error:
-        # A Pool restarts workers whose initializer raises, forever: keep the error for the first task instead.
+        # An initializer that raises breaks the whole executor without the reason: keep it for the first task.
         _worker_error = error
 
 
@@ -223,20 +225,30 @@ def tokenize_shards(
     context = multiprocessing.get_context("spawn")
     processes = min(workers, len(keys))
     jobs = context.Queue()
-    with context.Pool(processes, initializer=_start_worker, initargs=(jobs,)) as pool:
+    # An executor, not a Pool: a worker that dies (killed, out of memory) breaks it loudly instead of leaving
+    # its task waiting forever.
+    with ProcessPoolExecutor(
+        processes, mp_context=context, initializer=_start_worker, initargs=(jobs,)
+    ) as executor:
         job = make_job()
         for _ in range(processes):
             jobs.put(job)
-        pending: deque[Any] = deque()
+        pending: deque[Future[ShardRows]] = deque()
         queued = iter(keys)
         limit = workers * IN_FLIGHT_PER_WORKER
         for key in queued:
-            pending.append(pool.apply_async(_tokenize_in_worker, (key, store.read_bytes(key))))
+            pending.append(executor.submit(_tokenize_in_worker, key, store.read_bytes(key)))
             if len(pending) >= limit:
                 break
         while pending:
-            result: ShardRows = pending.popleft().get()
+            try:
+                result = pending.popleft().result()
+            except BrokenProcessPool as error:
+                raise TokenizeError(
+                    f"A tokenizer worker process died ({error}); if it ran out of memory, lower "
+                    "tokenize.workers. Rerun the same run id to resume."
+                ) from error
             next_key = next(queued, None)
             if next_key is not None:
-                pending.append(pool.apply_async(_tokenize_in_worker, (next_key, store.read_bytes(next_key))))
+                pending.append(executor.submit(_tokenize_in_worker, next_key, store.read_bytes(next_key)))
             yield result
