@@ -13,7 +13,6 @@ import random
 from pathlib import Path
 from typing import Any
 
-from datagen.config import SamplingParams
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import (
@@ -21,6 +20,7 @@ from datagen.records import (
     CompletionRecord,
     FunctionCall,
     Message,
+    SamplingParams,
     ShardSummary,
     TokenUsage,
     ToolCall,

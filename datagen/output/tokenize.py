@@ -36,9 +36,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from datagen.config import SamplingParams
 from datagen.errors import ConfigError, TokenizeError
-from datagen.records import AssistantCompletion, CompletionRecord, FunctionCall, Message, TokenUsage, ToolCall
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    FunctionCall,
+    Message,
+    SamplingParams,
+    TokenUsage,
+    ToolCall,
+)
 
 logger = logging.getLogger(__name__)
 

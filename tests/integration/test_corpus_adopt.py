@@ -14,12 +14,19 @@ import pytest
 from typer.testing import CliRunner
 
 from datagen.app.cli import app
-from datagen.config import RunConfig, SamplingParams
+from datagen.config import RunConfig
 from datagen.output.layout import RunLayout
 from datagen.output.merge import DatasetVersion, merge_and_tokenize
 from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store
-from datagen.records import AssistantCompletion, CompletionRecord, Message, ShardSummary, TokenUsage
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    Message,
+    SamplingParams,
+    ShardSummary,
+    TokenUsage,
+)
 from datagen.settings import get_settings
 
 CORPUS_PREFIX = "train"

@@ -15,14 +15,21 @@ from typing import Any
 
 import pytest
 
-from datagen.config import SamplingParams
 from datagen.output.tokenize import (
     TokenizedRow,
     TokenizerSpec,
     load_tokenizer,
     tokenize_completion,
 )
-from datagen.records import AssistantCompletion, CompletionRecord, FunctionCall, Message, TokenUsage, ToolCall
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    FunctionCall,
+    Message,
+    SamplingParams,
+    TokenUsage,
+    ToolCall,
+)
 from tests.support.qwen import QWEN3_VOCAB_SIZE, THINK_TOKEN_ID, build_qwen_tokenizer_dir
 
 END = "<|im_end|>"
