@@ -202,6 +202,12 @@ class DatasetConfig(StrictModel):
     )
     languages: list[str] | None = Field(default=None, description="Keep rows whose language is listed.")
     category: str | None = Field(default=None, description="Mix category, e.g. code, math, chat, tools.")
+    min_prompts: int = Field(
+        default=1,
+        ge=1,
+        description="Fewest prompts this dataset must yield, or the run is refused before training is "
+        "halted (a wrong path, layout or format yields none).",
+    )
 
     @model_validator(mode="after")
     def _one_quota(self) -> DatasetConfig:
@@ -487,8 +493,14 @@ class RunConfig(StrictModel):
         raise ConfigError(f"no dataset named {name!r} in this config", name=name)
 
     def identity_dict(self) -> dict[str, Any]:
-        """The fields that define what the run produces (everything but the run id), as JSON data."""
-        return self.model_dump(mode="json", exclude={"run_id"})
+        """The fields that define what the run produces, as JSON data.
+
+        Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
+        guard changes no output, so changing it keeps the run id resumable.
+        """
+        return self.model_dump(
+            mode="json", exclude={"run_id": True, "datasets": {"__all__": {"min_prompts"}}}
+        )
 
     def config_hash(self) -> str:
         """A stable hash of :meth:`identity_dict`; two configs with equal hashes produce the same run."""
@@ -570,6 +582,27 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     if isinstance(data, dict) and overrides:
         data = {**data, **{key: value for key, value in overrides.items() if value is not None}}
     return parse_run_config(data, source=str(file))
+
+
+RUN_ID_EXAMPLE: Final = "20261201-nightly-1"
+
+
+def check_run_id_option(run_id: str | None, flag: str = "--run-id") -> None:
+    """Refuse a run id given on the command line that cannot be one, naming the flag (not the config file).
+
+    Args:
+        run_id: The value given, or None when the flag was not.
+        flag: The option's name, for the message.
+
+    Raises:
+        ConfigError: The value is not a valid run id; the message gives the rule and an example.
+    """
+    if run_id is not None and not is_valid_slug(run_id):
+        raise ConfigError(
+            f"{flag} {run_id!r} is not a valid run id: use 1-80 lowercase letters, digits, '.', '_' or '-', "
+            f"starting with a letter or digit, e.g. {flag} {RUN_ID_EXAMPLE}",
+            run_id=run_id,
+        )
 
 
 def is_valid_slug(value: str) -> bool:

@@ -60,11 +60,12 @@ class PreflightError(DatagenError, RuntimeError):
     """
 
     def __init__(self, problems: list[str]) -> None:
-        lines = "\n".join(f"  - {problem}" for problem in problems)
-        super().__init__(
-            f"Preflight found {len(problems)} problem(s); nothing was stopped or started:\n{lines}",
-            problems=problems,
-        )
+        if len(problems) == 1:
+            message = f"Preflight refused the run; nothing was stopped or started: {problems[0]}"
+        else:
+            lines = "\n".join(f"  - {problem}" for problem in problems)
+            message = f"Preflight found {len(problems)} problems; nothing was stopped or started:\n{lines}"
+        super().__init__(message, problems=problems)
         self.problems = problems
 
 
@@ -77,6 +78,10 @@ class StorageError(DatagenError, OSError):
 
 class TransientStorageError(TransientError, OSError):
     """A storage operation failed for a reason a retry may fix (5xx, reset, concurrent create)."""
+
+
+class StorageUnreachableError(DatagenError, ConnectionError):
+    """The storage endpoint did not answer within the quick probe's timeouts (preflight)."""
 
 
 class OutputExistsError(DatagenError, FileExistsError):
@@ -160,6 +165,27 @@ class PlanError(DatagenError, ValueError):
 
 class TokenizeError(DatagenError, ValueError):
     """A completion cannot be rendered or masked with the target tokenizer's chat template."""
+
+
+# --- interruption --------------------------------------------------------------------------------
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: stop the servers, keep what is stored, exit ``128 + signal``.
+
+    Not a :class:`DatagenError`: like Ctrl-C's ``KeyboardInterrupt`` (its base), it must pass through every
+    ``except Exception`` on its way out, so nothing mistakes it for a failure to retry or to record.
+
+    Attributes:
+        signum: The signal that arrived.
+    """
+
+    def __init__(self, signum: int) -> None:
+        import signal
+
+        self.signum = signum
+        self.signal_name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {self.signal_name}")
 
 
 def is_transient(error: BaseException) -> bool:

@@ -8,19 +8,33 @@ once a run is asked for.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from datagen.app import cli
 
 if TYPE_CHECKING:
     from datagen.app.runner import ExpandFlow
+    from datagen.config import RunConfig
+    from datagen.output.report import RunSummary
 
 
 def load_expand_flow() -> ExpandFlow:
-    """Import the `expand` flow (and Prefect with it) and return it."""
+    """Import the `expand` flow (and Prefect with it) and return it, run against an API server.
+
+    The configured Prefect API (``PREFECT_API_URL``) when there is one; else a temporary server this
+    process owns in its own session, so a terminal's Ctrl-C does not kill it before the run has stopped
+    (see :mod:`flows.api_server`).
+    """
+    from datagen.settings import get_settings
+    from flows.api_server import prefect_api
     from flows.expand import expand
 
-    return expand
+    def run_expand(config: RunConfig) -> RunSummary:
+        with prefect_api(Path(get_settings().state_dir).expanduser() / "logs"):
+            return expand(config)
+
+    return run_expand
 
 
 def main() -> None:

@@ -2,10 +2,10 @@
 
 The DAG (see docs/architecture.md)::
 
-    preflight -> open-run -> prepare-prompts (per dataset, starts at once, CPU only)
-                          -> halt-training -> probe-environment -> plan-servers -> start-fleet
-                          -> generate-shard (per dataset x shard, a rolling window, one shared dispatcher)
-                          -> stop-fleet (always) -> merge-and-tokenize -> report -> manifest (last)
+    preflight -> open-run -> prepare-prompts (per dataset, CPU only) -> check-prompts
+              -> halt-training -> probe-environment -> plan-servers -> start-fleet
+              -> generate-shard (per dataset x shard, a rolling window, one shared dispatcher)
+              -> stop-fleet (always) -> merge-and-tokenize -> report -> manifest (last)
 
 This module only orchestrates and decides the final state; every stage's work is in ``datagen``.
 """
@@ -34,7 +34,7 @@ from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
-from datagen.output.report import RunReport, RunSummary
+from datagen.output.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings
@@ -48,7 +48,14 @@ from tasks.host import (
     start_fleet,
     stop_fleet,
 )
-from tasks.run import finalize_manifest, open_run, preflight, write_attempt_record, write_report
+from tasks.run import (
+    check_prompts,
+    finalize_manifest,
+    open_run,
+    preflight,
+    write_attempt_record,
+    write_report,
+)
 
 # Threads for concurrently running tasks: prepare tasks plus the rolling window of shard tasks. Each shard
 # task mostly waits on the dispatcher, so threads are cheap; the window below bounds what is submitted.
@@ -109,6 +116,32 @@ def _summary_from_report(
         report_url=store.url(layout.report_md),
         manifest_url=store.url(layout.manifest),
     )
+
+
+def _prepared_outcomes(
+    config: RunConfig, futures: list[PrefectFuture[PreparedDataset]]
+) -> tuple[list[PreparedDataset], dict[str, str]]:
+    """Wait for every dataset's preparation: the summaries, and why each failed dataset failed."""
+    prepared: list[PreparedDataset] = []
+    unprepared: dict[str, str] = {}
+    for dataset, future in zip(config.datasets, futures, strict=True):
+        try:
+            prepared.append(future.result())
+        except Exception as error:
+            # A dataset after a failed one never starts (it dedupes against it): name the first cause only.
+            if not unprepared:
+                unprepared[dataset.name] = str(error)
+    return prepared, unprepared
+
+
+def _record_generation_window(
+    config: RunConfig, layout: RunLayout, attempt_id: str, wall_s: float, servers: int, finished: bool
+) -> None:
+    window = GenerationWindow(attempt_id=attempt_id, wall_s=wall_s, servers=servers, interrupted=not finished)
+    try:
+        record_generation_window(open_store(config), layout, window)
+    except Exception as error:  # never mask why generation ended
+        get_run_logger().warning("generation time not recorded attempt=%s error=%s", attempt_id, error)
 
 
 def _all_shards_done(config: RunConfig, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
@@ -228,6 +261,9 @@ def expand(config: RunConfig) -> RunSummary:
         # Passing the earlier futures makes each dataset wait for (and dedupe against) the ones before it.
         earlier: Any = list(prepared_futures)
         prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier))
+    # Every dataset is prepared before training is halted: one that yields too few prompts refuses the run
+    # while training still runs, and the shards written here are the ones the run generates from.
+    check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))
 
     if run.resumed and _all_shards_done(config, layout, [future.result() for future in prepared_futures]):
         logger.info("every shard is already generated: training is not halted, no server is started")
@@ -267,10 +303,18 @@ def expand(config: RunConfig) -> RunSummary:
                 api_key=api_key.get_secret_value() if api_key else None,
             ) as dispatcher:
                 generation_started = time.monotonic()
-                prepared, shard_summaries, errors = _generate_all(
-                    config, run, prepared_futures, dispatcher, servers
-                )
-                generation_wall_s = time.monotonic() - generation_started
+                finished = False
+                try:
+                    prepared, shard_summaries, errors = _generate_all(
+                        config, run, prepared_futures, dispatcher, servers
+                    )
+                    finished = True
+                finally:
+                    # Recorded even when interrupted: the report's throughput counts every attempt's time.
+                    generation_wall_s = time.monotonic() - generation_started
+                    _record_generation_window(
+                        config, layout, attempt_id, generation_wall_s, servers, finished
+                    )
         finally:
             stop_fleet(fleet)
     if errors:

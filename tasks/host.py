@@ -76,17 +76,25 @@ def halt_training(training: TrainingJobConfig) -> HaltRecord:
     """Stop the training job gracefully and record what was stopped (idempotent)."""
     flow_runs = PrefectFlowRunControl() if training.kind == "prefect" else None
     record = datagen.host.training.halt_training(training, flow_runs=flow_runs)
-    get_run_logger().info(
-        "training halted kind=%s target=%s already_gone=%s escalated=%s last_checkpoint=%s gpu_released=%s",
+    logger = get_run_logger()
+    if record.already_gone and record.kind != "none":
+        logger.warning(
+            "training was not running: nothing halted kind=%s target=%s (if training holds the GPUs, fix "
+            "`training` in the config)",
+            record.kind,
+            record.target,
+        )
+    logger.info(
+        "training %s kind=%s target=%s escalated=%s last_checkpoint=%s gpu_released=%s",
+        "not running" if record.already_gone else "halted" if record.stopped else "left alone",
         record.kind,
         record.target,
-        record.already_gone,
         record.escalated,
         record.last_checkpoint,
         record.gpu_memory_released,
     )
     for note in record.notes:
-        get_run_logger().warning("training halt: %s", note)
+        logger.warning("training halt: %s", note)
     return record
 
 

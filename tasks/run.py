@@ -14,7 +14,7 @@ import datagen.output.manifest
 import datagen.output.report
 import datagen.output.runs
 import datagen.prompts.mix
-from datagen.app.preflight import PreflightReport
+from datagen.app.preflight import Check, PreflightReport
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
@@ -34,6 +34,16 @@ def preflight(config: RunConfig) -> PreflightReport:
     )
     get_run_logger().info("preflight passed checks=%d", len(report.checks))
     return report
+
+
+@task(name="check-prompts", task_run_name="check-prompts-{run.run_id}", cache_policy=NO_CACHE)
+def check_prompts(
+    config: RunConfig, run: RunHandle, prepared: list[PreparedDataset], unprepared: dict[str, str]
+) -> Check:
+    """Refuse the run, before training is halted, when a dataset yields fewer prompts than its minimum."""
+    check = datagen.app.preflight.check_prepared_prompts(config, prepared, unprepared)
+    get_run_logger().info("prompts checked %s", check.detail)
+    return check
 
 
 @task(
@@ -76,6 +86,9 @@ def write_report(
     store = datagen.output.runs.open_store(config)
     layout: RunLayout = run.layout
     rows_by_dataset: dict[str, int] = dict(tokenize_summary.get("rows_by_dataset") or {})
+    # Every attempt's generation time (this one's was recorded as it ended): a resumed run's completions
+    # come from all of them.
+    wall_s, attempts = datagen.output.report.generation_time_over_attempts(store, layout)
     report = datagen.output.report.build_report(
         run_id=run.run_id,
         config=config,
@@ -83,7 +96,8 @@ def write_report(
         shards=shards,
         tokenize_summary=tokenize_summary,
         servers=servers,
-        generation_wall_s=generation_wall_s,
+        generation_wall_s=wall_s if attempts else generation_wall_s,
+        generation_attempts=attempts or 1,
         dataset_mix=datagen.prompts.mix.dataset_mix(config, prepared),
         mix_by_category=datagen.prompts.mix.mix_table(config, prepared, rows_by_dataset),
     )

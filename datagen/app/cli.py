@@ -29,8 +29,8 @@ app.add_typer(datasets_app, name="datasets")
 corpus_app = typer.Typer(help="The existing training corpus.", no_args_is_help=True)
 app.add_typer(corpus_app, name="corpus")
 
+# Exit codes of every command: see datagen/app/terminal.py (2: bad input, nothing started).
 EXIT_CONFIG_ERROR = 2
-EXIT_RUN_FAILED = 1
 
 
 def _fail(message: str, code: int) -> None:
@@ -59,24 +59,46 @@ def run(
         str | None, typer.Option(help="Output root: a directory or s3://bucket/prefix.")
     ] = None,
 ) -> None:
-    """Run the whole expansion flow (the same flow the Prefect deployments run)."""
-    from datagen.app.runner import print_summary, run_flow
-    from datagen.config import load_run_config
-    from datagen.errors import ConfigError, DatagenError
+    """Run the whole expansion flow (the same flow the Prefect deployments run).
+
+    Exit codes: 0 done; 1 the run failed (resume with --run-id); 2 bad config or preflight refusal (nothing
+    halted); 130/143 interrupted by SIGINT/SIGTERM (servers stopped; resume with --run-id).
+    """
+    from datagen.app.preflight import check_output_reachable
+    from datagen.app.runner import prepare_flow_run, print_summary
+    from datagen.app.terminal import run_in_terminal, run_log_path
+    from datagen.config import check_run_id_option, load_run_config
+    from datagen.errors import ConfigError, PreflightError
+    from datagen.output.runs import make_run_id
     from datagen.prompts.mix import validate_mix
+    from datagen.settings import get_settings
 
     load_flow = _flow_loader(ctx)
     try:
+        check_run_id_option(run_id)
         loaded = load_run_config(config, overrides={"run_id": run_id, "output": output})
         validate_mix(loaded)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:
-        summary = run_flow(load_flow, loaded)
-    except DatagenError as error:
-        _fail(f"datagen run failed: {error}", EXIT_RUN_FAILED)
-    except Exception as error:
-        _fail(f"datagen run failed: {type(error).__name__}: {error}", EXIT_RUN_FAILED)
+        # Before Prefect starts (seconds): an S3 endpoint that does not answer at all is refused at once.
+        check_output_reachable(loaded)
+    except PreflightError as error:
+        _fail(f"datagen: {error}", EXIT_CONFIG_ERROR)
+    # The run id is fixed here, so an interrupted or failed run can say how to resume it.
+    loaded = loaded.model_copy(update={"run_id": loaded.run_id or make_run_id()})
+    assert loaded.run_id is not None
+    resume = f"datagen run --config {config} --run-id {loaded.run_id}"
+    if output:
+        resume += f" --output {output}"
+    code, summary = run_in_terminal(
+        lambda: prepare_flow_run(load_flow, loaded),
+        run_id=loaded.run_id,
+        resume_command=resume,
+        log_path=run_log_path(get_settings().state_dir, loaded.run_id),
+    )
+    if code != 0 or summary is None:
+        raise typer.Exit(code)
     print_summary(summary)
 
 
@@ -199,6 +221,9 @@ def probe(
     except DatagenError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     plan = None
+    if model is not None and not (model / "config.json").is_file():
+        what = "does not exist" if not model.exists() else "has no config.json"
+        _fail(f"--model {model} {what}: pass a local model directory (with config.json)", EXIT_CONFIG_ERROR)
     if model is not None:
         try:
             plan = _plan_for_model(report, model, engine)

@@ -79,11 +79,18 @@ def run_demo(run_id: str, load_flow: FlowLoader) -> int:
     Returns:
         The process exit code.
     """
-    from datagen.app.runner import print_summary, run_flow
+    from datagen.app.runner import prepare_flow_run, print_summary
+    from datagen.app.terminal import run_in_terminal, run_log_path
     from datagen.app.tinymodel import build_tiny_model
-    from datagen.config import load_run_config
-    from datagen.errors import DatagenError
+    from datagen.config import check_run_id_option, load_run_config
+    from datagen.errors import ConfigError
+    from datagen.settings import get_settings
 
+    try:
+        check_run_id_option(run_id)
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
     if not DEMO_CONFIG.is_file():
         print(f"run the demo from the repository root ({DEMO_CONFIG} not found)", file=sys.stderr)
         return 2
@@ -91,19 +98,29 @@ def run_demo(run_id: str, load_flow: FlowLoader) -> int:
     if not (MODEL_DIR / "config.json").is_file():
         print(f"building the tiny model in {MODEL_DIR} ...")
         build_tiny_model(MODEL_DIR)
+    try:
+        config = load_run_config(DEMO_CONFIG, overrides={"run_id": run_id})
+    except ConfigError as error:
+        print(error, file=sys.stderr)
+        return 2
     trainer = _start_standin_trainer()
     print(f"stand-in trainer running pid={trainer.pid} (the flow halts it before taking the 'GPUs')")
     try:
-        config = load_run_config(DEMO_CONFIG, overrides={"run_id": run_id})
-        summary = run_flow(load_flow, config)
-    except DatagenError as error:
-        print(f"demo failed: {error}", file=sys.stderr)
-        return 1
+        code, summary = run_in_terminal(
+            lambda: prepare_flow_run(load_flow, config),
+            run_id=run_id,
+            resume_command=f"datagen demo --run-id {run_id}",
+            log_path=run_log_path(get_settings().state_dir, run_id),
+        )
     finally:
         _stop_if_running(trainer)
-    checkpoints = sorted(CHECKPOINT_DIR.glob("*.pt"))
+    if code != 0 or summary is None:
+        return code
+    from datagen.host.training import checkpoint_step
+
+    latest = max(CHECKPOINT_DIR.glob("*.pt"), key=checkpoint_step, default=None)
     print()
     print_summary(summary)
-    print(f"  trainer ckpt  {checkpoints[-1] if checkpoints else 'none'}")
+    print(f"  trainer ckpt  {latest or 'none'}")
     print("Watch runs in the Prefect UI: `prefect server start`, then open http://127.0.0.1:4200")
     return 0

@@ -9,19 +9,35 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.config import RunConfig
-from datagen.errors import DatagenError, PreflightError
+from datagen.config import DatasetConfig, RunConfig
+from datagen.errors import DatagenError, PreflightError, StorageUnreachableError
 from datagen.output.layout import RunLayout
-from datagen.output.runs import check_run_config, open_store, read_stored_config
+from datagen.output.runs import check_run_config, read_stored_config
+from datagen.output.s3 import S3Backend
+from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store, normalise_url, overlaps
 from datagen.prompts.mix import validate_mix
+from datagen.records import PreparedDataset
 
 logger = logging.getLogger(__name__)
+
+# Preflight asks S3 one question per check and must answer in seconds: a short connect and read timeout and
+# one retry, against the run's ten attempts with backoff (minutes) once it is under way.
+PREFLIGHT_S3_CONNECT_TIMEOUT_S = 3.0
+PREFLIGHT_S3_READ_TIMEOUT_S = 3.0
+PREFLIGHT_S3_MAX_ATTEMPTS = 2
+# A server that should already run answers its first byte in well under a second.
+PREFLIGHT_SERVER_CONNECT_TIMEOUT_S = 3.0
+PREFLIGHT_SERVER_READ_TIMEOUT_S = 5.0
+# Any of these in a local directory means it holds a tokenizer (fast, sentencepiece or BPE vocabulary).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 class Check(BaseModel):
@@ -31,6 +47,9 @@ class Check(BaseModel):
 
     name: str
     ok: bool
+    skipped: bool = Field(
+        default=False, description="Not run, because an earlier check it depends on failed."
+    )
     detail: str = ""
 
 
@@ -45,29 +64,95 @@ class PreflightReport(BaseModel):
     @property
     def problems(self) -> list[str]:
         """One line per failed check."""
-        return [f"{check.name}: {check.detail}" for check in self.checks if not check.ok]
+        return [
+            f"{check.name}: {check.detail}" for check in self.checks if not check.ok and not check.skipped
+        ]
 
     def to_markdown(self) -> str:
         """A checklist for a Prefect artifact."""
         lines = [f"# Preflight of run `{self.run_id}`", ""]
-        lines += [f"- {'✅' if check.ok else '❌'} **{check.name}** {check.detail}" for check in self.checks]
+        lines += [
+            f"- {'✅' if check.ok else '⏭️' if check.skipped else '❌'} **{check.name}** {check.detail}"
+            for check in self.checks
+        ]
         return "\n".join(lines) + "\n"
 
 
-def _check_mix(config: RunConfig) -> str:
+def _check_mix(config: RunConfig, store: Store) -> str:
     plan = validate_mix(config)
     if plan.capped_categories:
         return f"category caps hold; capped: {', '.join(plan.capped_categories)}"
     return "quotas planned"
 
 
-def _check_output_location(config: RunConfig) -> str:
+def preflight_store(config: RunConfig) -> Store:
+    """The run's store with a quick S3 client: seconds to connect or answer, one retry."""
+    if config.output.startswith("s3://"):
+        client = make_s3_client(
+            max_attempts=PREFLIGHT_S3_MAX_ATTEMPTS,
+            connect_timeout_s=PREFLIGHT_S3_CONNECT_TIMEOUT_S,
+            read_timeout_s=PREFLIGHT_S3_READ_TIMEOUT_S,
+        )
+        backend = S3Backend(config.output, client=client)
+        return Store(config.output, protected_prefixes=config.protected_prefixes, backend=backend)
+    return Store(config.output, protected_prefixes=config.protected_prefixes)
+
+
+def _unreachable(error: Exception) -> bool:
+    from botocore.exceptions import (
+        ConnectionClosedError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+
+    return isinstance(
+        error, EndpointConnectionError | ConnectTimeoutError | ReadTimeoutError | ConnectionClosedError
+    )
+
+
+def _raise_unreachable(client: Any, error: Exception, started: float) -> None:
+    endpoint = client.meta.endpoint_url
+    raise StorageUnreachableError(
+        f"S3 endpoint {endpoint} is unreachable ({type(error).__name__}, {PREFLIGHT_S3_MAX_ATTEMPTS} "
+        f"attempts in {time.monotonic() - started:.1f}s); check DATAGEN_S3_ENDPOINT_URL (or the AWS region) "
+        "and that this host reaches it",
+        endpoint=endpoint,
+    ) from None
+
+
+def check_output_reachable(config: RunConfig) -> None:
+    """Refuse at once when the S3 endpoint of the output does not answer at all (seconds, no credentials).
+
+    The command line calls this before it starts Prefect, so an unreachable endpoint is reported in
+    seconds; any answer (even 403: credentials may come from a Prefect block the flow loads) passes, and
+    the flow's preflight judges it.
+
+    Raises:
+        PreflightError: The endpoint did not answer within the quick probe's timeouts.
+    """
+    if not config.output.startswith("s3://"):
+        return
+    backend = preflight_store(config).backend
+    assert isinstance(backend, S3Backend)
+    started = time.monotonic()
+    try:
+        backend.client.head_bucket(Bucket=backend.bucket)
+    except Exception as error:
+        if not _unreachable(error):
+            return
+        try:
+            _raise_unreachable(backend.client, error, started)
+        except StorageUnreachableError as unreachable:
+            raise PreflightError([f"output location: {unreachable}"]) from None
+
+
+def _check_output_location(config: RunConfig, store: Store) -> str:
     # What matters is where this run writes: its run folder and its dataset's version folder. An output root
     # that merely contains a protected prefix (s3://bucket beside s3://bucket/train) is fine, since the store
     # refuses every write under a protected prefix; an output inside one, or a run that would write into one,
     # is refused here, before anything is stopped.
     assert config.run_id is not None
-    store = Store(config.output, protected_prefixes=config.protected_prefixes)
     write_roots = [
         config.output,
         store.url(RunLayout(config.run_id).root),
@@ -88,9 +173,12 @@ def _check_output_location(config: RunConfig) -> str:
         client = getattr(backend, "client", None)
         bucket = getattr(backend, "bucket", None)
         if client is not None and bucket is not None:
+            started = time.monotonic()
             try:
                 client.head_bucket(Bucket=bucket)
             except Exception as error:
+                if _unreachable(error):
+                    _raise_unreachable(client, error, started)
                 raise DatagenError(
                     f"bucket {bucket} is not reachable ({error}); check credentials (AWS_* env, profile, "
                     "DATAGEN_AWS_CREDENTIALS_BLOCK) and DATAGEN_S3_ENDPOINT_URL"
@@ -108,13 +196,12 @@ def _check_output_location(config: RunConfig) -> str:
     return f"writable directory {path}"
 
 
-def _check_run_identity(config: RunConfig) -> str:
-    store = Store(config.output, protected_prefixes=config.protected_prefixes)
+def _check_run_identity(config: RunConfig, store: Store) -> str:
     stored = check_run_config(store, config)
     return "new run" if stored is None else f"resuming run created {stored.created_at.isoformat()}"
 
 
-def _check_datasets(config: RunConfig) -> str:
+def _check_datasets(config: RunConfig, store: Store) -> str:
     # Read the first row of every source: a wrong path, an unreachable bucket or Hub, a file that is not its
     # layout's type all fail here, before training is stopped, instead of hours into the run.
     from datagen.errors import DatasetError
@@ -131,7 +218,7 @@ def _check_datasets(config: RunConfig) -> str:
     return f"{len(config.datasets)} dataset source(s) readable"
 
 
-def _check_model(config: RunConfig) -> str:
+def _check_model(config: RunConfig, store: Store) -> str:
     model_path = Path(config.model.path)
     if config.fleet.engine != "external" and not (model_path / "config.json").is_file():
         raise DatagenError(
@@ -140,6 +227,14 @@ def _check_model(config: RunConfig) -> str:
         )
     from datagen.output.tokenize import load_tokenizer
 
+    location = Path(config.model.tokenizer)
+    if location.is_dir() and not any((location / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would load *something* from config.json alone and then report a missing chat template.
+        setting = "model.tokenizer_path" if config.model.tokenizer_path else "model.path"
+        raise DatagenError(
+            f"{setting} {location} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
+            "target's tokenizer there, or point `model.tokenizer_path` at a directory that has it"
+        )
     tokenizer = load_tokenizer(config.model.tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise DatagenError(
@@ -149,7 +244,7 @@ def _check_model(config: RunConfig) -> str:
     return f"model {config.model.path}; tokenizer with chat template"
 
 
-def _check_engine(config: RunConfig) -> str:
+def _check_engine(config: RunConfig, store: Store) -> str:
     from datagen.engines import get_engine
     from datagen.host.plan import router_problems
 
@@ -159,41 +254,86 @@ def _check_engine(config: RunConfig) -> str:
     return f"engine {config.fleet.engine} available"
 
 
-def _check_training(config: RunConfig) -> str:
+def _check_training(config: RunConfig, store: Store) -> str:
     from datagen.host.training import validate_training_job
 
     problems = validate_training_job(config.training)
     pidfile = config.training.pidfile
     assert config.run_id is not None
-    existing = read_stored_config(
-        Store(config.output, protected_prefixes=config.protected_prefixes), config.run_id
-    )
+    existing = read_stored_config(store, config.run_id)
     if problems and existing is not None and pidfile and not Path(pidfile).exists():
         # An earlier attempt of this run halted the trainer, which may have removed its pidfile: nothing to stop.
         return f"pidfile {pidfile} is gone: the trainer was halted by an earlier attempt of this run"
     if problems:
         raise DatagenError("; ".join(problems))
-    return f"training job: {config.training.kind}"
+    return _training_job_state(config)
 
 
-def _check_base_version(config: RunConfig) -> str:
+def _training_job_state(config: RunConfig) -> str:
+    """Say whether the job the config names runs now; warn when it does not (nothing will be halted)."""
+    from datagen.host.training_jobs import job_for
+
+    if config.training.kind not in {"pidfile", "systemd"}:  # the others need nvidia-smi or the Prefect API
+        return f"training job: {config.training.kind}"
+    handle = job_for(config.training)
+    if handle is None:
+        return f"training job: {config.training.kind}"
+    target = handle.find()
+    if target.running:
+        return f"training job running: {target.description}"
+    logger.warning(
+        "training job named by the config is not running kind=%s target=%r: nothing will be halted; if "
+        "training holds the GPUs, fix `training` in the config",
+        config.training.kind,
+        target.description,
+    )
+    return f"training job NOT running ({target.description}): nothing to halt"
+
+
+def _check_external_servers(config: RunConfig, store: Store) -> str:
+    # External servers must answer now: the fleet's readiness wait (ready_timeout_s, minutes) would only
+    # notice after training was halted.
+    if config.fleet.engine != "external":
+        return "no external servers"
+    import httpx
+
+    timeout = httpx.Timeout(PREFLIGHT_SERVER_READ_TIMEOUT_S, connect=PREFLIGHT_SERVER_CONNECT_TIMEOUT_S)
+    unreachable = []
+    with httpx.Client(timeout=timeout) as client:
+        for url in config.fleet.external_urls:
+            try:
+                client.get(url)  # any HTTP answer means a server listens there
+            except httpx.HTTPError as error:
+                unreachable.append(f"{url} ({type(error).__name__})")
+    if unreachable:
+        raise DatagenError(
+            f"external server(s) not answering within {PREFLIGHT_SERVER_CONNECT_TIMEOUT_S:.0f}s: "
+            f"{', '.join(unreachable)}; start them, or fix `fleet.external_urls`"
+        )
+    return f"{len(config.fleet.external_urls)} external server(s) answering"
+
+
+def _check_base_version(config: RunConfig, store: Store) -> str:
     if not config.tokenize.base_version:
         return "none (a first dataset version)"
     from datagen.output.merge import read_base_version
 
-    url, version = read_base_version(open_store(config), config.tokenize.base_version)
+    url, version = read_base_version(store, config.tokenize.base_version)
     return f"extends {url} ({version.rows} rows)"
 
 
-CHECKS: list[tuple[str, Callable[[RunConfig], str]]] = [
-    ("mix", _check_mix),
-    ("output location", _check_output_location),
-    ("run identity", _check_run_identity),
-    ("datasets readable", _check_datasets),
-    ("model and tokenizer", _check_model),
-    ("engine", _check_engine),
-    ("base dataset version", _check_base_version),
-    ("training job", _check_training),
+# Each check, and whether it reads the output store (skipped, not failed, when that is unreachable: one
+# cause is reported once).
+CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
+    ("mix", _check_mix, False),
+    ("output location", _check_output_location, False),
+    ("run identity", _check_run_identity, True),
+    ("datasets readable", _check_datasets, False),
+    ("model and tokenizer", _check_model, False),
+    ("engine", _check_engine, False),
+    ("external servers", _check_external_servers, False),
+    ("base dataset version", _check_base_version, True),
+    ("training job", _check_training, True),
 ]
 
 
@@ -211,9 +351,19 @@ def run_preflight(config: RunConfig) -> PreflightReport:
     """
     assert config.run_id is not None
     report = PreflightReport(run_id=config.run_id)
-    for name, check in CHECKS:
+    store = preflight_store(config)
+    unreachable = False
+    for name, check, reads_output in CHECKS:
+        if reads_output and unreachable:
+            skipped = Check(
+                name=name, ok=False, skipped=True, detail="not checked: the output is unreachable"
+            )
+            report.checks.append(skipped)
+            continue
         try:
-            detail, ok = check(config), True
+            detail, ok = check(config, store), True
+        except StorageUnreachableError as error:
+            detail, ok, unreachable = str(error), False, True
         except DatagenError as error:
             detail, ok = str(error), False
         except Exception as error:
@@ -223,3 +373,59 @@ def run_preflight(config: RunConfig) -> PreflightReport:
     if report.problems:
         raise PreflightError(report.problems)
     return report
+
+
+def _describe_short_dataset(dataset: DatasetConfig, prepared: PreparedDataset) -> str:
+    """Why a dataset yields too few prompts: its counts, its rejections by reason and one rejected row."""
+    rejections = ", ".join(f"{reason}={count}" for reason, count in sorted(prepared.rejections.items()))
+    line = (
+        f"dataset {dataset.name!r} ({dataset.format} at {dataset.path}) yields {prepared.prompts} prompt(s), "
+        f"fewer than its min_prompts {dataset.min_prompts}: {prepared.rows_read} row(s) read"
+    )
+    line += f", rejected {rejections}" if rejections else ", none rejected"
+    if prepared.rejection_samples:
+        sample = prepared.rejection_samples[0]
+        line += f"; e.g. row {sample.get('source_index')} ({sample.get('reason')}: {sample.get('detail')})"
+        if sample.get("example"):
+            line += f": {sample['example']}"
+    return line + (
+        f". Check `datasets[].path` and `format` (`datagen datasets inspect --format {dataset.format} "
+        f"{dataset.path}` lists every rejection), or lower `min_prompts`"
+    )
+
+
+def check_prepared_prompts(
+    config: RunConfig,
+    prepared: Sequence[PreparedDataset],
+    unprepared: Mapping[str, str] | None = None,
+) -> Check:
+    """Refuse the run when a dataset could not be prepared or yields fewer prompts than its ``min_prompts``.
+
+    Runs after every dataset's prompt shards are written and before training is halted, so a dataset of
+    random bytes, of rows without a user turn or in another layout stops the run while training still runs.
+
+    Args:
+        config: The run config.
+        prepared: The summaries of the datasets that were prepared.
+        unprepared: Dataset name -> why its preparation failed, for the datasets that were not.
+
+    Returns:
+        The passed check (counts per dataset).
+
+    Raises:
+        PreflightError: One problem per dataset that could not be prepared or yields too few prompts.
+    """
+    by_name = {item.dataset: item for item in prepared}
+    problems = [
+        f"dataset {name!r} could not be prepared: {error}" for name, error in (unprepared or {}).items()
+    ]
+    for dataset in config.datasets:
+        item = by_name.get(dataset.name)
+        if item is not None and item.prompts < dataset.min_prompts:
+            problems.append(_describe_short_dataset(dataset, item))
+    if problems:
+        raise PreflightError(problems)
+    counts = ", ".join(f"{item.dataset}={item.prompts}" for item in prepared)
+    check = Check(name="prompts prepared", ok=True, detail=f"prompts per dataset: {counts}")
+    logger.info("preflight check=%r ok=True %s", check.name, check.detail)
+    return check

@@ -33,8 +33,11 @@ PREFECT_ENV_DEFAULTS = {
 }
 
 
-def run_flow(load_flow: FlowLoader, config: RunConfig) -> RunSummary:
-    """Run the `expand` flow in this process (Prefect's local or configured API) and return its summary.
+def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], RunSummary]:
+    """Import the `expand` flow (Prefect with it, which configures its logging) and return its run.
+
+    Split from :func:`run_flow` so the terminal can set up its log file once Prefect's logging exists
+    (see :func:`datagen.app.terminal.run_in_terminal`).
 
     Args:
         load_flow: Imports and returns the flow; called after Prefect's environment defaults are set,
@@ -42,12 +45,19 @@ def run_flow(load_flow: FlowLoader, config: RunConfig) -> RunSummary:
         config: The validated run config.
 
     Returns:
-        The flow's summary of the run.
+        Runs the flow in this process (Prefect's configured API, or the temporary one the loader owns)
+        and returns its summary.
 
     """
     for name, value in PREFECT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
-    return load_flow()(config)
+    flow = load_flow()
+    return lambda: flow(config)
+
+
+def run_flow(load_flow: FlowLoader, config: RunConfig) -> RunSummary:
+    """Run the `expand` flow in this process and return its summary (see :func:`prepare_flow_run`)."""
+    return prepare_flow_run(load_flow, config)()
 
 
 def print_summary(summary: RunSummary) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -319,15 +320,24 @@ def find_marker(pattern: str | None, *, since_epoch_s: float | None) -> str | No
     return newest[1] if newest else None
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step number of a checkpoint file: the last number in its name (-1 without one).
+
+    ``checkpoint-10.pt`` comes after ``checkpoint-9.pt``, which a text sort of the names gets wrong.
+    """
+    numbers = re.findall(r"\d+", Path(path).name)
+    return int(numbers[-1]) if numbers else -1
+
+
 def newest_checkpoint(pattern: str | None) -> str | None:
-    """The most recently modified file matching ``pattern`` (``**`` allowed); None without matches."""
+    """The newest file matching ``pattern`` (``**`` allowed): last modified, then highest step; None if none."""
     if not pattern:
         return None
     files = [Path(path) for path in glob.glob(os.path.expanduser(pattern), recursive=True)]
     files = [path for path in files if path.is_file()]
     if not files:
         return None
-    return str(max(files, key=lambda path: path.stat().st_mtime_ns))
+    return str(max(files, key=lambda path: (path.stat().st_mtime_ns, checkpoint_step(path))))
 
 
 def restart_argv(cfg: TrainingJobConfig) -> list[str] | None:

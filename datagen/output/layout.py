@@ -7,6 +7,7 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     runs/<run_id>/attempts/<attempt>/training.json   what was halted, last checkpoint
     runs/<run_id>/attempts/<attempt>/env.json        probe report
     runs/<run_id>/attempts/<attempt>/plan.json       server plan
+    runs/<run_id>/attempts/<attempt>/generation.json how long this attempt generated (summed in the report)
     runs/<run_id>/prompts/<dataset>/shard-00000.jsonl
     runs/<run_id>/prompts/<dataset>/summary.json    prepare summary (written after its shards)
     runs/<run_id>/parts/<dataset>/shard-00000/completions-00000.jsonl   in-shard checkpoints
@@ -53,6 +54,11 @@ class RunLayout:
     def attempt_object(self, attempt_id: str, name: str) -> str:
         """A record of one flow attempt (preflight, training, env, plan): reruns add, never overwrite."""
         return f"{self.root}/attempts/{attempt_id}/{name}"
+
+    @property
+    def attempts_prefix(self) -> str:
+        """The folder holding one subfolder per flow attempt."""
+        return f"{self.root}/attempts/"
 
     def prompt_shard(self, dataset: str, index: int) -> str:
         """One prompt shard."""

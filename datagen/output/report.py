@@ -6,6 +6,7 @@ markdown into the run folder and, by the flow, as Prefect artifacts.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 from collections import Counter
 from collections.abc import Sequence
@@ -14,6 +15,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
+from datagen.errors import OutputExistsError
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
 from datagen.records import DatasetMix, MixRow, PreparedDataset, ShardSummary, utc_now
 
 
@@ -52,8 +56,11 @@ class RunReport(BaseModel):
     created_at: dt.datetime = Field(default_factory=utc_now)
     engine: str
     servers: int
-    generation_wall_s: float
-    output_tokens_per_s: float
+    generation_wall_s: float = Field(description="Generation wall time summed over every attempt of the run.")
+    generation_attempts: int = Field(default=1, description="Attempts that generated (interrupted ones too).")
+    output_tokens_per_s: float = Field(
+        description="Output tokens of every completion over the generation wall time of every attempt."
+    )
     datasets: list[DatasetReport]
     totals: DatasetReport
     tokenize: dict[str, Any] = Field(default_factory=dict)
@@ -89,7 +96,8 @@ class RunReport(BaseModel):
             f"# datagen run `{self.run_id}`",
             "",
             f"- engine: **{self.engine}**, servers: **{self.servers}**",
-            f"- generation wall time: **{self.generation_wall_s:.1f} s**, "
+            f"- generation wall time: **{self.generation_wall_s:.1f} s** over {self.generation_attempts} "
+            "attempt(s), "
             f"output throughput: **{self.output_tokens_per_s:.1f} tok/s**",
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
@@ -181,6 +189,7 @@ def build_report(
     generation_wall_s: float,
     dataset_mix: Sequence[DatasetMix],
     mix_by_category: Sequence[MixRow],
+    generation_attempts: int = 1,
 ) -> RunReport:
     """Assemble the report from the stages' summaries.
 
@@ -191,7 +200,9 @@ def build_report(
         shards: Every shard summary from generate_shard.
         tokenize_summary: The merge-and-tokenize summary as a dict (``rows_by_dataset`` is used when present).
         servers: How many servers generated.
-        generation_wall_s: Wall time from the first request to the last result.
+        generation_wall_s: Wall time from the first request to the last result, summed over every attempt
+            of the run (:func:`generation_time_over_attempts`): the completions counted are every attempt's.
+        generation_attempts: How many attempts that time adds up.
         dataset_mix: Each dataset's quota and shortfall (:func:`datagen.prompts.mix.dataset_mix`).
         mix_by_category: The mix table (:func:`datagen.prompts.mix.mix_table`); the mix is computed by the
             prompts stage, the report only shows it.
@@ -255,6 +266,7 @@ def build_report(
         engine=config.fleet.engine,
         servers=servers,
         generation_wall_s=generation_wall_s,
+        generation_attempts=generation_attempts,
         output_tokens_per_s=(totals.completion_tokens / generation_wall_s) if generation_wall_s > 0 else 0.0,
         datasets=list(by_name.values()),
         totals=totals,
@@ -282,3 +294,37 @@ class RunSummary(BaseModel):
     dataset_version: str | None
     report_url: str
     manifest_url: str
+
+
+GENERATION_RECORD = "generation.json"
+
+
+class GenerationWindow(BaseModel):
+    """How long one flow attempt generated (``attempts/<attempt>/generation.json``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attempt_id: str
+    wall_s: float = Field(ge=0)
+    servers: int = 0
+    interrupted: bool = Field(default=False, description="The attempt ended early (signal, crash, failure).")
+
+
+def record_generation_window(store: Store, layout: RunLayout, window: GenerationWindow) -> None:
+    """Store how long this attempt generated, once (a rerun of the same attempt keeps the first record)."""
+    with contextlib.suppress(OutputExistsError):
+        store.write_json(layout.attempt_object(window.attempt_id, GENERATION_RECORD), window)
+
+
+def generation_time_over_attempts(store: Store, layout: RunLayout) -> tuple[float, int]:
+    """The generation wall time of every attempt of the run, summed, and how many attempts generated.
+
+    A resumed run's completions come from several attempts; its throughput is their tokens over this sum,
+    not over the last attempt's time (which may be zero when only the merge was left).
+    """
+    windows = [
+        GenerationWindow.model_validate(store.read_json(key))
+        for key in store.list(layout.attempts_prefix)
+        if key.endswith("/" + GENERATION_RECORD)
+    ]
+    return sum(window.wall_s for window in windows), len(windows)

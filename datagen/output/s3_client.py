@@ -7,14 +7,12 @@ reach reprs, logs or error messages. Every retry botocore makes is logged with i
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
-
-logger = logging.getLogger(__name__)
-
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +121,9 @@ def _record_failure(
         request_dict.setdefault("context", {})[RETRY_CAUSE_CONTEXT_KEY] = cause
 
 
-def _log_retry(request: Any = None, operation_name: str = "", **_: Any) -> None:
+def _log_retry(
+    request: Any = None, operation_name: str = "", max_attempts: int = S3_MAX_ATTEMPTS, **_: Any
+) -> None:
     """``request-created`` hook: log every attempt after the first, with the cause of the one before."""
     context = getattr(request, "context", None) or {}
     attempt = int(context.get("retries", {}).get("attempt", 1))
@@ -132,16 +132,22 @@ def _log_retry(request: Any = None, operation_name: str = "", **_: Any) -> None:
             "s3 retry operation=%s attempt=%d max_attempts=%d cause=%s",
             operation_name,
             attempt,
-            S3_MAX_ATTEMPTS,
+            max_attempts,
             context.get(RETRY_CAUSE_CONTEXT_KEY, "unknown"),
         )
 
 
 def install_retry_logging(client: Any) -> None:
     """Log each botocore retry of ``client`` (idempotent: installing twice logs once)."""
+    configured = getattr(client.meta.config, "retries", None) or {}
+    max_attempts = int(configured.get("total_max_attempts") or S3_MAX_ATTEMPTS)
     events = client.meta.events
     events.register("needs-retry.s3", _record_failure, unique_id="datagen-record-failure")
-    events.register("request-created.s3", _log_retry, unique_id="datagen-log-retry")
+    events.register(
+        "request-created.s3",
+        functools.partial(_log_retry, max_attempts=max_attempts),
+        unique_id="datagen-log-retry",
+    )
 
 
 @dataclass(frozen=True)
@@ -181,6 +187,10 @@ def make_s3_client(
     endpoint_url: str | None = None,
     region: str | None = None,
     credentials: S3Credentials | None = None,
+    *,
+    max_attempts: int = S3_MAX_ATTEMPTS,
+    connect_timeout_s: float | None = None,
+    read_timeout_s: float | None = None,
 ) -> Any:
     """A boto3 S3 client with botocore's standard retry mode and logged retries.
 
@@ -194,6 +204,9 @@ def make_s3_client(
             endpoint, else AWS.
         region: The region; else ``DATAGEN_S3_REGION``, else the credentials' region, else the chain's.
         credentials: Explicit credentials for this client.
+        max_attempts: Attempts per request (botocore's standard retry mode); fewer for a quick probe.
+        connect_timeout_s: Seconds to establish a connection; botocore's default (60) when None.
+        read_timeout_s: Seconds to wait for an answer on a connection; botocore's default (60) when None.
     """
     import boto3
     from botocore.config import Config
@@ -207,12 +220,16 @@ def make_s3_client(
         if target.session_token:
             session_kwargs["aws_session_token"] = target.session_token
     session = boto3.session.Session(**session_kwargs)
-    client = session.client(
-        "s3",
-        endpoint_url=target.endpoint_url,
-        region_name=target.region,
-        config=Config(retries={"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}),
-    )
+    # total_max_attempts counts the first attempt too (botocore's max_attempts counts only retries).
+    config = Config(retries={"mode": "standard", "total_max_attempts": max_attempts})
+    timeouts: dict[str, Any] = {}
+    if connect_timeout_s is not None:
+        timeouts["connect_timeout"] = connect_timeout_s
+    if read_timeout_s is not None:
+        timeouts["read_timeout"] = read_timeout_s
+    if timeouts:
+        config = config.merge(Config(**timeouts))
+    client = session.client("s3", endpoint_url=target.endpoint_url, region_name=target.region, config=config)
     install_retry_logging(client)
     return client
 
@@ -232,7 +249,7 @@ def s3_storage_options(credentials: S3Credentials | None = None) -> dict[str, An
         client_kwargs["region_name"] = target.region
     options: dict[str, Any] = {
         "client_kwargs": client_kwargs,
-        "config_kwargs": {"retries": {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}},
+        "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": S3_MAX_ATTEMPTS}},
     }
     if target.profile_name:
         options["profile"] = target.profile_name

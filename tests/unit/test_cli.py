@@ -203,3 +203,24 @@ def test_the_core_cli_without_the_flow_refuses_to_run_and_names_the_entry_point(
     assert result.returncode == EXIT_CONFIG_ERROR
     assert "python -m flows.cli_entry" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_probe_with_a_missing_model_is_an_error_naming_the_flag() -> None:
+    result = datagen(
+        "probe", "--from-dir", str(FIXTURES_ROOT / "probe" / "h200x2-nvlink"), "--model", "/nonexistent/model"
+    )
+    assert result.returncode == EXIT_CONFIG_ERROR
+    assert "--model /nonexistent/model does not exist" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_a_bad_run_id_names_the_flag_and_gives_an_example_not_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: {path: /models/m}\ndatasets: [{name: m, format: metamath, path: x.json}]\noutput: /tmp/out\n"
+    )
+    result = datagen("run", "--config", str(config), "--run-id", "My Run!")
+    assert result.returncode == EXIT_CONFIG_ERROR
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("--run-id 'My Run!' is not a valid run id") and "e.g. --run-id 20261201-" in line
+    assert str(config) not in line and "^[a-z0-9]" not in line

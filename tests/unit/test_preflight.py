@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from datagen.app.preflight import run_preflight
+from datagen.app.preflight import check_output_reachable, check_prepared_prompts, run_preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
+from datagen.records import PreparedDataset
 from datagen.samples import sample_path
 
 
@@ -67,3 +74,131 @@ def test_changed_config_for_an_existing_run_fails_preflight(tmp_path: Path, tiny
     changed = config.model_copy(update={"seed": 42})
     with pytest.raises(PreflightError, match="different configuration"):
         run_preflight(changed)
+
+
+def _prepared(dataset: str, prompts: int, **fields: object) -> PreparedDataset:
+    return PreparedDataset.model_validate({"dataset": dataset, "rows_read": 3, "prompts": prompts, **fields})
+
+
+def test_a_dataset_without_prompts_is_refused_naming_it_its_rejections_and_a_row(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = _config(tmp_path, tiny_model_dir)
+    prepared = _prepared(
+        "metamath",
+        0,
+        rejections={"malformed": 2, "no_user_turn": 1},
+        rejection_samples=[{"reason": "malformed", "detail": "missing field 'query'", "source_index": 0}],
+    )
+    with pytest.raises(PreflightError) as raised:
+        check_prepared_prompts(config, [prepared])
+    (problem,) = raised.value.problems
+    assert "dataset 'metamath'" in problem and "yields 0 prompt(s)" in problem and "min_prompts 1" in problem
+    assert "malformed=2, no_user_turn=1" in problem and "row 0 (malformed: missing field 'query')" in problem
+    assert "datagen datasets inspect --format metamath" in problem
+    assert "\n" not in str(raised.value), "one problem is one line"
+
+
+def test_min_prompts_is_a_per_dataset_minimum_that_does_not_change_the_run_identity(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    strict = _config(
+        tmp_path,
+        tiny_model_dir,
+        datasets=[
+            {"name": "metamath", "format": "metamath", "path": sample_path("metamath"), "min_prompts": 5}
+        ],
+    )
+    assert strict.config_hash() == _config(tmp_path, tiny_model_dir).config_hash()
+    with pytest.raises(PreflightError, match="yields 4 prompt"):
+        check_prepared_prompts(strict, [_prepared("metamath", 4)])
+    assert check_prepared_prompts(strict, [_prepared("metamath", 5)]).ok
+
+
+def test_a_dataset_that_could_not_be_prepared_is_refused_with_its_cause(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(PreflightError, match="dataset 'metamath' could not be prepared: No dataset files"):
+        check_prepared_prompts(_config(tmp_path, tiny_model_dir), [], {"metamath": "No dataset files found"})
+
+
+def test_an_unreachable_s3_output_is_one_problem_found_in_seconds(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datagen.settings import get_settings
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("DATAGEN_S3_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    get_settings.cache_clear()
+    try:
+        config = _config(
+            tmp_path,
+            tiny_model_dir,
+            output="s3://datagen-out/expansion",
+            protected_prefixes=["s3://datagen-out/train"],
+            datasets=[{"name": "metamath", "format": "metamath", "path": str(tmp_path / "missing.json")}],
+        )
+        started = time.monotonic()
+        with pytest.raises(PreflightError) as raised:
+            run_preflight(config)
+        elapsed_s = time.monotonic() - started
+        with pytest.raises(PreflightError, match="unreachable"):
+            check_output_reachable(config)
+    finally:
+        get_settings.cache_clear()
+    assert elapsed_s < 15
+    problems = raised.value.problems
+    unreachable = [problem for problem in problems if "S3 endpoint" in problem]
+    assert len(unreachable) == 1 and unreachable[0].startswith("output location: S3 endpoint")
+    assert not any("run identity" in problem or "base dataset" in problem for problem in problems)
+    assert any("missing.json" in problem for problem in problems), "checks that need no storage still run"
+
+
+def test_a_model_folder_without_tokenizer_files_says_so(tmp_path: Path, tiny_model_dir: Path) -> None:
+    bare = tmp_path / "bare-model"
+    bare.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", bare / "config.json")
+    with pytest.raises(PreflightError) as raised:
+        run_preflight(_config(tmp_path, bare))
+    (problem,) = raised.value.problems
+    assert "has no tokenizer files" in problem and "model.path" in problem
+    assert "chat template" not in problem
+
+
+def test_a_training_job_that_is_not_running_passes_with_a_warning(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    pidfile = tmp_path / "trainer.pid"
+    pidfile.write_text(f"{dead.pid}\n")
+    config = _config(tmp_path, tiny_model_dir, training={"kind": "pidfile", "pidfile": str(pidfile)})
+    with caplog.at_level(logging.WARNING, logger="datagen.app.preflight"):
+        report = run_preflight(config)
+    (training,) = [check for check in report.checks if check.name == "training job"]
+    assert training.ok and "NOT running" in training.detail
+    assert any("training job named by the config is not running" in r.getMessage() for r in caplog.records)
+
+
+def test_external_servers_that_do_not_answer_are_refused_in_seconds(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    config = _config(
+        tmp_path,
+        tiny_model_dir,
+        fleet={"engine": "external", "external_urls": [f"http://127.0.0.1:{port}"]},
+    )
+    started = time.monotonic()
+    with pytest.raises(PreflightError) as raised:
+        run_preflight(config)
+    assert time.monotonic() - started < 15
+    (problem,) = raised.value.problems
+    assert f"127.0.0.1:{port} (ConnectError)" in problem and "fleet.external_urls" in problem

@@ -143,7 +143,7 @@ def test_s3fs_options_carry_endpoint_credentials_and_retries(monkeypatch: pytest
         get_settings.cache_clear()
     assert options["client_kwargs"]["endpoint_url"] == "http://127.0.0.1:9000"
     assert (options["key"], options["secret"]) == ("AKIAEXAMPLE", "secret")
-    assert options["config_kwargs"]["retries"] == {"mode": "standard", "max_attempts": S3_MAX_ATTEMPTS}
+    assert options["config_kwargs"]["retries"] == {"mode": "standard", "total_max_attempts": S3_MAX_ATTEMPTS}
 
 
 def test_aws_credentials_block_fields_map_onto_s3_credentials() -> None:

@@ -1,0 +1,207 @@
+"""What a `datagen run` in a terminal shows and how it ends: one message per outcome, documented exit codes.
+
+The exit codes (README and docs/operations.md list them too):
+
+====  =========================================================================================
+0     done (or already complete)
+1     the run failed after it started; everything finished is stored, rerun with ``--run-id``
+2     bad configuration or a preflight refusal: nothing was halted or started
+130   interrupted by SIGINT (Ctrl-C); servers stopped, resumable with ``--run-id``
+143   interrupted by SIGTERM; servers stopped, resumable with ``--run-id``
+====  =========================================================================================
+
+Tracebacks never reach the terminal: the console handlers drop records that carry one (and Prefect's
+"Finished in state Failed" echo of the same failure), while a log file per run keeps everything, and
+Prefect's own log keeps what it sends to the API.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import FrameType
+from typing import TypeVar
+
+from datagen.errors import ConfigError, DatagenError, PreflightError, RunInterrupted
+
+EXIT_DONE = 0
+EXIT_RUN_FAILED = 1
+EXIT_REFUSED = 2
+# The shell's convention for a process ended by a signal: 128 + the signal number.
+SIGNAL_EXIT_BASE = 128
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
+
+T = TypeVar("T")
+
+
+def exit_code_for_signal(signum: int) -> int:
+    """The exit code of a run interrupted by ``signum`` (130 for SIGINT, 143 for SIGTERM)."""
+    return SIGNAL_EXIT_BASE + signum
+
+
+class _Interrupts:
+    """Turns the first SIGINT/SIGTERM into :class:`RunInterrupted`; later ones only say cleanup is under way.
+
+    A second Ctrl-C while servers are being stopped must not abandon them half-stopped.
+    """
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+            raise RunInterrupted(signum)
+        print(
+            f"datagen: {signal.Signals(signum).name} again: still stopping the servers, one moment",
+            file=sys.stderr,
+        )
+
+
+@contextlib.contextmanager
+def interrupt_signals() -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM raise :class:`RunInterrupted` in the main thread (once)."""
+    handler = _Interrupts()
+    previous = {signum: signal.signal(signum, handler) for signum in INTERRUPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, old in previous.items():
+            signal.signal(signum, old)
+
+
+class _ConsoleFilter(logging.Filter):
+    """Keeps tracebacks (and Prefect's echo of a failed state) off the terminal; the log file has them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info or record.exc_text or record.stack_info:
+            return False
+        if not record.name.startswith("prefect"):
+            return True
+        message = record.getMessage()
+        return not message.startswith(("Finished in state Failed", "Finished in state Crashed"))
+
+
+def _console_handlers() -> list[logging.Handler]:
+    loggers: list[logging.Logger] = [logging.getLogger()]
+    loggers += [item for item in logging.root.manager.loggerDict.values() if isinstance(item, logging.Logger)]
+    found: list[logging.Handler] = []
+    for item in loggers:
+        for handler in item.handlers:
+            if (
+                isinstance(handler, logging.StreamHandler)
+                and not isinstance(handler, logging.FileHandler)
+                and handler not in found
+            ):
+                found.append(handler)
+    return found
+
+
+@contextlib.contextmanager
+def terminal_logging(log_path: Path) -> Iterator[Path]:
+    """Log everything (tracebacks included) to ``log_path``; keep tracebacks off the console.
+
+    Call it after Prefect configured logging (Prefect is imported), so its console handlers are found.
+
+    Args:
+        log_path: The run's log file (its folder is created).
+
+    Yields:
+        ``log_path``.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    file_handler = logging.FileHandler(log_path, encoding="utf-8")
+    file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    console_filter = _ConsoleFilter()
+    consoles = _console_handlers()
+    targets = [logging.getLogger()]
+    # Loggers that do not propagate to the root (datagen's, when Prefect adds it as an extra logger).
+    targets += [logging.getLogger(name) for name in ("datagen",) if not logging.getLogger(name).propagate]
+    for handler in consoles:
+        handler.addFilter(console_filter)
+    for target in targets:
+        target.addHandler(file_handler)
+    try:
+        yield log_path
+    finally:
+        for target in targets:
+            target.removeHandler(file_handler)
+        for handler in consoles:
+            handler.removeFilter(console_filter)
+        file_handler.close()
+
+
+def run_log_path(state_dir: str, run_id: str) -> Path:
+    """Where the log of one `datagen run` invocation goes: ``<state_dir>/logs/<run_id>-<time>.log``."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(state_dir).expanduser() / "logs" / f"{run_id}-{stamp}.log"
+
+
+def _echo_error(message: str) -> None:
+    print(message, file=sys.stderr)
+
+
+def run_in_terminal(
+    load_run: Callable[[], Callable[[], T]],
+    *,
+    run_id: str,
+    resume_command: str,
+    log_path: Path,
+) -> tuple[int, T | None]:
+    """Run under the terminal's rules: signals, one message per outcome, an exit code.
+
+    Args:
+        load_run: Imports what the run needs (Prefect, which configures its console logging on import)
+            and returns the run itself; :func:`terminal_logging` starts in between.
+        run_id: The run's id (for the messages).
+        resume_command: The command that resumes this run, quoted in failure and interrupt messages.
+        log_path: The run's log file, quoted in failure messages.
+
+    Returns:
+        The exit code, and what the run returned when it finished (code 0).
+    """
+    with interrupt_signals(), contextlib.ExitStack() as stack:
+        try:
+            run = load_run()
+            stack.enter_context(terminal_logging(log_path))
+            return EXIT_DONE, run()
+        except RunInterrupted as interrupted:
+            _echo_error(
+                f"datagen: run {run_id} interrupted by {interrupted.signal_name}: servers stopped, everything "
+                f"finished so far is stored. Resume with: {resume_command}"
+            )
+            return exit_code_for_signal(interrupted.signum), None
+        except (PreflightError, ConfigError) as refused:
+            logging.getLogger(__name__).info("run refused", exc_info=True)
+            _echo_error(f"datagen: {refused}")
+            return EXIT_REFUSED, None
+        except DatagenError as error:
+            logging.getLogger(__name__).error("run failed", exc_info=True)
+            _echo_error(
+                f"datagen: run {run_id} failed: {error}; resume with: {resume_command} (full log: {log_path})"
+            )
+            return EXIT_RUN_FAILED, None
+        except Exception as error:
+            logging.getLogger(__name__).error("run failed", exc_info=True)
+            _echo_error(
+                f"datagen: run {run_id} failed: {type(error).__name__}: {error}; resume with: "
+                f"{resume_command} (full log: {log_path})"
+            )
+            return EXIT_RUN_FAILED, None
+        except BaseException as error:
+            # Prefect's own SIGTERM bridge (TerminationSignal) when it re-raises before ours runs.
+            signum = getattr(error, "signal", None)
+            if isinstance(signum, int) and signum in INTERRUPT_SIGNALS:
+                name = signal.Signals(signum).name
+                _echo_error(
+                    f"datagen: run {run_id} interrupted by {name}: servers stopped, everything finished so "
+                    f"far is stored. Resume with: {resume_command}"
+                )
+                return exit_code_for_signal(signum), None
+            raise

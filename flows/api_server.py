@@ -1,0 +1,217 @@
+"""The temporary Prefect API server of a `datagen run` on a host without a configured one, owned by us.
+
+Without ``PREFECT_API_URL`` Prefect starts a temporary API server as a plain child process: in a terminal,
+Ctrl-C reaches it with the rest of the process group, it dies first, and the interrupted run then spends
+minutes retrying ``ws://127.0.0.1:.../events`` before it can exit. Here the same server (Prefect 3.9's own
+recipe: ``uvicorn --factory prefect.server.api.server:create_app``, see
+``prefect.server.api.server.SubprocessASGIServer``) is started in its own session, so a signal to the
+terminal's process group never reaches it, and it is stopped last: after the flow returned or raised and
+Prefect's log and event workers have drained. It also dies with this process (``PR_SET_PDEATHSIG``) if
+this process is killed outright.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+# The server imports Prefect and migrates its SQLite database before it answers: ~8-12 s on a 2-core box,
+# more under load (Prefect's own default of 20 s was seen to run out).
+API_START_TIMEOUT_S = 120.0
+API_HEALTH_POLL_S = 0.2
+# A terminated server finishes its lifespan shutdown within a second or two; then it is killed.
+API_STOP_TIMEOUT_S = 5.0
+# How long Prefect's log and event workers may take to send what they hold before the server stops.
+WORKER_DRAIN_TIMEOUT_S = 5.0
+# prctl(2) option: the signal the kernel sends the child when its parent thread dies.
+PR_SET_PDEATHSIG = 1
+
+
+def _libc_prctl() -> Any:
+    """The C library's ``prctl``, looked up before any fork (a lookup in the forked child could deadlock)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _libc_prctl() if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask the kernel to SIGTERM the server when the thread that started it dies."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _free_port() -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class LocalApiServer:
+    """One Prefect API server process in its own session, started and stopped by this object.
+
+    Args:
+        log_path: Where the server's output goes.
+        start_timeout_s: How long to wait for ``/api/health``.
+    """
+
+    def __init__(self, log_path: Path, start_timeout_s: float = API_START_TIMEOUT_S) -> None:
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.port = _free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def api_url(self) -> str:
+        """The API URL clients use."""
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def start(self) -> str:
+        """Start the server and wait until it answers; return its API URL.
+
+        Raises:
+            RuntimeError: The server exited or did not answer within ``start_timeout_s``.
+        """
+        import prefect
+        from prefect.settings import get_current_settings
+
+        env = {
+            **os.environ,
+            # What Prefect's own temporary server runs with: no UI, ephemeral-server behaviour.
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+            **get_current_settings().to_environment_variables(exclude_unset=True),
+        }
+        argv = [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "--app-dir",
+            str(prefect.__module_path__.parent),
+            "--factory",
+            "prefect.server.api.server:create_app",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "error",
+            "--lifespan",
+            "on",
+        ]
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if _PRCTL is not None else None,
+            )
+        logger.info("prefect api server starting pid=%d url=%s", self.process.pid, self.api_url)
+        deadline = time.monotonic() + self.start_timeout_s
+        with httpx.Client(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(
+                        f"the temporary Prefect API server exited with code {self.process.returncode}; "
+                        f"see {self.log_path}, or set PREFECT_API_URL to a running `prefect server start`"
+                    )
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{self.api_url}/health").status_code == httpx.codes.OK:
+                        return self.api_url
+                time.sleep(API_HEALTH_POLL_S)
+        self.stop()
+        raise RuntimeError(
+            f"the temporary Prefect API server did not answer within {self.start_timeout_s:.0f}s; see "
+            f"{self.log_path}, or set PREFECT_API_URL to a running `prefect server start`"
+        )
+
+    def stop(self) -> None:
+        """Stop the server's process group: SIGTERM, then SIGKILL after a grace period (idempotent)."""
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(API_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def drain_prefect_workers() -> None:
+    """Send what Prefect's log and event workers still hold, while the API server still runs."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        try:
+            worker.drain_all(timeout=WORKER_DRAIN_TIMEOUT_S)
+        except Exception as error:  # a log line lost is not worth failing the run's exit
+            logger.debug("prefect worker drain failed worker=%s error=%s", worker.__name__, error)
+
+
+@contextlib.contextmanager
+def prefect_api(log_dir: Path) -> Iterator[str | None]:
+    """Use the configured Prefect API, or own a temporary one for the duration of the block.
+
+    With ``PREFECT_API_URL`` set (environment or profile) nothing is started and the URL is yielded. Else a
+    :class:`LocalApiServer` runs for the block: this process's Prefect settings point at it, and on the way
+    out Prefect's workers drain first, then the server stops, whatever ended the block.
+
+    Args:
+        log_dir: Folder for the temporary server's log.
+
+    Yields:
+        The API URL in use (None only if Prefect is left to its own ephemeral mode).
+    """
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import get_current_settings
+
+    configured = get_current_settings().api.url
+    if configured:
+        try:
+            yield configured
+        finally:
+            drain_prefect_workers()
+        return
+    server = LocalApiServer(log_dir / f"prefect-api-{os.getpid()}.log")
+    previous = os.environ.get("PREFECT_API_URL")
+    try:
+        os.environ["PREFECT_API_URL"] = server.start()
+        refresh_global_settings_context()
+        yield server.api_url
+    finally:
+        try:
+            drain_prefect_workers()
+        finally:
+            server.stop()
+            if previous is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = previous
+            refresh_global_settings_context()

@@ -1,0 +1,100 @@
+"""`datagen run` at a terminal: one message per outcome, documented exit codes, signals, no tracebacks."""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from datagen.app.terminal import EXIT_REFUSED, EXIT_RUN_FAILED, run_in_terminal, terminal_logging
+from datagen.errors import DatagenError, PreflightError
+
+RESUME = "datagen run --config run.yaml --run-id r-1"
+# A signalled run must stop at once; a generous bound for a loaded 2-core box.
+SIGNAL_EXIT_MAX_S = 5.0
+
+
+def _run(tmp_path: Path, body: Callable[[], object]) -> tuple[int, object]:
+    return run_in_terminal(
+        lambda: body, run_id="r-1", resume_command=RESUME, log_path=tmp_path / "logs" / "r-1.log"
+    )
+
+
+def test_a_finished_run_exits_0_with_its_summary(tmp_path: Path) -> None:
+    assert _run(tmp_path, lambda: "summary") == (0, "summary")
+
+
+def test_a_preflight_refusal_exits_2_with_its_message_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def refuse() -> None:
+        raise PreflightError(["dataset 'junk' yields 0 prompt(s)"])
+
+    assert _run(tmp_path, refuse) == (EXIT_REFUSED, None)
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [
+        "datagen: Preflight refused the run; nothing was stopped or started: dataset 'junk' yields 0 prompt(s)"
+    ]
+
+
+def test_a_failed_run_exits_1_saying_how_to_resume_and_where_the_traceback_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail() -> None:
+        raise DatagenError("3 shard(s) failed")
+
+    assert _run(tmp_path, fail) == (EXIT_RUN_FAILED, None)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "run r-1 failed: 3 shard(s) failed" in line and RESUME in line and "r-1.log" in line
+    assert "Traceback" in (tmp_path / "logs" / "r-1.log").read_text()
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_the_run_with_128_plus_its_number_and_the_resume_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], signum: signal.Signals, code: int
+) -> None:
+    cleaned: list[bool] = []
+
+    def interrupted_mid_run() -> None:
+        try:
+            os.kill(os.getpid(), signum)
+            time.sleep(30)
+        finally:
+            cleaned.append(True)  # the run's own finally blocks (stopping servers) still run
+
+    started = time.monotonic()
+    assert _run(tmp_path, interrupted_mid_run) == (code, None)
+    assert time.monotonic() - started < SIGNAL_EXIT_MAX_S
+    assert cleaned == [True]
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert f"interrupted by {signum.name}" in line and RESUME in line
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "the previous handlers are restored"
+
+
+def test_the_console_shows_no_traceback_while_the_log_file_keeps_it(tmp_path: Path) -> None:
+    console = io.StringIO()
+    handler = logging.StreamHandler(console)
+    logger = logging.getLogger("datagen.tests.console")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with terminal_logging(tmp_path / "run.log") as log_path:
+            logger.info("progress %d%%", 50)
+            try:
+                raise ValueError("deep inside")
+            except ValueError:
+                logger.exception("task failed")
+            logging.getLogger("prefect.flow_runs").error("Finished in state Failed('deep inside')")
+    finally:
+        logger.removeHandler(handler)
+    assert console.getvalue() == "progress 50%\n"
+    logged = log_path.read_text()
+    assert (
+        "Traceback" in logged and "ValueError: deep inside" in logged and "Finished in state Failed" in logged
+    )
