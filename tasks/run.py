@@ -41,7 +41,7 @@ def check_prompts(
     config: RunConfig, run: RunHandle, prepared: list[PreparedDataset], unprepared: dict[str, str]
 ) -> Check:
     """Refuse the run, before training is halted, when a dataset yields fewer prompts than its minimum."""
-    check = datagen.app.preflight.check_prepared_prompts(config, prepared, unprepared)
+    check = datagen.app.preflight.check_prompts(config, prepared, unprepared)
     get_run_logger().info("prompts checked %s", check.detail)
     return check
 

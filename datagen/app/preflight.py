@@ -394,7 +394,7 @@ def _describe_short_dataset(dataset: DatasetConfig, prepared: PreparedDataset) -
     )
 
 
-def check_prepared_prompts(
+def check_prompts(
     config: RunConfig,
     prepared: Sequence[PreparedDataset],
     unprepared: Mapping[str, str] | None = None,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.app.preflight import check_output_reachable, check_prepared_prompts, run_preflight
+from datagen.app.preflight import check_output_reachable, check_prompts, run_preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
 from datagen.records import PreparedDataset
@@ -91,7 +91,7 @@ def test_a_dataset_without_prompts_is_refused_naming_it_its_rejections_and_a_row
         rejection_samples=[{"reason": "malformed", "detail": "missing field 'query'", "source_index": 0}],
     )
     with pytest.raises(PreflightError) as raised:
-        check_prepared_prompts(config, [prepared])
+        check_prompts(config, [prepared])
     (problem,) = raised.value.problems
     assert "dataset 'metamath'" in problem and "yields 0 prompt(s)" in problem and "min_prompts 1" in problem
     assert "malformed=2, no_user_turn=1" in problem and "row 0 (malformed: missing field 'query')" in problem
@@ -111,15 +111,15 @@ def test_min_prompts_is_a_per_dataset_minimum_that_does_not_change_the_run_ident
     )
     assert strict.config_hash() == _config(tmp_path, tiny_model_dir).config_hash()
     with pytest.raises(PreflightError, match="yields 4 prompt"):
-        check_prepared_prompts(strict, [_prepared("metamath", 4)])
-    assert check_prepared_prompts(strict, [_prepared("metamath", 5)]).ok
+        check_prompts(strict, [_prepared("metamath", 4)])
+    assert check_prompts(strict, [_prepared("metamath", 5)]).ok
 
 
 def test_a_dataset_that_could_not_be_prepared_is_refused_with_its_cause(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     with pytest.raises(PreflightError, match="dataset 'metamath' could not be prepared: No dataset files"):
-        check_prepared_prompts(_config(tmp_path, tiny_model_dir), [], {"metamath": "No dataset files found"})
+        check_prompts(_config(tmp_path, tiny_model_dir), [], {"metamath": "No dataset files found"})
 
 
 def test_an_unreachable_s3_output_is_one_problem_found_in_seconds(
