@@ -15,6 +15,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+# Exit codes of every command come from one table (2: bad input, nothing started; 1: failed).
+from datagen.app.terminal import EXIT_REFUSED as EXIT_CONFIG_ERROR
+from datagen.app.terminal import EXIT_RUN_FAILED
+
 if TYPE_CHECKING:
     from datagen.app.runner import FlowLoader
 
@@ -28,9 +32,6 @@ datasets_app = typer.Typer(help="Look at prompt datasets without starting anythi
 app.add_typer(datasets_app, name="datasets")
 corpus_app = typer.Typer(help="The existing training corpus.", no_args_is_help=True)
 app.add_typer(corpus_app, name="corpus")
-
-# Exit codes of every command: see datagen/app/terminal.py (2: bad input, nothing started).
-EXIT_CONFIG_ERROR = 2
 
 
 def _fail(message: str, code: int) -> None:
