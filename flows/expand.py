@@ -4,7 +4,7 @@ The DAG (see docs/architecture.md)::
 
     preflight -> open-run -> prepare-prompts (per dataset, CPU only) -> check-prompts
               -> halt-training -> probe-environment -> plan-servers -> start-fleet
-              -> generate-shard (per dataset x shard, a rolling window, one shared dispatcher)
+              -> generate-shard (per dataset x shard, fed as the backlog runs low, one shared dispatcher)
               -> stop-fleet (always) -> merge-and-tokenize -> report -> manifest (last)
 
 This module only orchestrates and decides the final state; every stage's work is in ``datagen``.
@@ -57,9 +57,17 @@ from tasks.run import (
     write_report,
 )
 
-# Threads for concurrently running tasks: prepare tasks plus the rolling window of shard tasks. Each shard
-# task mostly waits on the dispatcher, so threads are cheap; the window below bounds what is submitted.
-FLOW_TASK_WORKERS = 64
+# Threads for concurrently running tasks: prepare tasks plus shard tasks. A shard task mostly waits for
+# its results (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the
+# requests in play, not this.
+FLOW_TASK_WORKERS = 256
+# Shard tasks running at once unless generation.max_concurrent_shards says otherwise: room for shards
+# waiting on their slowest requests (a long tail keeps dozens of them open) while new ones feed the
+# backlog, and a few threads left over for prepare tasks.
+MAX_SHARD_TASKS = 224
+# How often the flow starts shard tasks when the dispatcher's backlog runs low; the backlog holds
+# seconds of work, so a fifth of a second is quick enough and costs nothing.
+SCHEDULE_INTERVAL_S = 0.2
 # How often the flow refreshes the progress bar and the terminal progress line.
 PROGRESS_INTERVAL_S = 5.0
 # Seconds between checks that restart a server whose process died mid-run.
@@ -88,14 +96,6 @@ def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
     """Cancellation/crash hook: may run in another process, so it stops servers through the pidfile."""
     stopped = stop_fleet_from_pidfile(fleet_pidfile(_fleet_state_dir(str(flow_run.id))))
     flow_run_logger(flow_run, flow).warning("stopped servers after %s count=%d", state.type.value, stopped)
-
-
-def _shard_window(config: RunConfig, servers: int, shard_size: int) -> int:
-    """Shard tasks to keep running so every server slot stays busy while one shard drains its tail."""
-    if config.generation.max_concurrent_shards:
-        return config.generation.max_concurrent_shards
-    slots = servers * config.fleet.max_inflight_per_server
-    return max(2, -(-slots // max(1, shard_size)) + 1)
 
 
 def _summary_from_report(
@@ -149,14 +149,73 @@ def _all_shards_done(config: RunConfig, layout: RunLayout, prepared: list[Prepar
     return all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for p in prepared for s in p.shards)
 
 
+def _max_shard_tasks(config: RunConfig) -> int:
+    """Shard tasks allowed to run at once (each holds a worker thread, mostly waiting)."""
+    return config.generation.max_concurrent_shards or MAX_SHARD_TASKS
+
+
+class _GenerationProgress:
+    """The progress bar and the periodic progress line; a failed read or update never fails the run."""
+
+    def __init__(self, dispatcher: Dispatcher) -> None:
+        self.dispatcher = dispatcher
+        self.started = time.monotonic()
+        self.last_report = 0.0
+        self.progress_id: UUID | None = None
+        try:
+            self.progress_id = cast(
+                UUID,
+                create_progress_artifact(0.0, key="generation-progress", description="Requests answered"),
+            )
+        except Exception as error:
+            get_run_logger().warning("progress artifact unavailable error=%s", error)
+
+    def report(
+        self, answered: int, total: int, shards_done: int, shards_total: int, *, force: bool = False
+    ) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_report < PROGRESS_INTERVAL_S:
+            return
+        self.last_report = now
+        logger = get_run_logger()
+        percent = min(100.0, 100.0 * answered / total) if total else 0.0
+        try:
+            if self.progress_id is not None:
+                update_progress_artifact(self.progress_id, 100.0 if force else percent)
+            stats = self.dispatcher.stats()
+        except Exception as error:  # progress is for humans: never worth failing a run over
+            logger.warning("progress update failed error=%s", error)
+            return
+        logger.info(
+            "progress %.1f%% answered=%d/%d in_flight=%d queued=%d backlog=%d shards_done=%d/%d tok/s=%.1f "
+            "req/s=%.1f elapsed_s=%.0f",
+            percent,
+            answered,
+            total,
+            sum(stats.in_flight.values()),
+            stats.queued,
+            stats.backlog,
+            shards_done,
+            shards_total,
+            stats.tokens_per_s,
+            stats.requests_per_s,
+            now - self.started,
+        )
+
+
 def _generate_all(
     config: RunConfig,
     run: Any,
     prepared_futures: list[PrefectFuture[PreparedDataset]],
     dispatcher: Dispatcher,
-    servers: int,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
-    """Run every shard through a rolling window of tasks, feeding shards as their datasets are prepared."""
+    """Run one task per shard, started as datasets are prepared, so the dispatcher's backlog never runs dry.
+
+    A shard task registers all its requests with the dispatcher as one stream; the dispatcher admits
+    requests (not shards) as slots free. A new shard task starts whenever the requests registered but not
+    yet admitted (plus those of shard tasks still starting) fall below the dispatcher's admission limit,
+    so work is always waiting, however long the slowest request of any shard takes.
+    """
     logger = get_run_logger()
     pending: deque[PromptShardRef] = deque()
     waiting_prepare = list(prepared_futures)
@@ -165,30 +224,39 @@ def _generate_all(
     summaries: list[ShardSummary] = []
     errors: list[BaseException] = []
     total_requests = 0
-    progress_id = cast(
-        UUID, create_progress_artifact(0.0, key="generation-progress", description="Requests answered")
-    )
-    started = time.monotonic()
+    max_tasks = _max_shard_tasks(config)
+    progress = _GenerationProgress(dispatcher)
 
     def take_prepared(block: bool) -> None:
         nonlocal total_requests
         while waiting_prepare and (block or waiting_prepare[0].state.is_final()):
             item = waiting_prepare.pop(0).result()
             prepared.append(item)
-            samples = config.sampling_for(config.dataset(item.dataset)).samples_per_prompt
-            total_requests += item.prompts * samples
+            total_requests += item.prompts * _samples(config, item.dataset)
             pending.extend(item.shards)
             block = False
 
+    def backlog() -> int:
+        """Requests registered but not admitted, counting shard tasks that have not registered yet."""
+        try:
+            registered = dispatcher.stats().backlog
+        except Exception:  # a read that fails counts as a full backlog: start nothing this turn
+            return dispatcher.admission_limit
+        starting = sum(
+            shard.prompts * _samples(config, shard.dataset)
+            for shard in running.values()
+            if not SHARD_PROGRESS.registered(run.run_id, shard.dataset, shard.shard_index)
+        )
+        return registered + starting
+
     while waiting_prepare or pending or running:
         take_prepared(block=not pending and not running)
-        window = _shard_window(config, servers, max((shard.prompts for shard in pending), default=1))
-        while pending and len(running) < window:
+        while pending and len(running) < max_tasks and backlog() < dispatcher.admission_limit:
             shard = pending.popleft()
             running[generate_shard.submit(config, run, shard, dispatcher)] = shard
         if not running:
             continue
-        done = wait(list(running), timeout=PROGRESS_INTERVAL_S).done
+        done = wait(list(running), timeout=SCHEDULE_INTERVAL_S).done
         for future in done:
             shard = running.pop(future)
             try:
@@ -198,27 +266,20 @@ def _generate_all(
                     "shard failed dataset=%s shard=%05d error=%s", shard.dataset, shard.shard_index, error
                 )
                 errors.append(error)
-        stats = dispatcher.stats()
         # Finished shards count all their requests (stored by any attempt); running ones what they have so far.
         answered = sum(s.completions + s.failures for s in summaries) + sum(
             SHARD_PROGRESS.done(run.run_id, shard.dataset, shard.shard_index) for shard in running.values()
         )
-        percent = min(100.0, 100.0 * answered / total_requests) if total_requests else 0.0
-        update_progress_artifact(progress_id, percent)
-        logger.info(
-            "progress %.1f%% answered=%d/%d in_flight=%d queued=%d shards_done=%d/%d tok/s=%.1f elapsed_s=%.0f",
-            percent,
-            answered,
-            total_requests,
-            sum(stats.in_flight.values()),
-            stats.queued,
-            len(summaries),
-            len(summaries) + len(running) + len(pending),
-            stats.tokens_per_s,
-            time.monotonic() - started,
+        progress.report(
+            answered, total_requests, len(summaries), len(summaries) + len(running) + len(pending)
         )
-    update_progress_artifact(progress_id, 100.0)
+    answered = sum(s.completions + s.failures for s in summaries)
+    progress.report(answered, total_requests, len(summaries), len(summaries), force=True)
     return prepared, summaries, errors
+
+
+def _samples(config: RunConfig, dataset: str) -> int:
+    return config.sampling_for(config.dataset(dataset)).samples_per_prompt
 
 
 @flow(
@@ -305,9 +366,7 @@ def expand(config: RunConfig) -> RunSummary:
                 generation_started = time.monotonic()
                 finished = False
                 try:
-                    prepared, shard_summaries, errors = _generate_all(
-                        config, run, prepared_futures, dispatcher, servers
-                    )
+                    prepared, shard_summaries, errors = _generate_all(config, run, prepared_futures, dispatcher)
                     finished = True
                 finally:
                     # Recorded even when interrupted: the report's throughput counts every attempt's time.

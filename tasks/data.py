@@ -35,7 +35,10 @@ def _corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
 
 
 class ShardProgress:
-    """Requests answered so far per running shard (stored results included), read by the flow's progress bar."""
+    """Requests answered so far per running shard (stored results included), read by the flow's scheduler.
+
+    A shard appears here once its requests are registered with the dispatcher (``done`` may still be 0).
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -50,6 +53,11 @@ class ShardProgress:
         """Requests of one shard with a result so far (0 before its task started)."""
         with self._lock:
             return self._done.get((run_id, dataset, shard_index), 0)
+
+    def registered(self, run_id: str, dataset: str, shard_index: int) -> bool:
+        """Whether the shard's task has handed its requests to the dispatcher (or finished)."""
+        with self._lock:
+            return (run_id, dataset, shard_index) in self._done
 
 
 SHARD_PROGRESS = ShardProgress()

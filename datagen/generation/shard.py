@@ -31,7 +31,6 @@ when no earlier attempt left a part.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import queue
@@ -39,7 +38,6 @@ import re
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -86,8 +84,8 @@ def generate_shard(
         config: The run configuration (sampling and checkpoint settings).
         shard: The prompt shard; ``shard.path`` is a key in ``store`` holding PromptRecord JSON lines.
         dispatcher: The running, shared dispatcher.
-        progress: Called as ``progress(done, total)`` after each result (``done`` includes requests
-            finished by an earlier attempt).
+        progress: Called as ``progress(done, total)`` once the requests are handed to the dispatcher and
+            after each result (``done`` includes requests finished by an earlier attempt).
 
     Returns:
         The shard summary, also written as the shard's done marker.
@@ -298,32 +296,30 @@ def _run_requests(
     total: int,
     progress: ProgressCallback | None,
 ) -> None:
-    """Submit, collect results as they come, and checkpoint them as parts."""
-    arrivals: queue.SimpleQueue[tuple[GenerationRequest, Future[GenerationResult]]] = queue.SimpleQueue()
-    futures: list[Future[GenerationResult]] = []
+    """Hand every request to the dispatcher as one stream, collect results as they come, checkpoint them."""
+    arrivals: queue.SimpleQueue[tuple[GenerationRequest, GenerationResult]] = queue.SimpleQueue()
     completions: list[CompletionRecord] = []
     failures: list[FailureRecord] = []
     buffered_since = time.monotonic()
     done = already_done
     unserved: Counter[str] = Counter()
+    stream = dispatcher.submit_stream(requests, lambda request, result: arrivals.put((request, result)))
+    if progress is not None:
+        # Tells the flow's scheduler this shard's requests are now in the dispatcher's backlog.
+        progress(done, total)
     try:
-        for request in requests:
-            future = dispatcher.submit(request)
-            future.add_done_callback(functools.partial(_deliver, arrivals, request))
-            futures.append(future)
         remaining = len(requests)
         while remaining:
             buffered = len(completions) + len(failures)
             timeout = None if not buffered else max(0.0, interval_s - (time.monotonic() - buffered_since))
             try:
-                request, future = arrivals.get(timeout=timeout)
+                _, result = arrivals.get(timeout=timeout)
             except queue.Empty:
                 pass
             else:
                 remaining -= 1
                 if not completions and not failures:
                     buffered_since = time.monotonic()
-                result = _result_of(request, future)
                 if isinstance(result, CompletionRecord):
                     completions.append(result)
                 elif result.error_type in FLEET_FAILURE_TYPES:
@@ -339,20 +335,10 @@ def _run_requests(
                 completions, failures = [], []
         writer.flush(completions, failures)
     except BaseException:
-        # Free the fleet's slots for other shards: queued requests of this shard are dropped.
-        for future in futures:
-            future.cancel()
+        # Free the fleet's slots for other shards: this shard's requests not yet in flight are dropped.
+        stream.cancel()
         raise
     _raise_if_unserved(unserved, writer)
-
-
-def _deliver(
-    arrivals: queue.SimpleQueue[tuple[GenerationRequest, Future[GenerationResult]]],
-    request: GenerationRequest,
-    future: Future[GenerationResult],
-) -> None:
-    """Done-callback: hand a resolved future to the shard's thread (runs on the dispatcher's loop)."""
-    arrivals.put((request, future))
 
 
 def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter) -> None:
@@ -373,21 +359,6 @@ def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter) -> None:
         dataset=writer.dataset,
         shard=writer.index,
     )
-
-
-def _result_of(request: GenerationRequest, future: Future[GenerationResult]) -> GenerationResult:
-    """The future's record; the dispatcher never fails a future, but a lost request must still be recorded."""
-    error = future.exception() if not future.cancelled() else None
-    if future.cancelled() or error is not None:
-        return FailureRecord(
-            prompt_id=request.prompt.prompt_id,
-            sample_index=request.sample_index,
-            dataset=request.dataset,
-            reason=f"dispatcher error: {error!r}" if error is not None else "request cancelled",
-            error_type="dispatcher_error",
-            attempts=0,
-        )
-    return future.result()
 
 
 def _assemble(
