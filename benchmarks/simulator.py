@@ -198,6 +198,10 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
+        # A request is arriving: the connection is not idle (a starved loop may read it late).
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
         if not self.busy:
             self._next()
 
@@ -208,7 +212,7 @@ class _Connection(asyncio.Protocol):
         self.idle_timer = loop.call_later(KEEPALIVE_IDLE_S, self._close_if_idle)
 
     def _close_if_idle(self) -> None:
-        if not self.busy and self.transport is not None:
+        if not self.busy and not self.buffer and self.transport is not None:
             self.transport.close()
 
     def _next(self) -> None:

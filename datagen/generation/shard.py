@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import re
+import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -285,6 +285,37 @@ class _PartWriter:
             return part + 1
 
 
+class _Inbox:
+    """Results handed from the dispatcher's loop to one shard's thread, in batches.
+
+    The loop only appends; it wakes the shard's thread when a checkpoint's worth of results is waiting or
+    the last one arrives. Waking a thread per result would make every thread in the process fight the
+    loop for the GIL at the request rate; per batch it costs nothing.
+    """
+
+    def __init__(self, expected: int, batch: int) -> None:
+        self._items: deque[tuple[float, GenerationResult]] = deque()
+        self._event = threading.Event()
+        self._expected = expected
+        self._batch = batch
+
+    def put(self, _request: GenerationRequest, result: GenerationResult) -> None:
+        """Called on the dispatcher's loop thread for every result."""
+        self._items.append((time.monotonic(), result))
+        self._expected -= 1
+        if len(self._items) >= self._batch or self._expected <= 0:
+            self._event.set()
+
+    def take(self, timeout: float | None) -> list[tuple[float, GenerationResult]]:
+        """Wait up to ``timeout`` for a full batch (or the last result); return whatever has arrived."""
+        self._event.wait(timeout)
+        self._event.clear()
+        items = []
+        while self._items:
+            items.append(self._items.popleft())
+        return items
+
+
 def _run_requests(
     dispatcher: Dispatcher,
     requests: list[GenerationRequest],
@@ -296,43 +327,45 @@ def _run_requests(
     total: int,
     progress: ProgressCallback | None,
 ) -> None:
-    """Hand every request to the dispatcher as one stream, collect results as they come, checkpoint them."""
-    arrivals: queue.SimpleQueue[tuple[GenerationRequest, GenerationResult]] = queue.SimpleQueue()
+    """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them."""
+    inbox = _Inbox(len(requests), every)
     completions: list[CompletionRecord] = []
     failures: list[FailureRecord] = []
-    buffered_since = time.monotonic()
+    oldest: float | None = None
     done = already_done
     unserved: Counter[str] = Counter()
-    stream = dispatcher.submit_stream(requests, lambda request, result: arrivals.put((request, result)))
+    stream = dispatcher.submit_stream(requests, inbox.put)
     if progress is not None:
         # Tells the flow's scheduler this shard's requests are now in the dispatcher's backlog.
         progress(done, total)
     try:
         remaining = len(requests)
         while remaining:
-            buffered = len(completions) + len(failures)
-            timeout = None if not buffered else max(0.0, interval_s - (time.monotonic() - buffered_since))
-            try:
-                _, result = arrivals.get(timeout=timeout)
-            except queue.Empty:
-                pass
-            else:
-                remaining -= 1
-                if not completions and not failures:
-                    buffered_since = time.monotonic()
+            # Look at least twice per checkpoint interval, so no result waits much longer than that.
+            timeout = interval_s / 2
+            if oldest is not None:
+                timeout = min(timeout, max(0.0, interval_s - (time.monotonic() - oldest)))
+            arrived = inbox.take(timeout)
+            for arrived_at, result in arrived:
+                if oldest is None:
+                    oldest = arrived_at
                 if isinstance(result, CompletionRecord):
                     completions.append(result)
                 elif result.error_type in FLEET_FAILURE_TYPES:
                     unserved[result.error_type] += 1
                 else:
                     failures.append(result)
-                done += 1
+            if arrived:
+                remaining -= len(arrived)
+                done += len(arrived)
                 if progress is not None:
                     progress(done, total)
             buffered = len(completions) + len(failures)
-            if buffered >= every or (buffered and time.monotonic() - buffered_since >= interval_s):
+            if not buffered:
+                oldest = None
+            elif buffered >= every or time.monotonic() - (oldest or 0.0) >= interval_s:
                 writer.flush(completions, failures)
-                completions, failures = [], []
+                completions, failures, oldest = [], [], None
         writer.flush(completions, failures)
     except BaseException:
         # Free the fleet's slots for other shards: this shard's requests not yet in flight are dropped.

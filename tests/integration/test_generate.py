@@ -150,7 +150,11 @@ def test_interrupted_shard_resends_only_the_requests_missing_from_its_parts(
     missing = PROMPTS - len(kept)
     assert sent_so_far(dispatcher) - before == missing
     assert summary.resent_requests == missing
-    assert progress[0] == (len(kept) + 1, PROMPTS) and progress[-1] == (PROMPTS, PROMPTS)
+    # First call: the requests are handed to the dispatcher (what the flow's scheduler waits for); then
+    # once per batch of results, counting the requests the kept parts already hold.
+    assert progress[0] == (len(kept), PROMPTS)
+    assert all(earlier[0] < later[0] for earlier, later in zip(progress, progress[1:], strict=False))
+    assert progress[-1] == (PROMPTS, PROMPTS)
     completions, failures = final_keys(resumed)
     assert len(completions) + len(failures) == PROMPTS
     assert sorted(completions + failures) == sorted(f"p{i:03d}/0" for i in range(PROMPTS))
@@ -204,13 +208,13 @@ def test_shard_survives_a_killed_server_and_a_rerun_is_skipped(
     killed_at: list[int] = []
 
     def kill_mid_run(done: int, total: int) -> None:
-        if done == 8 and not killed_at:
+        if done >= 8 and not killed_at:
             victim.kill()
             killed_at.append(done)
 
     summary = generate_shard(store, LAYOUT, config, shard, dispatcher, progress=kill_mid_run)
 
-    assert killed_at == [8]
+    assert len(killed_at) == 1 and 8 <= killed_at[0] < PROMPTS
     assert summary.requests == PROMPTS and not summary.skipped
     completions, failures = final_keys(store)
     assert len(completions) == len(set(completions)) and len(failures) == len(set(failures))
