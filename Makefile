@@ -10,12 +10,13 @@ PYTEST_ARGS ?=
 
 SGLANG_VENVS := .venv-sglang/.built
 
-.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs
+.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs bench bench-quick
 
 help:
 	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
 	@echo "make test   - run the test suite"
 	@echo "make lint   - ruff + mypy"
+	@echo "make bench  - datagen's whole flow vs an ideal and a SpecForge-style client on simulated servers (~10 min)"
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -44,6 +45,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check datagen flows tasks tests benchmarks
 	$(BIN)/ruff format --check datagen flows tasks tests benchmarks
 	$(BIN)/mypy
+
+# Simulated servers (benchmarks/simulator.py) on this machine; BENCH_ARGS="--quick" for a short run.
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python benchmarks/bench.py $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(BIN)/python benchmarks/bench.py --quick $(BENCH_ARGS)
 
 clean-demo:
 	rm -rf runs datasets

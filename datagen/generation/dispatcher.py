@@ -595,30 +595,41 @@ class Dispatcher:
         self._admit()
         self._pump()
 
-    def _pump(self, freed: _Server | None = None) -> None:
-        """Fill free slots from the head of the queue; ``freed`` is a server that just got a free slot."""
+    def _pump(self) -> None:
+        """Fill every free slot from the head of the queue, least-loaded server first."""
         queue = self._queue
-        cap = self.max_inflight_per_server
         while queue and not self._closing:
             job = queue[0]
             if job.stream.cancelled:
                 queue.popleft()
                 self._admitted -= 1
                 continue
-            if (
-                freed is not None
-                and freed.usable
-                and len(freed.in_flight) < cap
-                and (job.last_server != freed.url or len(self._servers) == 1)
-            ):
-                # While requests wait, every other usable server is full: the freed one is the least loaded.
-                server: _Server | None = freed
-            else:
-                server = self._pick_server(job)
+            server = self._pick_server(job)
             if server is None:
                 return
             queue.popleft()
             self._start(job, server)
+
+    def _refill(self, freed: _Server) -> None:
+        """Give the slot ``freed`` just released to the head of the queue, in O(1).
+
+        Only called when requests were waiting as the slot freed: then every other usable server is full
+        (the queue would have drained into it otherwise), so the freed server is the least loaded one.
+        """
+        queue = self._queue
+        while queue and not self._closing:
+            job = queue[0]
+            if job.stream.cancelled:
+                queue.popleft()
+                self._admitted -= 1
+                continue
+            usable = freed.usable and len(freed.in_flight) < self.max_inflight_per_server
+            if usable and (job.last_server != freed.url or len(self._servers) == 1):
+                queue.popleft()
+                self._start(job, freed)
+                return
+            break
+        self._pump()
 
     def _start(self, job: _Job, server: _Server) -> None:
         assert self._loop is not None
@@ -667,9 +678,13 @@ class Dispatcher:
         finally:
             server.in_flight.discard(job)
             job.task = None
+        saturated = bool(self._queue)
         self._settle(job, server, outcome)
         self._admit()
-        self._pump(server)
+        if saturated:
+            self._refill(server)
+        else:
+            self._pump()
 
     async def _try(self, job: _Job, server: _Server, started: float) -> _Outcome:
         """One HTTP try, classified; never raises except on cancellation."""
@@ -710,7 +725,9 @@ class Dispatcher:
         except BadToolArgumentsError as error:
             return _Final(reason=str(error), error_type="invalid_tool_arguments", status=status)
         request = job.request
-        record = CompletionRecord(
+        # Every field is already a validated object (the request's, or built by parse_chat_completion):
+        # validating the whole record again would cost more than the rest of the loop's work per request.
+        record = CompletionRecord.model_construct(
             prompt_id=request.prompt.prompt_id,
             sample_index=request.sample_index,
             dataset=request.dataset,

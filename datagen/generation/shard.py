@@ -134,7 +134,7 @@ def generate_shard(
         total=len(requests),
         progress=progress,
     )
-    summary = _assemble(store, layout, shard, requests, resent=resent, started=started)
+    summary = _assemble(store, layout, shard, requests, resent=resent, started=started, known=writer.written)
     logger.info(
         "shard done dataset=%s shard=%d completions=%d failures=%d completion_tokens=%d resent=%d "
         "generation_s=%.1f",
@@ -211,7 +211,13 @@ class ShardParts:
         return set(self.completions) | set(self.failures)
 
 
-def read_parts(store: Store, layout: RunLayout, dataset: str, index: int) -> ShardParts:
+def read_parts(
+    store: Store,
+    layout: RunLayout,
+    dataset: str,
+    index: int,
+    known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
+) -> ShardParts:
     """Read every checkpoint part of one shard.
 
     Args:
@@ -219,6 +225,8 @@ def read_parts(store: Store, layout: RunLayout, dataset: str, index: int) -> Sha
         layout: The run's keys.
         dataset: The dataset name.
         index: The shard index.
+        known: Records of parts this process wrote itself, by key: used instead of reading them back
+            (write-once: a part never changes after it is written).
 
     Returns:
         The parts' content.
@@ -230,19 +238,29 @@ def read_parts(store: Store, layout: RunLayout, dataset: str, index: int) -> Sha
         match = PART_NAME.search(key)
         if match:
             located.append((int(match.group(2)), match.group(1), key))
+    known = known or {}
     for number, kind, key in sorted(located):
         parts.part_count += 1
+        cached = known.get(key)
         if kind == "completions":
             parts.next_completions_part = max(parts.next_completions_part, number + 1)
-            for row in store.iter_jsonl(key):
-                completion = CompletionRecord.model_validate(row)
+            completions = cached if cached is not None else _read_records(store, key, CompletionRecord)
+            for completion in completions:
+                assert isinstance(completion, CompletionRecord)
                 parts.completions.setdefault(completion.key, completion)
         else:
             parts.next_failures_part = max(parts.next_failures_part, number + 1)
-            for row in store.iter_jsonl(key):
-                failure = FailureRecord.model_validate(row)
+            failures = cached if cached is not None else _read_records(store, key, FailureRecord)
+            for failure in failures:
+                assert isinstance(failure, FailureRecord)
                 parts.failures.setdefault(failure.key, failure)
     return parts
+
+
+def _read_records(
+    store: Store, key: str, model: type[CompletionRecord] | type[FailureRecord]
+) -> list[CompletionRecord] | list[FailureRecord]:
+    return [model.model_validate(row) for row in store.iter_jsonl(key)]  # type: ignore[return-value]
 
 
 class _PartWriter:
@@ -263,6 +281,8 @@ class _PartWriter:
         self.index = index
         self.next_completions = next_completions
         self.next_failures = next_failures
+        # What this writer stored, by key: the shard's final assembly reuses it instead of reading it back.
+        self.written: dict[str, list[CompletionRecord] | list[FailureRecord]] = {}
 
     def flush(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
         if completions:
@@ -282,6 +302,7 @@ class _PartWriter:
                 part += 1
                 continue
             logger.debug("wrote part key=%s records=%d", key, len(records))
+            self.written[key] = records
             return part + 1
 
 
@@ -402,10 +423,11 @@ def _assemble(
     *,
     resent: int,
     started: float,
+    known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
 ) -> ShardSummary:
     """Write the final files from all parts (or verify earlier ones), then the done marker."""
     dataset, index = shard.dataset, shard.shard_index
-    parts = read_parts(store, layout, dataset, index)
+    parts = read_parts(store, layout, dataset, index, known)
     keys = [request.key for request in requests]
     completions = [parts.completions[key] for key in keys if key in parts.completions]
     failures = [parts.failures[key] for key in keys if key not in parts.completions and key in parts.failures]
@@ -435,7 +457,7 @@ def _assemble(
     completed = {record.key for record in completions}
     failed_keys = [key for key in keys if key not in completed]
     if any(key not in parts.failures for key in failed_keys):
-        parts = read_parts(store, layout, dataset, index)
+        parts = read_parts(store, layout, dataset, index, known)
     failures = [parts.failures[key] for key in failed_keys if key in parts.failures]
     if len(failures) != len(failed_keys):
         raise StorageError(
