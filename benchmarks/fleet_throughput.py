@@ -3,9 +3,10 @@
 For each fleet size in ``--servers`` (e.g. ``1,2`` on a two-GPU host), this script runs datagen's own
 path: probe the host, plan one server per GPU (or CPU servers), start the fleet with
 :class:`datagen.host.fleet.Fleet` (time to all servers ready), and generate ``--prompts`` requests through
-:class:`datagen.generation.dispatcher.Dispatcher`. Then, on the same servers, a baseline: a plain asyncio client that
-keeps ``--concurrency`` requests in flight on every server (round-robin, no retries, no records) — the
-best a hand-written script can do. It reports aggregate output tokens/s of both and their ratio.
+:class:`datagen.generation.dispatcher.Dispatcher`. Then, on the same servers, a baseline: the ideal
+client of benchmarks/clients.py (asyncio + aiohttp, keeps ``--concurrency`` requests in flight on every
+server, no retries, no records): the best a hand-written script can do. It reports aggregate output
+tokens/s of both and their ratio.
 
     python benchmarks/fleet_throughput.py --model-dir /tmp/model --build-model qwen3-1.7b \
         --servers 1,2 --prompts 256 --max-tokens 128 --concurrency 64 --out results.json
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import orjson
 
 from datagen.config import GenerationConfig, RunConfig
 from datagen.generation.dispatcher import Dispatcher, GenerationRequest
@@ -36,6 +37,11 @@ from datagen.host.fleet import Fleet
 from datagen.host.plan import plan_servers
 from datagen.host.probe import probe_environment
 from datagen.records import CompletionRecord, Message, PromptRecord, SamplingParams
+
+try:  # run as `python benchmarks/fleet_throughput.py` (benchmarks/ is on the path) or imported as a module
+    from clients import run_ideal
+except ImportError:
+    from benchmarks.clients import run_ideal
 
 QWEN3_1_7B_SHAPE = {
     "hidden_size": 2048,
@@ -138,46 +144,30 @@ def run_dispatcher(
     }
 
 
-async def _baseline(
+def _baseline(
     urls: list[str], model: str, prompts: list[PromptRecord], args: argparse.Namespace
 ) -> dict[str, Any]:
-    queue: asyncio.Queue[PromptRecord] = asyncio.Queue()
-    for prompt in prompts:
-        queue.put_nowait(prompt)
-    tokens = 0
-    failures = 0
-    limits = httpx.Limits(max_connections=args.concurrency * len(urls) + 8)
-
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
-
-        async def worker(url: str) -> None:
-            nonlocal tokens, failures
-            while True:
-                try:
-                    prompt = queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    return
-                body = {
-                    "model": model,
-                    "messages": [m.to_chat_dict() for m in prompt.messages],
-                    "max_tokens": args.max_tokens,
-                    "temperature": 0.8,
-                    "top_p": 0.95,
-                }
-                try:
-                    response = await client.post(f"{url}/v1/chat/completions", json=body)
-                    tokens += int(response.json()["usage"]["completion_tokens"])
-                except Exception:
-                    failures += 1
-
-        started = time.monotonic()
-        await asyncio.gather(*(worker(url) for url in urls for _ in range(args.concurrency)))
-        wall_s = time.monotonic() - started
+    """The ideal client of benchmarks/clients.py: ``--concurrency`` requests in flight per server, no records."""
+    bodies = [
+        orjson.dumps(
+            {
+                "model": model,
+                "messages": [m.to_chat_dict() for m in prompt.messages],
+                "max_tokens": args.max_tokens,
+                "temperature": 0.8,
+                "top_p": 0.95,
+                "stream": False,
+            }
+        )
+        for prompt in prompts
+    ]
+    result = asyncio.run(run_ideal(urls, bodies, args.concurrency))
+    wall_s = result["wall_s"]
     return {
         "wall_s": round(wall_s, 2),
-        "failures": failures,
-        "output_tokens": tokens,
-        "output_tok_per_s": round(tokens / wall_s, 1),
+        "failures": result["failures"],
+        "output_tokens": result["output_tokens"],
+        "output_tok_per_s": round(result["output_tokens"] / wall_s, 1),
     }
 
 
@@ -217,7 +207,7 @@ def run_size(servers: int, model_dir: Path, args: argparse.Namespace, env: Any) 
             if client == "datagen":
                 runs[client].append(run_dispatcher(fleet.urls, plan.served_model_name, prompts, args))
             else:
-                runs[client].append(asyncio.run(_baseline(fleet.urls, plan.served_model_name, prompts, args)))
+                runs[client].append(_baseline(fleet.urls, plan.served_model_name, prompts, args))
     finally:
         fleet.stop()
         shutil.rmtree(state_dir, ignore_errors=True)

@@ -295,3 +295,66 @@ def test_a_request_every_server_answers_with_http_500_stops_early_without_using_
     # The fault server counts attempts per server: the second request gets one 500 from each, then an answer.
     assert isinstance(healthy, CompletionRecord) and healthy.attempts == 3
     assert tries == 3 + 3
+
+
+def test_streams_are_admitted_oldest_first_and_never_beyond_the_admission_limit(server: FaultServer) -> None:
+    delivered: list[str] = []
+    lock = threading.Lock()
+    done = threading.Event()
+
+    def deliver(request: GenerationRequest, result: GenerationResult) -> None:
+        with lock:
+            delivered.append(request.prompt.messages[0].content or "")
+            if len(delivered) == 12:
+                done.set()
+
+    dispatcher = Dispatcher(
+        [server.url],
+        model="test-model",
+        engine="sglang",
+        max_inflight_per_server=2,
+        generation=FAST_RETRIES,
+        admission_limit=3,
+    )
+    with dispatcher:
+        wait_until(lambda: len(servers_up(dispatcher)) == 1)
+        first = dispatcher.submit_stream([make_request(f"#sleep=0.02 a{i}") for i in range(6)], deliver)
+        second = dispatcher.submit_stream([make_request(f"#sleep=0.02 b{i}") for i in range(6)], deliver)
+        assert done.wait(RESULT_TIMEOUT_S)
+        stats = dispatcher.stats()
+
+    arrivals = [(seen.body or {})["messages"][0]["content"].split()[-1] for seen in server.chat_requests()]
+    assert arrivals[:6] == [f"a{i}" for i in range(6)], "the older stream's requests go first"
+    assert sorted(arrivals[6:]) == [f"b{i}" for i in range(6)]
+    assert server.max_in_flight == 2
+    assert first.pending == second.pending == 0
+    assert stats.backlog == 0 and stats.completed == 12
+
+
+def test_a_cancelled_stream_sends_none_of_its_waiting_requests(server: FaultServer) -> None:
+    dispatcher = Dispatcher(
+        [server.url],
+        model="test-model",
+        engine="sglang",
+        max_inflight_per_server=1,
+        generation=FAST_RETRIES,
+        admission_limit=1,
+    )
+    results_seen: list[GenerationResult] = []
+    with dispatcher:
+        wait_until(lambda: len(servers_up(dispatcher)) == 1)
+        stream = dispatcher.submit_stream(
+            [make_request(f"#sleep=0.3 c{i}") for i in range(5)],
+            lambda _r, result: results_seen.append(result),
+        )
+        wait_until(lambda: server.in_flight == 1)
+        stream.cancel()
+        [after] = results([dispatcher.submit(make_request("after"))])
+
+    assert isinstance(after, CompletionRecord)
+    # The one in flight at the cancel finishes on the server; its result is dropped with the stream.
+    assert [seen.body["messages"][0]["content"] for seen in server.chat_requests() if seen.body] == [
+        "#sleep=0.3 c0",
+        "after",
+    ]
+    assert results_seen == []
