@@ -189,7 +189,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        self._arm_idle()
+        # Like uvicorn, the keep-alive clock starts after a response, not at connect.
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

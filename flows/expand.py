@@ -12,6 +12,8 @@ This module only orchestrates and decides the final state; every stage's work is
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import time
 from collections import deque
 from pathlib import Path
@@ -22,7 +24,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
-from prefect.futures import PrefectFuture, wait
+from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -249,14 +251,24 @@ def _generate_all(
         )
         return registered + starting
 
+    # Finished shard futures arrive here (their done-callback runs on the worker thread). Not prefect's
+    # wait(timeout=): its SIGALRM-based timeout, armed five times a second, was seen to escape as a
+    # CancelledError on a loaded machine and fail the run.
+    finished: queue.SimpleQueue[PrefectFuture[ShardSummary]] = queue.SimpleQueue()
     while waiting_prepare or pending or running:
         take_prepared(block=not pending and not running)
         while pending and len(running) < max_tasks and backlog() < dispatcher.admission_limit:
             shard = pending.popleft()
-            running[generate_shard.submit(config, run, shard, dispatcher)] = shard
+            future = generate_shard.submit(config, run, shard, dispatcher)
+            running[future] = shard
+            future.add_done_callback(finished.put)
         if not running:
             continue
-        done = wait(list(running), timeout=SCHEDULE_INTERVAL_S).done
+        done = []
+        with contextlib.suppress(queue.Empty):
+            done.append(finished.get(timeout=SCHEDULE_INTERVAL_S))
+            while True:
+                done.append(finished.get_nowait())
         for future in done:
             shard = running.pop(future)
             try:
