@@ -327,6 +327,7 @@ def run_client(
         "requests_per_s": round(requests / phase_s, 1),
         "cpu_percent": sampler.percent(start, end),
         "max_server_queue": max(s["max_waiting"] for s in servers),
+        "connections": sum(s["connections"] for s in servers),
     }
 
 
@@ -350,7 +351,7 @@ def run_scenario(
         print(
             f"  {scenario.name:9s} {client:9s} exit={result['exit_code']} gen_s={result.get('generation_s', 0):6.1f} "
             f"tok/s={result['tok_per_s']:9.0f} util={result['utilisation']:.2f} req/s={result['requests_per_s']:7.0f} "
-            f"cpu%={'-' if cpu is None else f'{cpu:.0f}'}",
+            f"cpu%={'-' if cpu is None else f'{cpu:.0f}'} connections={result.get('connections', 0)}",
             flush=True,
         )
         runs.append(result)

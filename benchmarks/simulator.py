@@ -104,12 +104,13 @@ class SimServer:
     first_arrival: float | None = None
     last_finish: float | None = None
     max_waiting: int = 0
+    connections: int = 0
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
     _sequence: int = 0
 
     def reset(self) -> None:
         """Zero the counters (between benchmark runs on the same process)."""
-        self.requests = self.finished = self.output_tokens = self.max_waiting = 0
+        self.requests = self.finished = self.output_tokens = self.max_waiting = self.connections = 0
         self.slot_seconds_busy = 0.0
         self.first_arrival = self.last_finish = None
 
@@ -167,6 +168,7 @@ class SimServer:
             "running": self.running,
             "waiting": len(self.waiting),
             "max_waiting": self.max_waiting,
+            "connections": self.connections,
             "output_tokens": self.output_tokens,
             "slot_seconds_busy": self.slot_seconds_busy,
             "first_arrival": self.first_arrival,
@@ -189,6 +191,7 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        self.server.connections += 1
         # Like uvicorn, the keep-alive clock starts after a response, not at connect.
 
     def connection_lost(self, exc: Exception | None) -> None:
