@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -153,7 +154,7 @@ def test_interrupted_shard_resends_only_the_requests_missing_from_its_parts(
     # First call: the requests are handed to the dispatcher (what the flow's scheduler waits for); then
     # once per batch of results, counting the requests the kept parts already hold.
     assert progress[0] == (len(kept), PROMPTS)
-    assert all(earlier[0] < later[0] for earlier, later in zip(progress, progress[1:], strict=False))
+    assert all(earlier[0] < later[0] for earlier, later in itertools.pairwise(progress))
     assert progress[-1] == (PROMPTS, PROMPTS)
     completions, failures = final_keys(resumed)
     assert len(completions) + len(failures) == PROMPTS
