@@ -378,7 +378,9 @@ def expand(config: RunConfig) -> RunSummary:
                 generation_started = time.monotonic()
                 finished = False
                 try:
-                    prepared, shard_summaries, errors = _generate_all(config, run, prepared_futures, dispatcher)
+                    prepared, shard_summaries, errors = _generate_all(
+                        config, run, prepared_futures, dispatcher
+                    )
                     finished = True
                 finally:
                     # Recorded even when interrupted: the report's throughput counts every attempt's time.
