@@ -11,7 +11,7 @@ no client. Every figure comes from the servers' side, identically for every clie
 * requests/s: requests answered / the phase's length, and the client process's CPU% over the phase
   (for datagen: the flow process, where the dispatcher runs; Prefect's server is a separate process).
 
-datagen runs as a user runs it: ``python -m datagen.app.cli run --config bench.yaml`` with
+datagen runs as a user runs it: ``python -m flows.cli_entry run --config bench.yaml`` (the `datagen` console script) with
 ``fleet.engine: external`` pointed at the simulator's URLs; its exit code must be 0.
 
 Scenarios (simulated time runs faster than a GPU so a run takes seconds; the ratios are what count):
@@ -268,7 +268,7 @@ def run_client(
     with Simulator(scenario, run_dir / "simulator.log") as simulator:
         if client == "datagen":
             config = datagen_config(scenario, simulator.urls, prompts, tokenizer, run_dir / "out")
-            command = [PYTHON, "-m", "datagen.app.cli", "run", "--config", config]
+            command = [PYTHON, "-m", "flows.cli_entry", "run", "--config", config]
             if os.environ.get("BENCH_PROFILE"):
                 # py-spy (pip install py-spy) samples the flow process: folded stacks, one per line.
                 profile = run_dir / "profile.txt"
