@@ -66,6 +66,7 @@ def run_datagen(root: Path, tokenizer: Path, procs: int, out: Path) -> None:
 
 def run_datasets(root: Path, tokenizer: Path, procs: int, out: Path) -> None:
     import datasets
+
     from benchmarks.tokenize_baseline import tokenize_lines
 
     cache = out.parent / "hf-cache"

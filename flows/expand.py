@@ -370,7 +370,9 @@ def expand(config: RunConfig) -> RunSummary:
                 urls,
                 model=plan.served_model_name,
                 engine=config.fleet.engine,
-                max_inflight_per_server=plan.inflight_per_client_url(config.fleet.max_inflight_per_server),
+                max_inflight_per_server=plan.inflight_per_client_url(
+                    plan.max_inflight_per_server(config.fleet.max_inflight_per_server)
+                ),
                 generation=config.generation,
                 liveness=fleet.is_alive,
                 api_key=api_key.get_secret_value() if api_key else None,

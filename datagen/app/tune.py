@@ -43,8 +43,6 @@ METRICS_POLL_S = 1.0
 RESTART_READY_TIMEOUT_S = 1200.0
 RESTART_STOP_GRACE_S = 30.0
 READY_POLL_S = 0.5
-# Every engine answers readiness here (Engine.health_path).
-HEALTH_PATH = "/health"
 # Fixed, varied prompts: the same set on every run so curves compare across hosts and versions.
 TUNE_PROMPTS = (
     "Explain how a hash map handles collisions, with a short example.",
@@ -258,13 +256,13 @@ def with_setting(argv: list[str], flag: str, value: int) -> list[str]:
     return [*updated, flag, str(value)]
 
 
-def _wait_ready(process: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
+def _wait_ready(process: subprocess.Popen[bytes], url: str, health_path: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited with {process.returncode} before it became ready")
         try:
-            if httpx.get(url + HEALTH_PATH, timeout=READY_POLL_S * 4).status_code == httpx.codes.OK:
+            if httpx.get(url + health_path, timeout=READY_POLL_S * 4).status_code == httpx.codes.OK:
                 return
         except httpx.HTTPError:
             pass
@@ -321,7 +319,7 @@ def tune_setting_by_restart(
         with open(log_path or os.devnull, "ab") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_ready(process, url.rstrip("/"), ready_timeout_s)
+            _wait_ready(process, url.rstrip("/"), engine_class(engine).health_path, ready_timeout_s)
             level = inflight or inflight_with_margin(value)
             point = asyncio.run(_measure_level([url.rstrip("/")], model, level, max_tokens, metrics_path))
         finally:

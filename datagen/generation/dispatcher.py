@@ -58,16 +58,15 @@ import orjson
 from pydantic import BaseModel, ConfigDict
 
 from datagen.config import GenerationConfig
+from datagen.engines import engine_class
 from datagen.generation.wire import (
     CHAT_COMPLETIONS_PATH,
-    HEALTH_PATH,
     BadToolArgumentsError,
     GenerationRequest,
     UnusableResponseError,
     build_chat_payload,
     excerpt,
     parse_chat_completion,
-    unsupported_fields,
 )
 from datagen.records import (
     CompletionRecord,
@@ -321,7 +320,8 @@ class Dispatcher:
         self._first_dispatch_at: float | None = None
         self._last_result_at: float | None = None
         self._all_down_since: float | None = None
-        self._dropped_fields = unsupported_fields(engine)
+        self._engine_rules = engine_class(engine)
+        self._dropped_fields = self._engine_rules.unsupported_sampling_fields
         self._dropped_fields_logged = False
         self._lock = threading.Lock()
         self._state = "new"
@@ -971,7 +971,7 @@ class Dispatcher:
         assert self._health_session is not None
         server.probing = True
         try:
-            async with self._health_session.get(server.url + HEALTH_PATH) as response:
+            async with self._health_session.get(server.url + self._engine_rules.health_path) as response:
                 status = response.status
                 await response.read()
         except aiohttp.ClientConnectorError as error:

@@ -23,10 +23,6 @@ from datagen.records import (
 )
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
-# Engine rules the dispatcher applies, kept together so they can move behind the engine seam as one.
-HEALTH_PATH = "/health"
-# Sampling fields an engine refuses outright: `transformers serve` answers 422 to top_k and min_p.
-UNSUPPORTED_FIELDS: dict[str, frozenset[str]] = {"transformers": frozenset({"top_k", "min_p"})}
 BODY_EXCERPT_CHARS = 200
 FINISH_REASONS: dict[str, FinishReason] = {
     "stop": "stop",
@@ -69,11 +65,6 @@ class UnusableResponseError(Exception):
 
 class BadToolArgumentsError(Exception):
     """A tool call's arguments are not a JSON object (final: the model produced them)."""
-
-
-def unsupported_fields(engine: str) -> frozenset[str]:
-    """Sampling fields ``engine`` refuses, left out of its requests."""
-    return UNSUPPORTED_FIELDS.get(engine, frozenset())
 
 
 def build_chat_payload(request: GenerationRequest, model: str) -> dict[str, Any]:
