@@ -32,7 +32,8 @@ from typing import Any
 import orjson
 
 from datagen.config import GenerationConfig, RunConfig
-from datagen.generation.dispatcher import Dispatcher, GenerationRequest
+from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.wire import GenerationRequest
 from datagen.host.fleet import Fleet
 from datagen.host.plan import plan_servers
 from datagen.host.probe import probe_environment

@@ -47,20 +47,30 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
 import aiohttp
 import orjson
-from pydantic import BaseModel, ConfigDict
 
 from datagen.config import GenerationConfig
 from datagen.engines import engine_class
+from datagen.generation.dispatch_state import (
+    DispatcherStats,
+    Final,
+    GenerationResult,
+    Job,
+    Outcome,
+    RequestStream,
+    ResultCallback,
+    ServerState,
+    ServerStats,
+    Success,
+    Transient,
+)
 from datagen.generation.wire import (
-    CHAT_COMPLETIONS_PATH,
     BadToolArgumentsError,
     GenerationRequest,
     UnusableResponseError,
@@ -75,8 +85,6 @@ from datagen.records import (
 
 logger = logging.getLogger(__name__)
 
-GenerationResult = CompletionRecord | FailureRecord
-ResultCallback = Callable[[GenerationRequest, GenerationResult], None]
 
 # How often down and suspect servers are probed and liveness is polled: fast enough that a restarted
 # server rejoins within a second or two, slow enough to cost nothing.
@@ -112,151 +120,6 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 # network, would set the pace (measured: the first wave of a run took seconds to reach the servers).
 # A shorter interval hands the GIL back sooner (process-wide; harmless here).
 GIL_SWITCH_INTERVAL_S = 0.0005
-
-
-class ServerStats(BaseModel):
-    """The dispatcher's view of one server."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    url: str
-    up: bool
-    in_flight: int
-    dispatched: int
-    completed: int
-
-
-class DispatcherStats(BaseModel):
-    """A snapshot of the dispatcher's counters.
-
-    Attributes:
-        servers: Per-server state, in the order servers were added.
-        backlog: Requests registered by streams and not admitted yet.
-        queued: Admitted requests waiting for a slot.
-        backing_off: Requests waiting out a retry delay.
-        dispatched: HTTP tries started (first tries and retries).
-        completed: Requests resolved with a completion.
-        failed: Requests resolved with a failure record.
-        retries: Extra tries made after transient errors or server loss.
-        output_tokens: Completion tokens reported by the servers.
-        tokens_per_s: Output tokens per second since the first request was dispatched.
-        requests_per_s: Resolved requests per second since the first request was dispatched.
-
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    servers: list[ServerStats]
-    backlog: int = 0
-    queued: int
-    backing_off: int
-    dispatched: int = 0
-    completed: int
-    failed: int
-    retries: int
-    output_tokens: int
-    tokens_per_s: float
-    requests_per_s: float = 0.0
-
-    @property
-    def in_flight(self) -> dict[str, int]:
-        """Requests in flight per server URL."""
-        return {server.url: server.in_flight for server in self.servers}
-
-    @property
-    def servers_up(self) -> list[str]:
-        """URLs of the servers currently marked up."""
-        return [server.url for server in self.servers if server.up]
-
-
-class RequestStream:
-    """A handle on requests registered with :meth:`Dispatcher.submit_stream`.
-
-    Every request of a stream resolves exactly once through the stream's callback, unless the stream is
-    cancelled first.
-    """
-
-    def __init__(self, requests: Iterable[GenerationRequest], deliver: ResultCallback, size: int) -> None:
-        self._requests: Iterator[GenerationRequest] = iter(requests)
-        self.deliver = deliver
-        self.pending = size
-        self.cancelled = False
-
-    def cancel(self) -> None:
-        """Drop the stream's requests that are not in flight yet; results of the others are discarded."""
-        self.cancelled = True
-
-    def take(self) -> GenerationRequest | None:
-        """The next request not admitted yet (loop thread only)."""
-        request = next(self._requests, None)
-        if request is not None:
-            self.pending -= 1
-        return request
-
-
-@dataclass(eq=False)
-class _Job:
-    """One admitted request and its retry state; lives on the loop thread only."""
-
-    request: GenerationRequest
-    stream: RequestStream
-    attempts: int = 0
-    last_server: str | None = None
-    task: asyncio.Task[None] | None = None
-    timer: asyncio.TimerHandle | None = None
-    # Set just before the dispatcher cancels this job's try, so the cancellation is told apart from
-    # shutdown; `refund` gives the attempt back (a server removed on purpose is not the request's fault).
-    interrupted: str | None = None
-    refund: bool = False
-    # Servers that answered this request with HTTP 500 (an internal error, as opposed to 502-504 which say
-    # the server is busy or restarting): the same error from several servers is the request's own fault.
-    internal_error_servers: list[str] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Server:
-    url: str
-    chat_url: str = ""
-    up: bool = False
-    # A reset or a connect timeout: no new request until /health answers (or SUSPECT_MAX_S passes).
-    suspect_since: float | None = None
-    in_flight: set[_Job] = field(default_factory=set)
-    dispatched: int = 0
-    completed: int = 0
-    probing: bool = False
-    session: aiohttp.ClientSession | None = None
-
-    def __post_init__(self) -> None:
-        self.chat_url = self.url + CHAT_COMPLETIONS_PATH
-
-    @property
-    def usable(self) -> bool:
-        return self.up and self.suspect_since is None
-
-
-@dataclass(frozen=True)
-class _Success:
-    record: CompletionRecord
-
-
-@dataclass(frozen=True)
-class _Final:
-    reason: str
-    error_type: str
-    status: int | None = None
-
-
-@dataclass(frozen=True)
-class _Transient:
-    reason: str
-    status: int | None = None
-    # server_down: the server refused the connection; suspect: a reset, worth a health probe.
-    server_down: bool = False
-    suspect: bool = False
-    interrupted: bool = False
-
-
-_Outcome = _Success | _Final | _Transient
 
 
 class Dispatcher:
@@ -302,13 +165,13 @@ class Dispatcher:
         self.liveness = liveness
         self._api_key = api_key
         self._fixed_admission_limit = admission_limit
-        self._servers: dict[str, _Server] = {}
+        self._servers: dict[str, ServerState] = {}
         for url in servers:
-            self._servers.setdefault(_normalise(url), _Server(_normalise(url)))
+            self._servers.setdefault(_normalise(url), ServerState(_normalise(url)))
         self._streams: deque[RequestStream] = deque()
-        self._queue: deque[_Job] = deque()
+        self._queue: deque[Job] = deque()
         # Jobs waiting out a retry delay (their timer holds them otherwise).
-        self._retry_jobs: set[_Job] = set()
+        self._retry_jobs: set[Job] = set()
         self._admitted = 0
         self._backlog = 0
         self._backing_off = 0
@@ -494,7 +357,7 @@ class Dispatcher:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
 
-    def _open_session(self, server: _Server) -> None:
+    def _open_session(self, server: ServerState) -> None:
         # One pool per server, sized to its cap: the dispatcher never has more in flight there, so the pool
         # never queues a request, and every slot keeps its own warm connection.
         connector = aiohttp.TCPConnector(
@@ -544,7 +407,7 @@ class Dispatcher:
             await self._health_session.close()
             self._final_stats = self._snapshot()
 
-    def _all_jobs(self) -> list[_Job]:
+    def _all_jobs(self) -> list[Job]:
         jobs = list(self._queue)
         jobs += [job for server in self._servers.values() for job in server.in_flight]
         jobs += list(self._retry_jobs)
@@ -565,7 +428,7 @@ class Dispatcher:
             stream = self._streams.popleft()
             while (request := stream.take()) is not None:
                 self._admitted += 1  # resolving a job gives its admission back
-                self._fail(_Job(request, stream), reason, error_type, None)
+                self._fail(Job(request, stream), reason, error_type, None)
         self._backlog = 0
 
     def _admit(self) -> None:
@@ -585,7 +448,7 @@ class Dispatcher:
                 continue
             self._backlog -= 1
             self._admitted += 1
-            self._queue.append(_Job(request, stream))
+            self._queue.append(Job(request, stream))
             budget -= 1
         if self._streams and self._admitted < limit:
             # A very large backlog: finish admitting on the next loop turn, after pending I/O.
@@ -611,7 +474,7 @@ class Dispatcher:
             queue.popleft()
             self._start(job, server)
 
-    def _refill(self, freed: _Server) -> None:
+    def _refill(self, freed: ServerState) -> None:
         """Give the slot ``freed`` just released to the head of the queue, in O(1).
 
         Only called when requests were waiting as the slot freed: then every other usable server is full
@@ -632,7 +495,7 @@ class Dispatcher:
             break
         self._pump()
 
-    def _start(self, job: _Job, server: _Server) -> None:
+    def _start(self, job: Job, server: ServerState) -> None:
         assert self._loop is not None
         server.in_flight.add(job)
         server.dispatched += 1
@@ -641,11 +504,11 @@ class Dispatcher:
             self._first_dispatch_at = time.monotonic()
         job.task = self._loop.create_task(self._run(job, server))
 
-    def _pick_server(self, job: _Job) -> _Server | None:
+    def _pick_server(self, job: Job) -> ServerState | None:
         """The usable server with a free slot and the fewest outstanding requests, not the last one tried."""
         cap = self.max_inflight_per_server
-        best: _Server | None = None
-        fallback: _Server | None = None
+        best: ServerState | None = None
+        fallback: ServerState | None = None
         for server in self._servers.values():
             if not server.usable or len(server.in_flight) >= cap:
                 continue
@@ -659,7 +522,7 @@ class Dispatcher:
                 best = server
         return best or fallback
 
-    async def _run(self, job: _Job, server: _Server) -> None:
+    async def _run(self, job: Job, server: ServerState) -> None:
         job.attempts += 1
         job.last_server = server.url
         started = time.monotonic()
@@ -671,7 +534,7 @@ class Dispatcher:
             current = asyncio.current_task()
             if current is not None:
                 current.uncancel()
-            outcome = _Transient(reason=job.interrupted, interrupted=True)
+            outcome = Transient(reason=job.interrupted, interrupted=True)
             if job.refund:
                 job.attempts -= 1
             job.interrupted = None
@@ -687,7 +550,7 @@ class Dispatcher:
         else:
             self._pump()
 
-    async def _try(self, job: _Job, server: _Server, started: float) -> _Outcome:
+    async def _try(self, job: Job, server: ServerState, started: float) -> Outcome:
         """One HTTP try, classified; never raises except on cancellation."""
         assert server.session is not None
         body = orjson.dumps(self._payload(job.request))
@@ -697,34 +560,34 @@ class Dispatcher:
                 raw = await response.read()
         except aiohttp.ClientConnectorError as error:
             # Nothing listens (refused) or the host is unreachable: the server is down.
-            return _Transient(reason=f"connection refused: {_describe(error)}", server_down=True)
+            return Transient(reason=f"connection refused: {_describe(error)}", server_down=True)
         except TimeoutError as error:
             connect = isinstance(error, aiohttp.ConnectionTimeoutError)
-            return _Transient(reason=f"{type(error).__name__}: {_describe(error)}", suspect=connect)
+            return Transient(reason=f"{type(error).__name__}: {_describe(error)}", suspect=connect)
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as error:
             # The server may have finished the request before the connection broke: the retry is safe
             # because the request resolves once (one record), whichever try answers.
-            return _Transient(reason=f"connection reset: {_describe(error)}", suspect=True)
+            return Transient(reason=f"connection reset: {_describe(error)}", suspect=True)
         except aiohttp.ClientError as error:
-            return _Transient(reason=f"{type(error).__name__}: {_describe(error)}")
+            return Transient(reason=f"{type(error).__name__}: {_describe(error)}")
         latency_s = time.monotonic() - started
         if status >= 500 or status in RETRYABLE_4XX:
-            return _Transient(reason=f"HTTP {status}: {excerpt(_text(raw))}", status=status)
+            return Transient(reason=f"HTTP {status}: {excerpt(_text(raw))}", status=status)
         if status != 200:
-            return _Final(
+            return Final(
                 reason=f"HTTP {status}: {excerpt(_text(raw))}", error_type=f"http_{status}", status=status
             )
         try:
             data = orjson.loads(raw)
         except orjson.JSONDecodeError:
             kind = "empty body" if not raw.strip() else f"invalid JSON body: {excerpt(_text(raw))}"
-            return _Transient(reason=f"HTTP 200 with {kind}", status=status)
+            return Transient(reason=f"HTTP 200 with {kind}", status=status)
         try:
             completion, finish_reason, usage = parse_chat_completion(data)
         except UnusableResponseError as error:
-            return _Transient(reason=f"HTTP 200 with unusable completion: {error}", status=status)
+            return Transient(reason=f"HTTP 200 with unusable completion: {error}", status=status)
         except BadToolArgumentsError as error:
-            return _Final(reason=str(error), error_type="invalid_tool_arguments", status=status)
+            return Final(reason=str(error), error_type="invalid_tool_arguments", status=status)
         request = job.request
         # Every field is already a validated object (the request's, or built by parse_chat_completion):
         # validating the whole record again would cost more than the rest of the loop's work per request.
@@ -744,18 +607,18 @@ class Dispatcher:
             attempts=job.attempts,
             latency_s=latency_s,
         )
-        return _Success(record)
+        return Success(record)
 
-    def _settle(self, job: _Job, server: _Server, outcome: _Outcome) -> None:
+    def _settle(self, job: Job, server: ServerState, outcome: Outcome) -> None:
         """Resolve, retry or fail one job after a try."""
-        if isinstance(outcome, _Success):
+        if isinstance(outcome, Success):
             server.completed += 1
             self._completed += 1
             self._output_tokens += outcome.record.usage.completion_tokens
             self._last_result_at = time.monotonic()
             self._resolve(job, outcome.record)
             return
-        if isinstance(outcome, _Final):
+        if isinstance(outcome, Final):
             self._fail(job, outcome.reason, outcome.error_type, outcome.status, server.url)
             return
         if outcome.server_down:
@@ -804,7 +667,7 @@ class Dispatcher:
         self._retry_jobs.add(job)
         job.timer = self._loop.call_later(delay_s, self._requeue, job)
 
-    def _requeue(self, job: _Job) -> None:
+    def _requeue(self, job: Job) -> None:
         job.timer = None
         self._backing_off -= 1
         self._retry_jobs.discard(job)
@@ -818,7 +681,7 @@ class Dispatcher:
         ceiling = min(self.generation.backoff_max_s, self.generation.backoff_initial_s * 2 ** (attempts - 1))
         return random.uniform(JITTER_FLOOR * ceiling, ceiling)
 
-    def _resolve(self, job: _Job, result: GenerationResult) -> None:
+    def _resolve(self, job: Job, result: GenerationResult) -> None:
         self._admitted -= 1
         stream = job.stream
         if stream.cancelled:
@@ -830,7 +693,7 @@ class Dispatcher:
             logger.exception("result callback raised key=%s", job.request.key)
 
     def _fail(
-        self, job: _Job, reason: str, error_type: str, status: int | None, server: str | None = None
+        self, job: Job, reason: str, error_type: str, status: int | None, server: str | None = None
     ) -> None:
         self._failed += 1
         self._last_result_at = time.monotonic()
@@ -857,7 +720,7 @@ class Dispatcher:
 
     # --- server state -----------------------------------------------------------------------------
 
-    def _mark_up(self, server: _Server) -> None:
+    def _mark_up(self, server: ServerState) -> None:
         if self._servers.get(server.url) is not server:
             return
         if server.up and server.suspect_since is None:
@@ -871,7 +734,7 @@ class Dispatcher:
         self._all_down_since = None
         self._pump()
 
-    def _mark_suspect(self, server: _Server, reason: str) -> None:
+    def _mark_suspect(self, server: ServerState, reason: str) -> None:
         """A reset or connect timeout: no new request for this server until its /health answers."""
         if not server.up or server.suspect_since is not None:
             return
@@ -881,7 +744,7 @@ class Dispatcher:
         )
         self._probe_soon(server, mark_up=True)
 
-    def _mark_down(self, server: _Server, reason: str, *, refund: bool = False) -> None:
+    def _mark_down(self, server: ServerState, reason: str, *, refund: bool = False) -> None:
         if not server.up:
             return
         server.up = False
@@ -898,7 +761,7 @@ class Dispatcher:
     def _add_server(self, url: str) -> None:
         if url in self._servers:
             return
-        server = _Server(url)
+        server = ServerState(url)
         self._servers[url] = server
         logger.info("server added url=%s", url)
         if self._loop is not None and self._loop.is_running():
@@ -958,7 +821,7 @@ class Dispatcher:
                 probes.append(self._probe(server, mark_up=True))
         await asyncio.gather(*probes)
 
-    def _probe_soon(self, server: _Server, *, mark_up: bool = False) -> None:
+    def _probe_soon(self, server: ServerState, *, mark_up: bool = False) -> None:
         if server.probing:
             return
         assert self._loop is not None
@@ -966,7 +829,7 @@ class Dispatcher:
         self._probes.add(task)
         task.add_done_callback(self._probes.discard)
 
-    async def _probe(self, server: _Server, *, mark_up: bool) -> None:
+    async def _probe(self, server: ServerState, *, mark_up: bool) -> None:
         """GET /health: 200 marks a down or suspect server up; a refused connection marks it down."""
         assert self._health_session is not None
         server.probing = True

@@ -43,7 +43,8 @@ from typing import Any, TypeVar
 
 from datagen.config import RunConfig
 from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
-from datagen.generation.dispatcher import Dispatcher, GenerationResult
+from datagen.generation.dispatch_state import GenerationResult
+from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.wire import GenerationRequest
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store

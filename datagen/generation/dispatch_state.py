@@ -1,0 +1,175 @@
+"""The dispatcher's state and what it reports: streams of requests, admitted jobs, servers, try outcomes.
+
+Everything here is data; :mod:`datagen.generation.dispatcher` owns the loop that changes it. ``Job`` and
+``ServerState`` live on the dispatcher's loop thread only; the stats models are the snapshots other threads
+read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict
+
+from datagen.generation.wire import CHAT_COMPLETIONS_PATH, GenerationRequest
+from datagen.records import CompletionRecord, FailureRecord
+
+GenerationResult = CompletionRecord | FailureRecord
+ResultCallback = Callable[[GenerationRequest, GenerationResult], None]
+
+
+class ServerStats(BaseModel):
+    """The dispatcher's view of one server."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    up: bool
+    in_flight: int
+    dispatched: int
+    completed: int
+
+
+class DispatcherStats(BaseModel):
+    """A snapshot of the dispatcher's counters.
+
+    Attributes:
+        servers: Per-server state, in the order servers were added.
+        backlog: Requests registered by streams and not admitted yet.
+        queued: Admitted requests waiting for a slot.
+        backing_off: Requests waiting out a retry delay.
+        dispatched: HTTP tries started (first tries and retries).
+        completed: Requests resolved with a completion.
+        failed: Requests resolved with a failure record.
+        retries: Extra tries made after transient errors or server loss.
+        output_tokens: Completion tokens reported by the servers.
+        tokens_per_s: Output tokens per second since the first request was dispatched.
+        requests_per_s: Resolved requests per second since the first request was dispatched.
+
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    servers: list[ServerStats]
+    backlog: int = 0
+    queued: int
+    backing_off: int
+    dispatched: int = 0
+    completed: int
+    failed: int
+    retries: int
+    output_tokens: int
+    tokens_per_s: float
+    requests_per_s: float = 0.0
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per server URL."""
+        return {server.url: server.in_flight for server in self.servers}
+
+    @property
+    def servers_up(self) -> list[str]:
+        """URLs of the servers currently marked up."""
+        return [server.url for server in self.servers if server.up]
+
+
+class RequestStream:
+    """A handle on requests registered with :meth:`Dispatcher.submit_stream`.
+
+    Every request of a stream resolves exactly once through the stream's callback, unless the stream is
+    cancelled first.
+    """
+
+    def __init__(self, requests: Iterable[GenerationRequest], deliver: ResultCallback, size: int) -> None:
+        self._requests: Iterator[GenerationRequest] = iter(requests)
+        self.deliver = deliver
+        self.pending = size
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        """Drop the stream's requests that are not in flight yet; results of the others are discarded."""
+        self.cancelled = True
+
+    def take(self) -> GenerationRequest | None:
+        """The next request not admitted yet (loop thread only)."""
+        request = next(self._requests, None)
+        if request is not None:
+            self.pending -= 1
+        return request
+
+
+@dataclass(eq=False)
+class Job:
+    """One admitted request and its retry state; lives on the loop thread only."""
+
+    request: GenerationRequest
+    stream: RequestStream
+    attempts: int = 0
+    last_server: str | None = None
+    task: asyncio.Task[None] | None = None
+    timer: asyncio.TimerHandle | None = None
+    # Set just before the dispatcher cancels this job's try, so the cancellation is told apart from
+    # shutdown; `refund` gives the attempt back (a server removed on purpose is not the request's fault).
+    interrupted: str | None = None
+    refund: bool = False
+    # Servers that answered this request with HTTP 500 (an internal error, as opposed to 502-504 which say
+    # the server is busy or restarting): the same error from several servers is the request's own fault.
+    internal_error_servers: list[str] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ServerState:
+    """One server as the dispatcher sees it; lives on the loop thread only."""
+
+    url: str
+    chat_url: str = ""
+    up: bool = False
+    # A reset or a connect timeout: no new request until /health answers (or SUSPECT_MAX_S passes).
+    suspect_since: float | None = None
+    in_flight: set[Job] = field(default_factory=set)
+    dispatched: int = 0
+    completed: int = 0
+    probing: bool = False
+    session: aiohttp.ClientSession | None = None
+
+    def __post_init__(self) -> None:
+        self.chat_url = self.url + CHAT_COMPLETIONS_PATH
+
+    @property
+    def usable(self) -> bool:
+        """Up and not suspect: may be given new requests."""
+        return self.up and self.suspect_since is None
+
+
+@dataclass(frozen=True)
+class Success:
+    """A try that produced a completion."""
+
+    record: CompletionRecord
+
+
+@dataclass(frozen=True)
+class Final:
+    """A try whose failure no retry can cure (the request fails)."""
+
+    reason: str
+    error_type: str
+    status: int | None = None
+
+
+@dataclass(frozen=True)
+class Transient:
+    """A try that failed in a way a retry may cure."""
+
+    reason: str
+    status: int | None = None
+    # server_down: the server refused the connection; suspect: a reset, worth a health probe.
+    server_down: bool = False
+    suspect: bool = False
+    interrupted: bool = False
+
+
+Outcome = Success | Final | Transient
