@@ -8,14 +8,26 @@ error that names the key, never a silently ignored setting. Secrets never live h
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
+import os
+import posixpath
 import re
 from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from datagen.errors import ConfigError
 from datagen.records import SamplingParams
@@ -46,6 +58,34 @@ UNCATEGORISED: Final = "uncategorised"
 SHARE_SUM_TOLERANCE: Final = 1e-9
 TrainingJobKind = Literal["none", "pidfile", "cmdline", "systemd", "prefect"]
 RouterPolicy = Literal["random", "round_robin", "power_of_two", "cache_aware"]
+
+
+# How the Prefect UI's form encodes the value of a free-form mapping field: its JSON text in a wrapper. The form's
+# JSON mode sends such wrappers nested in the parameters, where Prefect's server does not unwrap them.
+UI_JSON_KIND_KEY: Final = "__prefect_kind"
+
+
+def _unwrap_ui_json(value: Any) -> Any:
+    """Turn the UI's ``{"__prefect_kind": "json", "value": "<json>"}`` back into the mapping it encodes."""
+    if isinstance(value, dict) and value.get(UI_JSON_KIND_KEY) == "json":
+        text = value.get("value")
+        if text is None or (isinstance(text, str) and not text.strip()):
+            return {}
+        if isinstance(text, str):
+            try:
+                return json.loads(text)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"not valid JSON: {error}") from None
+        return text
+    return value
+
+
+# A free-form mapping field as the Prefect UI can submit it: any object in the published schema (the form's
+# JSON mode nests the wrapper above, which a typed schema would reject), unwrapped and typed here.
+UI_MAPPING_SCHEMA: Final = {"type": "object", "additionalProperties": True}
+UNWRAP_UI_JSON: Final = BeforeValidator(_unwrap_ui_json)
+UI_MAPPING: Final = WithJsonSchema(UI_MAPPING_SCHEMA)
+UI_OPTIONAL_MAPPING: Final = WithJsonSchema({"anyOf": [UI_MAPPING_SCHEMA, {"type": "null"}]})
 
 
 class StrictModel(BaseModel):
@@ -90,7 +130,7 @@ class SGLangOptions(StrictModel):
     )
     reasoning_parser: str | None = Field(default="qwen3")
     tool_call_parser: str | None = Field(default=None)
-    speculative: dict[str, Any] | None = Field(
+    speculative: Annotated[dict[str, Any] | None, UNWRAP_UI_JSON, UI_OPTIONAL_MAPPING] = Field(
         default=None,
         description="Speculative decoding flags without leading dashes, e.g. {algorithm: EAGLE}.",
     )
@@ -119,7 +159,10 @@ class FleetConfig(StrictModel):
     max_restarts_per_server: int = Field(default=3, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     extra_args: list[str] = Field(default_factory=list, description="Appended verbatim to every server argv.")
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment for the servers.")
+    # Mapping fields carry an explicit default (pydantic copies it per instance) so the UI's form shows one.
+    env: Annotated[dict[str, str], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+        default={}, description="Extra environment for the servers."
+    )
     sglang: SGLangOptions = Field(default_factory=SGLangOptions)
     speculative: Literal["off", "mtp"] = Field(
         default="off",
@@ -237,8 +280,8 @@ class MixConfig(StrictModel):
     total_prompts: int | None = Field(
         default=None, gt=0, description="New prompts across the datasets that set `share`."
     )
-    category_caps: dict[str, CategoryShare] = Field(
-        default_factory=dict,
+    category_caps: Annotated[dict[str, CategoryShare], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+        default={},  # explicit (not a factory) so the UI's form has a value: see FleetConfig.env
         description="Most a category may be of the new prompts, e.g. {code: 0.2}; needs a quota on every "
         "dataset. Lowers that category's quotas, never raises others'.",
     )
@@ -280,8 +323,8 @@ class ExistingCorpusConfig(StrictModel):
     dedupe_against: list[CorpusSource] = Field(
         default_factory=list, description="Prompts never to take again (streamed; memory is the id set)."
     )
-    category_counts: dict[str, Annotated[int, Field(ge=0)]] = Field(
-        default_factory=dict,
+    category_counts: Annotated[dict[str, Annotated[int, Field(ge=0)]], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+        default={},  # explicit (not a factory) so the UI's form has a value: see FleetConfig.env
         description="Training rows per category already in the corpus, for the mix report, e.g. "
         "{code: 694540, math: 90000}.",
     )
@@ -440,6 +483,11 @@ class RunConfig(StrictModel):
     seed: int = Field(default=0, description="Seed of every sampling and shuffling decision.")
     mix: MixConfig = Field(default_factory=MixConfig)
     existing_corpus: ExistingCorpusConfig = Field(default_factory=ExistingCorpusConfig)
+    series: Slug | None = Field(
+        default=None,
+        description="Expansion series (e.g. `nightly`): each run takes prompts no earlier run of the series "
+        "took and publishes the next dataset version on top of the series' last one. See docs/operations.md.",
+    )
 
     @field_validator("datasets")
     @classmethod
@@ -496,11 +544,13 @@ class RunConfig(StrictModel):
         """The fields that define what the run produces, as JSON data.
 
         Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
-        guard changes no output, so changing it keeps the run id resumable.
+        guard changes no output, so changing it keeps the run id resumable. ``series`` joined the model
+        later: it is left out while unset so the hashes of older runs stay the same.
         """
-        return self.model_dump(
-            mode="json", exclude={"run_id": True, "datasets": {"__all__": {"min_prompts"}}}
-        )
+        exclude: dict[str, Any] = {"run_id": True, "datasets": {"__all__": {"min_prompts"}}}
+        if self.series is None:
+            exclude["series"] = True
+        return self.model_dump(mode="json", exclude=exclude)
 
     def config_hash(self) -> str:
         """A stable hash of :meth:`identity_dict`; two configs with equal hashes produce the same run."""
@@ -559,8 +609,88 @@ def parse_run_config(data: Any, source: str = "<config>") -> RunConfig:
         raise ConfigError(format_validation_error(error, source), source=source) from None
 
 
+# --- relative paths -----------------------------------------------------------------------------
+# A config is written once and run from anywhere: by the CLI in some shell, by a Prefect worker in its
+# checkout, from an s3:// URL. So a relative location in a config file means "next to this file", never
+# "next to whoever runs it".
+
+# Fields holding a location that is always a path (never a hub id or a store key).
+_TOP_LEVEL_PATHS = ("output",)
+_TRAINING_PATHS = ("pidfile", "checkpoint_glob", "checkpoint_marker")
+# Model locations may also be hub ids (``Qwen/Qwen3-8B``): only rewritten when that path exists.
+_MODEL_PATHS = ("path", "tokenizer_path")
+
+
+def _is_relative(value: object) -> bool:
+    return isinstance(value, str) and bool(value) and "://" not in value and not value.startswith(("/", "~"))
+
+
+def _join(base: str, value: str) -> str:
+    if "://" in base:
+        scheme, _, rest = base.partition("://")
+        return f"{scheme}://{posixpath.normpath(posixpath.join(rest, value))}"
+    return os.path.normpath(os.path.join(base, value))
+
+
+def config_folder(location: str | Path) -> str:
+    """The folder relative paths of the config at ``location`` (a local path or URL) resolve against."""
+    text = str(location)
+    if "://" in text and not text.startswith("file://"):
+        return text.rstrip("/").rpartition("/")[0]
+    return str(Path(text.removeprefix("file://")).expanduser().resolve().parent)
+
+
+def resolve_relative_paths(data: dict[str, Any], base: str) -> dict[str, Any]:
+    """Return a copy of raw config data whose relative locations are joined to ``base``.
+
+    Rewritten: ``output``, ``protected_prefixes``, ``datasets[].path``,
+    ``existing_corpus.dedupe_against[].path``, ``training.pidfile`` / ``checkpoint_glob`` /
+    ``checkpoint_marker``, and ``model.path`` / ``model.tokenizer_path`` when they start with ``./`` or
+    ``../`` or the joined local path exists (otherwise they are hub ids such as ``Qwen/Qwen3-8B``).
+    Left alone: absolute paths, URLs, and ``tokenize.base_version`` (a key in the output store when
+    relative).
+
+    Args:
+        data: Parsed config data (not validated yet; unknown shapes are left for validation to report).
+        base: The config file's folder: a local directory or an ``s3://`` URL.
+
+    Returns:
+        The rewritten copy.
+    """
+    result = copy.deepcopy(data)
+
+    def rewrite(holder: Any, key: str, must_exist: bool = False) -> None:
+        if not isinstance(holder, dict) or not _is_relative(holder.get(key)):
+            return
+        joined = _join(base, holder[key])
+        explicit = holder[key].startswith(("./", "../"))
+        if must_exist and not explicit and ("://" in joined or not Path(joined).exists()):
+            return
+        holder[key] = joined
+
+    for key in _TOP_LEVEL_PATHS:
+        rewrite(result, key)
+    prefixes = result.get("protected_prefixes")
+    if isinstance(prefixes, list):
+        result["protected_prefixes"] = [_join(base, p) if _is_relative(p) else p for p in prefixes]
+    for dataset in result.get("datasets") or []:
+        rewrite(dataset, "path")
+    corpus = result.get("existing_corpus")
+    if isinstance(corpus, dict):
+        for source in corpus.get("dedupe_against") or []:
+            rewrite(source, "path")
+    for key in _TRAINING_PATHS:
+        rewrite(result.get("training"), key)
+    for key in _MODEL_PATHS:
+        rewrite(result.get("model"), key, must_exist=True)
+    return result
+
+
 def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load a run configuration from a YAML (or JSON) file.
+
+    Relative locations in the file resolve against the file's folder (:func:`resolve_relative_paths`);
+    override values are taken as given.
 
     Args:
         path: The file.
@@ -579,6 +709,8 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
         data = yaml.safe_load(file.read_text())
     except yaml.YAMLError as error:
         raise ConfigError(f"Config file {file} is not valid YAML: {error}") from None
+    if isinstance(data, dict):
+        data = resolve_relative_paths(data, config_folder(file))
     if isinstance(data, dict) and overrides:
         data = {**data, **{key: value for key, value in overrides.items() if value is not None}}
     return parse_run_config(data, source=str(file))

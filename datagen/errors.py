@@ -200,3 +200,18 @@ def is_transient(error: BaseException) -> bool:
     if isinstance(error, DatagenError):
         return error.transient
     return isinstance(error, ConnectionError | TimeoutError)
+
+
+# --- operations: deployments, series, the GPU lock -----------------------------------------------
+
+
+class CodeVersionError(DatagenError, RuntimeError):
+    """The worker's checkout is not the commit the deployment names (update the checkout, or redeploy)."""
+
+
+class SeriesConflictError(DatagenError, RuntimeError):
+    """Two runs of one expansion series took the same prompts (they ran at once on different hosts)."""
+
+
+class GpuLockTimeoutError(DatagenError, TimeoutError):
+    """Another run kept this host's GPUs for longer than the run was allowed to wait."""

@@ -36,6 +36,17 @@ class Settings(BaseSettings):
         default=None, description="API key the generation servers require (sent as a bearer token)."
     )
     log_server_output: bool = Field(default=False, description="Echo server logs into the run log.")
+    gpu_lock: str | None = Field(
+        default=None,
+        description="Name of the Prefect global concurrency limit every run on this host's GPUs holds "
+        "(one run at a time, whatever the deployment); `datagen-gpus-<hostname>` when unset. Give boxes "
+        "that share GPUs the same name.",
+    )
+    gpu_lock_timeout_s: float = Field(
+        default=24 * 3600.0,
+        gt=0,
+        description="How long a run waits for the GPUs while another run holds them before it fails.",
+    )
 
 
 @lru_cache(maxsize=1)

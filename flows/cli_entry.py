@@ -32,7 +32,8 @@ def load_expand_flow() -> ExpandFlow:
 
     def run_expand(config: RunConfig) -> RunSummary:
         with prefect_api(Path(get_settings().state_dir).expanduser() / "logs"):
-            return expand(config)
+            # `config` is the flow's advanced parameter (config_path, run_id... come first): by name.
+            return expand(config=config)
 
     return run_expand
 

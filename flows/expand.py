@@ -16,6 +16,7 @@ import contextlib
 import queue
 import time
 from collections import deque
+from datetime import UTC
 from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
@@ -29,11 +30,15 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+import datagen.host.handback
+from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.errors import ShardsFailedError
+from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
+from datagen.host.handback import record_halt
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.report import GenerationWindow, RunReport, RunSummary, record_generation_window
@@ -44,9 +49,9 @@ from tasks.credentials import configure_s3_credentials
 from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
 from tasks.host import (
     halt_training,
+    hand_back_gpus,
     plan_servers,
     probe_environment,
-    restart_training,
     start_fleet,
     stop_fleet,
 )
@@ -58,6 +63,8 @@ from tasks.run import (
     write_attempt_record,
     write_report,
 )
+from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
+from tasks.series import open_series_entry, write_ledger
 
 # Threads for concurrently running tasks: prepare tasks plus shard tasks. A shard task mostly waits for
 # its results (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the
@@ -76,12 +83,39 @@ PROGRESS_INTERVAL_S = 5.0
 FLEET_MONITOR_INTERVAL_S = 5.0
 
 
+def _generated_run_id() -> str:
+    """The run id of a run started without one: stable for the flow run (its id and creation time)."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return make_run_id()
+    created = context.flow_run.created
+    return make_run_id(seed=str(context.flow_run.id), now=created.astimezone(UTC) if created else None)
+
+
+def _requested_config(parameters: dict[str, Any]) -> RunConfig:
+    """The config the flow parameters describe (config_path, overrides, or the whole config)."""
+    return resolve_run_config(
+        config_path=parameters.get("config_path"),
+        config=parameters.get("config"),
+        overrides=RunOverrides(
+            run_id=parameters.get("run_id"),
+            output=parameters.get("output"),
+            max_prompts=parameters.get("max_prompts"),
+            series=parameters.get("series"),
+        ),
+    )
+
+
 def _flow_run_name() -> str:
-    parameters = runtime_flow_run.parameters or {}
-    config = parameters.get("config")
-    # The parameter arrives as a RunConfig (in-process call) or as plain data (deployment runs).
-    run_id = config.get("run_id") if isinstance(config, dict) else getattr(config, "run_id", None)
-    return f"expand-{run_id}" if run_id else "expand-new-run"
+    """``expand-<run id>``: the given or configured run id, else the one the run will generate."""
+    parameters = dict(runtime_flow_run.parameters or {})
+    run_id = parameters.get("run_id")
+    if not run_id:
+        try:
+            run_id = _requested_config(parameters).run_id
+        except Exception:  # the flow body reports a bad config properly; a name needs no error
+            run_id = None
+    return f"expand-{run_id or _generated_run_id()}"
 
 
 def _fleets_root() -> Path:
@@ -96,8 +130,13 @@ def _fleet_state_dir(flow_run_id: str) -> Path:
 
 def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
     """Cancellation/crash hook: may run in another process, so it stops servers through the pidfile."""
-    stopped = stop_fleet_from_pidfile(fleet_pidfile(_fleet_state_dir(str(flow_run.id))))
-    flow_run_logger(flow_run, flow).warning("stopped servers after %s count=%d", state.type.value, stopped)
+    state_dir = _fleet_state_dir(str(flow_run.id))
+    logger = flow_run_logger(flow_run, flow)
+    stopped = stop_fleet_from_pidfile(fleet_pidfile(state_dir))
+    logger.warning("stopped servers after %s count=%d", state.type.value, stopped)
+    restarted = datagen.host.handback.hand_back_gpus(state_dir)
+    if restarted is not None:
+        logger.warning("training restarted after %s pid=%d", state.type.value, restarted.pid)
 
 
 def _summary_from_report(
@@ -146,6 +185,20 @@ def _record_generation_window(
         get_run_logger().warning("generation time not recorded attempt=%s error=%s", attempt_id, error)
 
 
+def _progress_description(
+    answered: int, total: int, failures: int, stats: DispatcherStats, elapsed_s: float
+) -> str:
+    """The progress artifact's text: requests answered, failures, output tok/s and the ETA."""
+    rate = answered / elapsed_s if elapsed_s > 0 else 0.0
+    left = max(0, total - answered)
+    eta = f"{left / rate / 60:.1f} min" if rate > 0 and left else ("done" if not left else "unknown")
+    return (
+        f"{answered}/{total} requests answered, {failures} failed, {stats.tokens_per_s:.1f} output tok/s, "
+        f"ETA {eta} ({sum(stats.in_flight.values())} in flight, {stats.queued} queued, "
+        f"{stats.retries} retries)"
+    )
+
+
 def _all_shards_done(config: RunConfig, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
     store = open_store(config)
     return all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for p in prepared for s in p.shards)
@@ -182,9 +235,15 @@ class _GenerationProgress:
         logger = get_run_logger()
         percent = min(100.0, 100.0 * answered / total) if total else 0.0
         try:
-            if self.progress_id is not None:
-                update_progress_artifact(self.progress_id, 100.0 if force else percent)
             stats = self.dispatcher.stats()
+            if self.progress_id is not None:
+                update_progress_artifact(
+                    self.progress_id,
+                    100.0 if force else percent,
+                    description=_progress_description(
+                        answered, total, stats.failed, stats, now - self.started
+                    ),
+                )
         except Exception as error:  # progress is for humans: never worth failing a run over
             logger.warning("progress update failed error=%s", error)
             return
@@ -302,21 +361,53 @@ def _samples(config: RunConfig, dataset: str) -> int:
     on_crashed=[_stop_servers_hook],
     validate_parameters=True,
 )
-def expand(config: RunConfig) -> RunSummary:
+def expand(
+    config_path: str | None = None,
+    run_id: str | None = None,
+    max_prompts: int | None = None,
+    output: str | None = None,
+    series: str | None = None,
+    config: RunConfig | None = None,
+) -> RunSummary:
     """Expand the drafter's training data with completions of the target model.
 
+    Pass ``config_path`` (plus small overrides), or ``run_id`` alone to resume a run, or the whole ``config``.
+
     Args:
-        config: The run configuration (validated; rendered as a form in the Prefect UI).
+        config_path: A run config YAML on the worker's host (relative to its checkout) or an s3:// URL;
+            relative paths inside it resolve against its folder.
+        run_id: Run id; an existing run's id resumes it with its stored config.json.
+        max_prompts: Cap every dataset's quota at this many prompts (a quick or test run).
+        output: Output root (a directory or s3://bucket/prefix) replacing the config's.
+        series: Expansion series: take prompts no earlier run of the series took, publish the next version.
+        config: The whole run configuration (advanced; wins over config_path).
 
     Returns:
         Where the run landed and its headline counts.
     """
-    logger = get_run_logger()
-    configure_s3_credentials()
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
+    with forward_thread_logs(flow_run_id), explain_failure():
+        verify_code_version(__file__)
+        parameters = {
+            "config_path": config_path,
+            "run_id": run_id,
+            "max_prompts": max_prompts,
+            "output": output,
+            "series": series,
+            "config": config,
+        }
+        resolved = _requested_config(parameters)
+        resolved = resolved.model_copy(update={"run_id": resolved.run_id or _generated_run_id()})
+        with hold_host_gpus():
+            return _run(resolved, flow_run_id)
+
+
+def _run(config: RunConfig, flow_run_id: str) -> RunSummary:
+    """The run itself, once its config is resolved and this host's GPUs are ours."""
+    logger = get_run_logger()
+    configure_s3_credentials()
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
-    config = config.model_copy(update={"run_id": config.run_id or make_run_id(seed=flow_run_id)})
     state_dir = _fleet_state_dir(flow_run_id)
 
     preflight_report = preflight(config)
@@ -328,6 +419,7 @@ def expand(config: RunConfig) -> RunSummary:
         report = RunReport.model_validate(store.read_json(layout.report_json))
         return _summary_from_report(report, config, layout, complete=True)
     write_attempt_record(config, run, attempt_id, "preflight", preflight_report)
+    series_entry = open_series_entry(config, run) if config.series else None
 
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     for dataset in config.datasets:
@@ -337,6 +429,9 @@ def expand(config: RunConfig) -> RunSummary:
     # Every dataset is prepared before training is halted: one that yields too few prompts refuses the run
     # while training still runs, and the shards written here are the ones the run generates from.
     check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))
+    if series_entry is not None:
+        # Recorded before any GPU work: a later run of the series never takes these prompts again.
+        write_ledger(config, run, series_entry, [future.result() for future in prepared_futures])
 
     if run.resumed and _all_shards_done(config, layout, [future.result() for future in prepared_futures]):
         logger.info("every shard is already generated: training is not halted, no server is started")
@@ -350,19 +445,21 @@ def expand(config: RunConfig) -> RunSummary:
         errors: list[BaseException] = []
     else:
         halt = halt_training(config.training)
+        record_halt(state_dir, config.training)
         write_attempt_record(config, run, attempt_id, "training", halt)
-        env = probe_environment()
-        write_attempt_record(config, run, attempt_id, "env", env)
-        plan = plan_servers(env, config, state_dir)
-        write_attempt_record(config, run, attempt_id, "plan", plan)
-        servers = len(plan.servers)
-        fleet = Fleet(
-            plan,
-            state_dir,
-            ready_timeout_s=config.fleet.ready_timeout_s,
-            max_restarts_per_server=config.fleet.max_restarts_per_server,
-        )
+        fleet: Fleet | None = None
         try:
+            env = probe_environment()
+            write_attempt_record(config, run, attempt_id, "env", env)
+            plan = plan_servers(env, config, state_dir)
+            write_attempt_record(config, run, attempt_id, "plan", plan)
+            servers = len(plan.servers)
+            fleet = Fleet(
+                plan,
+                state_dir,
+                ready_timeout_s=config.fleet.ready_timeout_s,
+                max_restarts_per_server=config.fleet.max_restarts_per_server,
+            )
             urls = start_fleet(fleet, _fleets_root())
             fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
             api_key = get_settings().server_api_key
@@ -391,18 +488,29 @@ def expand(config: RunConfig) -> RunSummary:
                         config, layout, attempt_id, generation_wall_s, servers, finished
                     )
         finally:
-            stop_fleet(fleet)
+            if fleet is not None:
+                stop_fleet(fleet)
+            # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
+            restarted = hand_back_gpus(state_dir)
+            if restarted is not None:
+                write_attempt_record(config, run, attempt_id, "training-restart", restarted)
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]}); everything else is stored. "
-            f"Rerun with --run-id {run.run_id} to resume: finished shards are not generated again.",
+            f"Run again with run_id={run.run_id} (datagen run --run-id {run.run_id}) to resume: "
+            "finished shards are not generated again.",
             run_id=run.run_id,
             failed_shards=len(errors),
         ) from errors[0]
-    tokenize_summary = merge_and_tokenize(config, run, shard_summaries)
-    if config.training.restart_after_run:
-        restarted = restart_training(config.training, state_dir / "training-restart.log")
-        write_attempt_record(config, run, attempt_id, "training-restart", restarted)
+    merge_config = config
+    if series_entry is not None:
+        # The series' last version is the base (fixed in series.json when the run opened).
+        merge_config = config.model_copy(
+            update={
+                "tokenize": config.tokenize.model_copy(update={"base_version": series_entry.base_version})
+            }
+        )
+    tokenize_summary = merge_and_tokenize(merge_config, run, shard_summaries)
     report = write_report(
         config, run, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s
     )
@@ -424,4 +532,4 @@ if __name__ == "__main__":
 
     from datagen.config import load_run_config
 
-    expand(load_run_config(sys.argv[1]))
+    expand(config=load_run_config(sys.argv[1]))

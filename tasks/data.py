@@ -12,6 +12,7 @@ import datagen.generation.shard
 import datagen.output.merge
 import datagen.output.runs
 import datagen.prompts.datasets.corpus
+import datagen.prompts.ledger
 import datagen.prompts.prepare
 from datagen.config import RunConfig
 from datagen.generation.dispatcher import Dispatcher
@@ -26,12 +27,25 @@ _corpus_lock = threading.Lock()
 
 
 def _corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
+    """The existing corpus's prompt ids plus those earlier runs of the run's series took."""
     key = f"{run.run_id}:{run.config_hash}"
     with _corpus_lock:
         if key not in _corpus_cache:
             _corpus_cache.clear()
-            _corpus_cache[key] = datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus)
+            ids = set(datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus))
+            store = datagen.output.runs.open_store(config)
+            entry = datagen.prompts.ledger.read_series_entry(store, run.run_id) if config.series else None
+            if entry is not None:
+                ids |= datagen.prompts.ledger.taken_prompt_ids(store, entry)
+            _corpus_cache[key] = frozenset(ids)
         return _corpus_cache[key]
+
+
+def _series_held(config: RunConfig, run: RunHandle) -> dict[str, int] | None:
+    """Prompts per category the run's series held before it (None: not a series run)."""
+    store = datagen.output.runs.open_store(config)
+    entry = datagen.prompts.ledger.read_series_entry(store, run.run_id) if config.series else None
+    return datagen.prompts.ledger.held_by_category(store, entry) if entry is not None else None
 
 
 class ShardProgress:
@@ -105,6 +119,7 @@ def prepare_prompts(
             exclude_prompt_ids=exclude,
             corpus_ids=_corpus_ids(config, run),
             earlier=earlier,
+            held_by_category=_series_held(config, run),
         )
     get_run_logger().info(
         "prepared dataset=%s rows_read=%d prompts=%d shards=%d rejected=%s",

@@ -20,6 +20,7 @@ from prefect.client.schemas.objects import StateType
 from prefect.states import Cancelled, Cancelling
 
 import datagen.host.fleet_registry
+import datagen.host.handback
 import datagen.host.plan
 import datagen.host.probe
 import datagen.host.training
@@ -98,13 +99,11 @@ def halt_training(training: TrainingJobConfig) -> HaltRecord:
     return record
 
 
-@task(name="restart-training", cache_policy=NO_CACHE)
-def restart_training(training: TrainingJobConfig, log_path: Path) -> RestartRecord | None:
-    """Start training again, detached, when ``training.restart_after_run`` is on (after the merge)."""
-    record = datagen.host.training.restart_training(training, log_path)
-    if record is None:
-        get_run_logger().info("training restart is off (training.restart_after_run)")
-    else:
+@task(name="hand-back-gpus", cache_policy=NO_CACHE)
+def hand_back_gpus(state_dir: Path) -> RestartRecord | None:
+    """Restart training once the fleet is down, if this run halted it and ``restart_after_run`` is on."""
+    record = datagen.host.handback.hand_back_gpus(state_dir)
+    if record is not None:
         get_run_logger().info(
             "training restarted pid=%d argv=%s log=%s", record.pid, record.argv, record.log_path
         )

@@ -340,6 +340,30 @@ def corpus_adopt(
     )
 
 
+@app.command()
+def deploy(
+    name: Annotated[
+        list[str] | None, typer.Option("--name", "-n", help="Deploy only this deployment (repeatable).")
+    ] = None,
+) -> None:
+    """Create or update the Prefect deployments from this checkout, versioned by its git commit.
+
+    Calls `prefect deploy` on deployments/prefect.yaml from the checkout's root (any working folder
+    works) against the configured PREFECT_API_URL, creating the work pool when missing. Workers then run
+    the flow from their own checkout and refuse to run another commit than the one deployed.
+    """
+    from datagen.app.deploy import deploy as deploy_checkout
+    from datagen.errors import ConfigError
+
+    try:
+        code, output = deploy_checkout(names=name)
+    except ConfigError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    typer.echo(output)
+    if code != 0:
+        _fail(f"prefect deploy failed (exit {code}); its output is above.", EXIT_RUN_FAILED)
+
+
 def main(load_flow: FlowLoader) -> None:
     """Run the command line (called by the console script's entry module, ``flows/cli_entry.py``).
 

@@ -19,6 +19,8 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     runs/<run_id>/tokenized/summary.json
     runs/<run_id>/report.json, report.md
     runs/<run_id>/manifest.json                     written last: every object, counts, checksums
+    runs/<run_id>/series.json                       series runs: earlier runs excluded, base version
+    series/<series>/ledger/<run_id>.jsonl           series runs: the prompts each run took (written once)
     datasets/<name>/v0001.json                      dataset versions (old shards referenced, never rewritten)
 """
 
@@ -125,6 +127,21 @@ class RunLayout:
     def manifest(self) -> str:
         """The run manifest, written last."""
         return f"{self.root}/manifest.json"
+
+    @property
+    def series_entry(self) -> str:
+        """A series run's place in its series, written before its prompts are chosen."""
+        return f"{self.root}/series.json"
+
+
+def series_ledger_prefix(series: str) -> str:
+    """The folder of a series' prompt ledgers, e.g. ``series/nightly/ledger``."""
+    return f"series/{series}/ledger"
+
+
+def series_ledger(series: str, run_id: str) -> str:
+    """The prompt ledger of one run of a series."""
+    return f"{series_ledger_prefix(series)}/{run_id}.jsonl"
 
 
 def dataset_version(name: str, version: int) -> str:

@@ -122,12 +122,24 @@ def _requested_quotas(config: RunConfig) -> dict[str, int | None]:
     return requested
 
 
-def _cap_counts(requested_by_category: Mapping[str, int], caps: Mapping[str, float]) -> dict[str, int]:
-    """The prompt count of every category whose cap binds (water-filling; caps only lower counts)."""
+def _cap_counts(
+    requested_by_category: Mapping[str, int],
+    caps: Mapping[str, float],
+    held: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """The new prompt count of every category whose cap binds (water-filling; caps only lower counts).
+
+    ``held`` are prompts a series already holds per category: a cap then bounds held + new against the
+    series' total, so a category the series already has plenty of gets fewer new prompts (never below 0).
+    """
+    held = held or {}
+    held_only = sum(count for category, count in held.items() if category not in requested_by_category)
     capped: set[str] = set()
     while True:
-        uncapped_total = sum(
-            count for category, count in requested_by_category.items() if category not in capped
+        uncapped_total = held_only + sum(
+            count + held.get(category, 0)
+            for category, count in requested_by_category.items()
+            if category not in capped
         )
         cap_sum = sum((_exact(caps[category]) for category in capped), Fraction(0))
         if capped and (uncapped_total == 0 or cap_sum >= 1):
@@ -140,18 +152,25 @@ def _cap_counts(requested_by_category: Mapping[str, int], caps: Mapping[str, flo
         newly = {
             category
             for category, count in requested_by_category.items()
-            if category in caps and category not in capped and count > _exact(caps[category]) * total
+            if category in caps
+            and category not in capped
+            and count + held.get(category, 0) > _exact(caps[category]) * total
         }
         if not newly:
-            return {category: math.floor(_exact(caps[category]) * total) for category in capped}
+            return {
+                category: max(0, math.floor(_exact(caps[category]) * total) - held.get(category, 0))
+                for category in capped
+            }
         capped |= newly
 
 
-def plan_mix(config: RunConfig) -> MixPlan:
+def plan_mix(config: RunConfig, held: Mapping[str, int] | None = None) -> MixPlan:
     """Every dataset's quota from ``max_prompts``, ``share`` x ``mix.total_prompts`` and the category caps.
 
     Args:
         config: The run config.
+        held: Prompts per category an expansion series already holds (its ledger); the caps then bound
+            the series' whole mix, not only this run's prompts.
 
     Returns:
         The plan; :meth:`MixPlan.quota` gives each dataset's quota.
@@ -169,7 +188,7 @@ def plan_mix(config: RunConfig) -> MixPlan:
             by_category[dataset.mix_category] = by_category.get(dataset.mix_category, 0) + (
                 requested[dataset.name] or 0
             )
-        capped = _cap_counts(by_category, config.mix.category_caps)
+        capped = _cap_counts(by_category, config.mix.category_caps, held)
         for category, count in capped.items():
             members = [d for d in config.datasets if d.mix_category == category]
             weights = [Fraction(requested[d.name] or 0) for d in members]
@@ -208,19 +227,22 @@ def validate_mix(config: RunConfig) -> MixPlan:
     return plan_mix(config)
 
 
-def effective_quotas(config: RunConfig, prompts_by_dataset: Mapping[str, int]) -> dict[str, int | None]:
+def effective_quotas(
+    config: RunConfig, prompts_by_dataset: Mapping[str, int], held: Mapping[str, int] | None = None
+) -> dict[str, int | None]:
     """Each dataset's quota once earlier shortfalls are moved on (``mix.rebalance``), in config order.
 
     Args:
         config: The run config.
         prompts_by_dataset: Prompts each prepared dataset produced; a dataset missing here stops the
             carrying of its category's shortfall (the later datasets of that category are left out).
+        held: Prompts per category the run's series already holds (see :func:`plan_mix`).
 
     Returns:
         The quota of every dataset whose quota is known (None: no quota).
 
     """
-    plan = plan_mix(config)
+    plan = plan_mix(config, held)
     carry: dict[str, int] = {}
     blocked: set[str] = set()
     quotas: dict[str, int | None] = {}
@@ -241,13 +263,19 @@ def effective_quotas(config: RunConfig, prompts_by_dataset: Mapping[str, int]) -
     return quotas
 
 
-def quota_for(config: RunConfig, dataset: DatasetConfig, earlier: Sequence[PreparedDataset]) -> int | None:
+def quota_for(
+    config: RunConfig,
+    dataset: DatasetConfig,
+    earlier: Sequence[PreparedDataset],
+    held: Mapping[str, int] | None = None,
+) -> int | None:
     """The quota of one dataset, given the summaries of the datasets prepared before it.
 
     Args:
         config: The run config.
         dataset: The dataset about to be prepared.
         earlier: Summaries of the datasets before it in config order (only read with ``rebalance``).
+        held: Prompts per category the run's series already holds (see :func:`plan_mix`).
 
     Returns:
         How many prompts to take (None: every valid prompt).
@@ -257,7 +285,7 @@ def quota_for(config: RunConfig, dataset: DatasetConfig, earlier: Sequence[Prepa
 
     """
     known = {item.dataset: item.prompts for item in earlier}
-    quotas = effective_quotas(config, known)
+    quotas = effective_quotas(config, known, held)
     if dataset.name not in quotas:
         missing = [
             other.name

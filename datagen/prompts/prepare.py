@@ -20,7 +20,7 @@ is the same in every run with the same seed. Prompts of the existing corpus
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -150,6 +150,7 @@ def prepare_prompts(
     corpus_ids: AbstractSet[str] | None = None,
     earlier: Sequence[PreparedDataset] = (),
     tokenizer: Any | None = None,
+    held_by_category: Mapping[str, int] | None = None,
 ) -> PreparedDataset:
     """Read one dataset and write its prompt shards and summary (write-once, resumable).
 
@@ -170,6 +171,8 @@ def prepare_prompts(
             dataset's quota under ``mix.rebalance``).
         tokenizer: The target's tokenizer for ``max_prompt_tokens``; loaded from ``config.model``
             when needed and not given.
+        held_by_category: Prompts per category the run's expansion series already holds; the
+            category caps then bound the series' mix (:func:`datagen.prompts.mix.plan_mix`).
 
     Returns:
         The summary; read back from storage without reading the dataset when it already exists.
@@ -186,7 +189,7 @@ def prepare_prompts(
         logger.info("prompts already prepared dataset=%s", dataset.name)
         return PreparedDataset.model_validate(store.read_json(summary_key))
     get_normaliser(dataset.format)
-    quota = quota_for(config, dataset, earlier)
+    quota = quota_for(config, dataset, earlier, held_by_category)
     if corpus_ids is None:
         corpus_ids = load_corpus_ids(config.existing_corpus)
     if dataset.max_prompt_tokens is not None and tokenizer is None:

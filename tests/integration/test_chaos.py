@@ -17,6 +17,7 @@ import io
 import json
 import os
 import random
+import secrets
 import signal
 import subprocess
 import sys
@@ -129,6 +130,10 @@ def _flow_env(tmp_path: Path, prefect_api: str, endpoint: str) -> dict[str, str]
 
 
 def _start_flow(config: Path, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+    # Each process stands for its own GPU box (its own host GPU lock): a SIGKILLed attempt cannot release its
+    # lock, whose lease would hold the next attempt for up to a minute; the two-process test means two boxes.
+    # The lock itself is tested in tests/integration/test_operations.py.
+    env = {**env, "DATAGEN_GPU_LOCK": f"chaos-box-{secrets.token_hex(4)}"}
     with log.open("ab") as handle:
         return subprocess.Popen(
             [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)],

@@ -1,5 +1,6 @@
-"""deployments/prefect.yaml is valid: Prefect's own model accepts it, the entrypoint loads, the parameters
-validate as a RunConfig, and `prefect deploy --all` against a real Prefect API creates both deployments."""
+"""deployments/prefect.yaml is valid: Prefect's own model accepts it, the entrypoint loads, the configs the
+deployments name validate, and `prefect deploy --all` against a real Prefect API creates both deployments with
+no path baked in (the pull step enters the worker's own checkout)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from datagen.config import RunConfig
+from datagen.config import load_run_config
 
 REPO = Path(__file__).resolve().parents[2]
 PREFECT_FILE = REPO / "deployments" / "prefect.yaml"
@@ -30,10 +31,14 @@ def test_prefect_yaml_is_accepted_by_prefects_model_and_parameters_are_run_confi
     assert names == ["expand-manual", "expand-nightly"]
     for deployment in model.deployments:
         assert deployment.entrypoint == "flows/expand.py:expand"
-        RunConfig.model_validate(deployment.parameters["config"])
+        load_run_config(REPO / deployment.parameters["config_path"])
+    nightly = next(d for d in model.deployments if d.name == "expand-nightly")
+    nightly_config = load_run_config(REPO / nightly.parameters["config_path"])
+    assert nightly_config.series == "nightly"
+    assert nightly_config.training.restart_after_run
 
 
-def test_entrypoint_loads_the_expand_flow_with_a_config_parameter() -> None:
+def test_entrypoint_loads_the_expand_flow_with_a_config_path_overrides_and_the_whole_config() -> None:
     from prefect.flows import load_flow_from_entrypoint
 
     cwd = os.getcwd()
@@ -43,10 +48,17 @@ def test_entrypoint_loads_the_expand_flow_with_a_config_parameter() -> None:
     finally:
         os.chdir(cwd)
     assert flow.name == "expand"
-    assert list(flow.parameters.properties) == ["config"]
+    assert list(flow.parameters.properties) == [
+        "config_path",
+        "run_id",
+        "max_prompts",
+        "output",
+        "series",
+        "config",
+    ]
 
 
-def test_deploy_all_creates_manual_and_nightly_deployments_with_one_run_at_a_time(prefect_api: str) -> None:
+def test_deploy_all_creates_manual_and_nightly_deployments_without_a_baked_in_path(prefect_api: str) -> None:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate
 
@@ -86,6 +98,7 @@ def test_deploy_all_creates_manual_and_nightly_deployments_with_one_run_at_a_tim
     assert [schedule.schedule.cron for schedule in nightly.schedules] == ["0 1 * * *"]
     for deployment in deployments.values():
         assert deployment.work_pool_name == "gpu-box"
-        assert deployment.global_concurrency_limit is not None
-        assert deployment.global_concurrency_limit.limit == 1
-        RunConfig.model_validate(deployment.parameters["config"])
+        assert deployment.pull_steps == [{"datagen.app.pullstep.enter_checkout": {}}]
+        # One rule for the GPUs is the host lock the flow holds, not a per-deployment limit.
+        assert deployment.global_concurrency_limit is None
+        load_run_config(REPO / deployment.parameters["config_path"])

@@ -127,7 +127,7 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
     trainer, pidfile, checkpoints = _start_trainer(tmp_path)
     try:
         config = _config(tmp_path, tiny_model_dir, pidfile, checkpoints)
-        summary = expand(config)
+        summary = expand(config=config)
     finally:
         if trainer.poll() is None:
             os.killpg(trainer.pid, signal.SIGKILL)
@@ -180,7 +180,7 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
     before = _snapshot(tmp_path / "out")
     trainer2, _, _ = _start_trainer(tmp_path)
     try:
-        again = expand(config)
+        again = expand(config=config)
     finally:
         os.killpg(trainer2.pid, signal.SIGTERM)
         trainer2.wait(10)
@@ -191,7 +191,7 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
     trainer3, _, _ = _start_trainer(tmp_path)
     try:
         with pytest.raises(PreflightError, match="different configuration"):
-            expand(config.model_copy(update={"seed": 99}))
+            expand(config=config.model_copy(update={"seed": 99}))
         assert trainer3.poll() is None, "a refused run must not halt training"
     finally:
         os.killpg(trainer3.pid, signal.SIGTERM)
@@ -244,7 +244,7 @@ def test_a_server_killed_mid_run_loses_no_prompt(
         target=_kill_one_server_once_generation_started, args=(state_dir, run_root, killed)
     )
     killer.start()
-    summary = expand(config)
+    summary = expand(config=config)
     killer.join()
     assert killed, "the test must actually kill a server mid-run"
     completed, failed = _request_keys(run_root, "completions"), _request_keys(run_root, "failures")

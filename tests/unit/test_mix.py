@@ -217,3 +217,19 @@ def test_mix_table_compares_new_and_combined_data_with_the_target() -> None:
     assert "## Mix by category" in markdown
     assert "| code | 200 | 20.0% | 200 | 21.1% | 0 | 200 |" in markdown
     assert "- math: 350 of 400 (short by 50)" in markdown
+
+
+def test_caps_count_what_the_series_already_holds() -> None:
+    run = config(
+        [dataset("chat", "chat", max_prompts=100), dataset("code", "code", max_prompts=100)],
+        mix={"category_caps": {"code": 0.5}},
+    )
+    assert plan_mix(run).quota("code") == 100  # 100 of 200: at its cap, not over
+    # The series already holds 300 code and 100 chat prompts: code may be at most half of
+    # 100 + 100 (chat) + 300 + new code, so no new code at all.
+    held = {"code": 300, "chat": 100}
+    assert plan_mix(run, held).quota("code") == 0
+    assert plan_mix(run, held).quota("chat") == 100
+    # Holding only a little code leaves room for some: (100 + 50 + c) / 2 >= 50 + c  ->  c = 50.
+    assert plan_mix(run, {"code": 50}).quota("code") == 50
+    assert quota_for(run, run.dataset("code"), [], {"code": 50}) == 50

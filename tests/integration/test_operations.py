@@ -1,0 +1,353 @@
+"""Operations end to end, the way users run them: a real `prefect server start`, `datagen deploy` from a clone
+at an arbitrary path, two real process workers on the pool, and `prefect deployment run --watch`.
+
+* the README's steps run the CPU demo (two `transformers serve` servers, the tiny model) and `--watch` exits 0;
+* a bad dataset path makes `--watch` exit non-zero and print why;
+* two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
+* two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
+  both on the adopted base corpus), writing nothing under the corpus's prefix;
+* a cancelled run stops its servers.
+
+Generation for the overlap and series checks goes to a small fake OpenAI server (the `external` engine), so
+the whole file stays within a few minutes on a 2-core machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from datagen.output.merge import DatasetVersion, TokenizedPartRef
+from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.prefect_stack import PrefectStack, copy_checkout
+
+REPO = Path(__file__).resolve().parents[2]
+POOL = "gpu-box"
+WATCH_TIMEOUT_S = 480
+# Per request, so a run's generation lasts a few seconds: long enough for an overlap to show.
+FAKE_SERVER_DELAY_S = 0.4
+FLOW_RUN_ID = re.compile(r"UUID: ([0-9a-f-]{36})")
+
+
+class Stack:
+    """The deployed checkout, its server and two workers, and helpers to run deployments."""
+
+    def __init__(self, root: Path, prefect: PrefectStack, clone: Path, state_dir: Path) -> None:
+        self.root = root
+        self.prefect = prefect
+        self.clone = clone
+        self.state_dir = state_dir
+
+    def run(self, deployment: str, *params: str, watch: bool = True) -> subprocess.CompletedProcess[str]:
+        """``prefect deployment run DEPLOYMENT --param ... [--watch]`` from outside the checkout."""
+        args = ["deployment", "run", deployment]
+        for param in params:
+            args += ["--param", param]
+        if watch:
+            args += ["--watch", "--watch-timeout", str(WATCH_TIMEOUT_S)]
+        return self.prefect.prefect(*args, cwd=self.root, timeout_s=WATCH_TIMEOUT_S + 60)
+
+    def start_run(self, deployment: str, *params: str) -> subprocess.Popen[str]:
+        """The same, watched in the background."""
+        args = [sys.executable, "-m", "prefect", "deployment", "run", deployment]
+        for param in params:
+            args += ["--param", param]
+        args += ["--watch", "--watch-timeout", str(WATCH_TIMEOUT_S)]
+        return subprocess.Popen(
+            args,
+            cwd=self.root,
+            env=self.prefect.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def flow_run(self, flow_run_id: str) -> dict[str, Any]:
+        """The flow run as the API returns it."""
+        response = httpx.get(f"{self.prefect.api_url}/flow_runs/{flow_run_id}", timeout=10)
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+
+def _write_config(stack: Stack, name: str, data: dict[str, Any]) -> str:
+    """Write a config into the clone's configs/ folder; returns the config_path relative to the checkout."""
+    path = stack.clone / "configs" / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return f"configs/{name}.yaml"
+
+
+def _fake_config(stack: Stack, url: str, dataset_path: str, output: str, **changes: Any) -> dict[str, Any]:
+    """A config whose generation goes to the fake server; relative paths resolve against configs/."""
+    data: dict[str, Any] = {
+        "model": {"path": "../runs/_demo/tiny-model"},
+        "fleet": {"engine": "external", "external_urls": [url], "max_inflight_per_server": 2},
+        "sampling": {"max_tokens": 16},
+        "datasets": [
+            {"name": "questions", "format": "openai_messages", "path": dataset_path, "category": "chat"}
+        ],
+        "output": output,
+        "protected_prefixes": ["../train"],
+        "generation": {"checkpoint_every": 4, "checkpoint_interval_s": 0.5, "request_timeout_s": 30},
+        "tokenize": {"dataset_name": "drafter-expansion"},
+    }
+    data.update(changes)
+    return data
+
+
+def _restart_marking(path: Path) -> dict[str, Any]:
+    """A training section whose restart command appends the time it ran to ``path``."""
+    return {
+        "kind": "none",
+        "restart_after_run": True,
+        "restart_command": ["sh", "-c", f"date +%s.%N >> {path}"],
+    }
+
+
+def _wait_for_file(path: Path, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not path.exists():
+        time.sleep(0.2)
+    return path.read_text() if path.exists() else ""
+
+
+def _write_prompts(path: Path, prefix: str, count: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as handle:
+        for index in range(count):
+            message = {"role": "user", "content": f"{prefix} question {index:03d}: explain it."}
+            handle.write(json.dumps({"messages": [message]}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    """A clone at an arbitrary path, deployed with `datagen deploy`, served by a real server and two workers."""
+    root = tmp_path_factory.mktemp("operations")
+    clone = copy_checkout(REPO, root / "any" / "path" / "datagen")
+    shutil.copytree(tiny_model_dir, clone / "runs" / "_demo" / "tiny-model")
+    prefect = PrefectStack(home=root / "prefect-home").start()
+    state_dir = root / "host-state"
+    try:
+        deployed = subprocess.run(
+            [sys.executable, "-m", "flows.cli_entry", "deploy"],
+            cwd=root,  # any folder: deploy finds its checkout
+            env=prefect.env(PYTHONPATH=str(clone)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        for index in (1, 2):
+            prefect.start_worker(
+                POOL,
+                root / f"worker-{index}",
+                f"worker-{index}",
+                PYTHONPATH=str(clone),
+                DATAGEN_STATE_DIR=str(state_dir),
+                DATAGEN_GPU_LOCK_TIMEOUT_S="600",
+            )
+        yield Stack(root, prefect, clone, state_dir)
+    finally:
+        prefect.stop()
+
+
+def test_readme_steps_run_the_cpu_demo_through_a_worker_and_watch_exits_0(stack: Stack) -> None:
+    result = stack.run("expand/expand-manual", "config_path=configs/demo-worker.yaml")
+
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert "Flow run finished successfully in 'Completed'" in result.stdout
+    # The run is named after its generated run id, and the fleet's own threads' lines reached the run log.
+    run_id = re.search(r"expand-(\d{8}-\d{6}-[0-9a-f]{12})", result.stdout)
+    assert run_id is not None, result.stdout[-3000:]
+    assert "server ready url=" in result.stdout
+    assert "dispatcher started" in result.stdout
+    store = stack.clone / "runs" / "_demo" / "store"
+    manifest = json.loads((store / "runs" / run_id.group(1) / "manifest.json").read_text())
+    assert manifest["counts"]["completions"] > 0
+
+
+def test_a_bad_dataset_path_fails_the_watch_with_the_reason(stack: Stack, tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-prompts.jsonl"
+    restarts = tmp_path / "restarts.txt"
+    config = _fake_config(
+        stack, "http://127.0.0.1:9", str(missing), str(tmp_path / "out"), training=_restart_marking(restarts)
+    )
+    config_path = _write_config(stack, "ci-bad-dataset", config)
+
+    result = stack.run("expand/expand-manual", f"config_path={config_path}", "run_id=bad-dataset")
+
+    assert result.returncode != 0
+    assert "Flow run finished in state 'Failed'" in result.stdout
+    assert "run failed:" in result.stdout
+    assert str(missing) in result.stdout.replace("\n", ""), result.stdout[-6000:]
+    assert not restarts.exists(), "training was restarted although preflight refused to halt it"
+
+
+def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: Stack, tmp_path: Path) -> None:
+    with FaultServer(FaultPlan(base_delay_s=FAKE_SERVER_DELAY_S)) as server:
+        paths = []
+        for name in ("alpha", "beta"):
+            _write_prompts(tmp_path / f"{name}.jsonl", name, 12)
+            config = _fake_config(stack, server.url, str(tmp_path / f"{name}.jsonl"), str(tmp_path / "out"))
+            paths.append(_write_config(stack, f"ci-overlap-{name}", config))
+        manual = stack.start_run("expand/expand-manual", f"config_path={paths[0]}", "run_id=overlap-alpha")
+        nightly = stack.start_run("expand/expand-nightly", f"config_path={paths[1]}", "run_id=overlap-beta")
+        outputs = [process.communicate(timeout=WATCH_TIMEOUT_S + 60)[0] for process in (manual, nightly)]
+
+        for process, output in zip((manual, nightly), outputs, strict=True):
+            assert process.returncode == 0, output[-6000:]
+        arrivals: dict[str, list[float]] = {"alpha": [], "beta": []}
+        for request in server.chat_requests():
+            content = str((request.body or {})["messages"][-1]["content"])
+            arrivals[content.split()[0]].append(request.arrived_at)
+    assert len(arrivals["alpha"]) == 12 and len(arrivals["beta"]) == 12
+    first, second = sorted(arrivals.values(), key=min)
+    assert max(first) < min(second), "the two runs sent requests at the same time"
+
+    # Both flow runs were alive at once (one per worker): the lock, not the pool, kept them apart.
+    runs = [stack.flow_run(FLOW_RUN_ID.findall(output)[0]) for output in outputs]
+    starts = sorted(run["start_time"] for run in runs)
+    ends = sorted(run["end_time"] for run in runs)
+    assert starts[1] < ends[0], "the second run only started after the first ended: no overlap was tested"
+    assert sum("another run holds this host's GPUs" in output for output in outputs) == 1
+
+
+def _tree_digest(folder: Path) -> dict[str, str]:
+    return {
+        str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in sorted(folder.rglob("*"))
+        if path.is_file()
+    }
+
+
+def test_two_nightly_runs_take_disjoint_prompts_and_publish_v1_then_v2_on_the_base_corpus(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # The existing corpus (protected, never written) and its adopted version manifest, next to it.
+    corpus = stack.clone / "train"
+    corpus.mkdir()
+    (corpus / "part-00000.parquet").write_bytes(b"PAR1 stands in for the 902K existing samples PAR1")
+    base = DatasetVersion(
+        name="drafter-corpus",
+        version=1,
+        run_id="existing-corpus",
+        rows=902,
+        shards=[TokenizedPartRef(url=str(corpus / "part-00000.parquet"), rows=902, source="existing-corpus")],
+    )
+    base_dir = tmp_path / "corpus-manifest"
+    base_dir.mkdir()
+    (base_dir / "v0001.json").write_text(base.model_dump_json())
+    before = _tree_digest(corpus)
+    _write_prompts(tmp_path / "pool.jsonl", "nightly", 10)
+    output = tmp_path / "expansion"
+    with FaultServer() as server:
+        config = _fake_config(
+            stack,
+            server.url,
+            str(tmp_path / "pool.jsonl"),
+            str(output),
+            tokenize={"dataset_name": "drafter-expansion", "base_version": str(base_dir / "v0001.json")},
+            training=_restart_marking(tmp_path / "restarts.txt"),
+        )
+        config_path = _write_config(stack, "ci-nightly", config)
+        for night in ("night-1", "night-2"):
+            result = stack.run(
+                "expand/expand-nightly",
+                f"config_path={config_path}",
+                f"run_id={night}",
+                "series=ci-nightly",
+                "max_prompts=4",
+            )
+            assert result.returncode == 0, result.stdout[-6000:]
+
+    taken = {}
+    for night in ("night-1", "night-2"):
+        lines = (output / "series" / "ci-nightly" / "ledger" / f"{night}.jsonl").read_text().splitlines()
+        taken[night] = {json.loads(line)["prompt_id"] for line in lines}
+        prompts = output / "runs" / night / "prompts" / "questions" / "shard-00000.jsonl"
+        assert {json.loads(line)["prompt_id"] for line in prompts.read_text().splitlines()} == taken[night]
+    assert len(taken["night-1"]) == 4 and len(taken["night-2"]) == 4
+    assert not taken["night-1"] & taken["night-2"]
+
+    versions = output / "datasets" / "drafter-expansion"
+    assert sorted(path.name for path in versions.iterdir()) == ["v0001.json", "v0002.json"]
+    v1 = DatasetVersion.model_validate_json((versions / "v0001.json").read_text())
+    v2 = DatasetVersion.model_validate_json((versions / "v0002.json").read_text())
+    assert (v1.run_id, v2.run_id) == ("night-1", "night-2")
+    assert v1.base_version == str(base_dir / "v0001.json")
+    assert v2.base_version == str(versions / "v0001.json")
+    corpus_url = str(corpus / "part-00000.parquet")
+    assert [shard.url for shard in v2.shards[: len(v1.shards)]] == [shard.url for shard in v1.shards]
+    assert corpus_url in [shard.url for shard in v2.shards]
+    assert {
+        shard.source for shard in v2.shards if shard.url.startswith(str(output / "runs" / "night-2"))
+    } == {"night-2"}
+    assert _tree_digest(corpus) == before
+
+    # Training got the GPUs back once per night (the command ran), before that night's merge wrote anything.
+    assert len(_wait_for_file(tmp_path / "restarts.txt").split()) == 2
+    for night in ("night-1", "night-2"):
+        (record,) = (output / "runs" / night / "attempts").glob("*/training-restart.json")
+        started_at = datetime.fromisoformat(json.loads(record.read_text())["started_at"]).timestamp()
+        first_part = output / "runs" / night / "tokenized" / "part-00000.parquet"
+        assert started_at < first_part.stat().st_mtime
+
+
+def _live(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None:
+    config = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
+    config["fleet"].update({"cpu_servers": 1, "base_port": 30300})
+    config["sampling"]["max_tokens"] = 2048  # keeps the server busy until the cancel arrives
+    config["output"] = str(tmp_path / "out")
+    config["training"] = _restart_marking(tmp_path / "restarts.txt")
+    config_path = _write_config(stack, "ci-cancel", config)
+
+    started = stack.run("expand/expand-manual", f"config_path={config_path}", "run_id=cancel-me", watch=False)
+    assert started.returncode == 0, started.stdout + started.stderr
+    flow_run_id = FLOW_RUN_ID.findall(started.stdout)[0]
+    pidfile = stack.state_dir / "fleets" / flow_run_id / "servers.json"
+    deadline = time.monotonic() + WATCH_TIMEOUT_S
+    pids: list[int] = []
+    while time.monotonic() < deadline:
+        if pidfile.exists():
+            servers = json.loads(pidfile.read_text())["servers"]
+            pids = [server["pid"] for server in servers]
+            try:
+                if servers and httpx.get(servers[0]["url"] + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass  # still loading the model
+        time.sleep(1)
+    assert pids, "the run never started its server"
+
+    cancelled = stack.prefect.prefect("flow-run", "cancel", flow_run_id)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    while time.monotonic() < deadline and stack.flow_run(flow_run_id)["state_type"] != "CANCELLED":
+        time.sleep(1)
+    assert stack.flow_run(flow_run_id)["state_type"] == "CANCELLED"
+    stop_deadline = time.monotonic() + 60
+    while time.monotonic() < stop_deadline and any(_live(pid) for pid in pids):
+        time.sleep(0.5)
+    assert not any(_live(pid) for pid in pids), f"servers still running after the cancel: {pids}"
+    assert len(_wait_for_file(tmp_path / "restarts.txt").split()) == 1, "training was not restarted"

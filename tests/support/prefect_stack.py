@@ -1,0 +1,214 @@
+"""A real Prefect stack for tests and scripts: `prefect server start` on a free loopback port, process workers.
+
+Everything runs as separate processes in their own process groups (stopped with the group, never left
+behind), with a private ``PREFECT_HOME`` so nothing touches the user's profile or database.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+# `prefect server start` takes ~15 s here; on a loaded 2-core box much more.
+SERVER_START_TIMEOUT_S = 180.0
+STOP_GRACE_S = 10.0
+# How often a worker asks the server for work (the default 10 s makes every test wait).
+WORKER_QUERY_S = "1"
+
+OFFLINE_ENV = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+    # `prefect deployment run --watch` prints the run's logs only when the server streams them out.
+    "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
+    "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
+}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def stop_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process's group, wait, SIGKILL what is left."""
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        process.wait(STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def copy_checkout(repo: Path, destination: Path) -> Path:
+    """A stand-alone git checkout of the working tree at ``destination`` (tracked + untracked, not ignored).
+
+    The copy gets one commit of its own, so ``datagen deploy`` versions it and the flow can check it.
+    """
+    files = subprocess.run(
+        ["git", "-C", str(repo), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        check=True,
+        capture_output=True,
+    ).stdout.split(b"\0")
+    for name in filter(None, files):
+        source = repo / name.decode()
+        if not source.is_file():  # deleted in the working tree
+            continue
+        target = destination / name.decode()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(source, target)
+    git = ["git", "-C", str(destination), "-c", "user.name=datagen-test", "-c", "user.email=test@localhost"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "snapshot of the working tree"], check=True)
+    return destination
+
+
+@dataclass
+class PrefectStack:
+    """A Prefect server plus the workers started on it (see :meth:`start`)."""
+
+    home: Path
+    port: int = field(default_factory=free_port)
+    server: subprocess.Popen[bytes] | None = None
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[IO[bytes]] = field(default_factory=list)
+
+    @property
+    def api_url(self) -> str:
+        """The server's API URL."""
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def ui_url(self) -> str:
+        """The server's UI URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The environment of a process that talks to this server."""
+        return {
+            **os.environ,
+            **OFFLINE_ENV,
+            "PREFECT_HOME": str(self.home),
+            "PREFECT_API_URL": self.api_url,
+            **extra,
+        }
+
+    def _log(self, name: str) -> IO[bytes]:
+        handle = (self.home / f"{name}.log").open("ab")
+        self.logs.append(handle)
+        return handle
+
+    def start(self) -> PrefectStack:
+        """Start the server and wait until its API answers.
+
+        Raises:
+            RuntimeError: It exited or did not answer in time (the message quotes its log).
+        """
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = self.env()
+        env.pop("PREFECT_API_URL")
+        env["PREFECT_UI_API_URL"] = self.api_url  # the UI's browser code calls the API here
+        self.server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "server",
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+            ],
+            env=env,
+            stdout=self._log("server"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.server.poll() is not None:
+                break
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        tail = (self.home / "server.log").read_text(errors="replace")[-3000:]
+        self.stop()
+        raise RuntimeError(f"prefect server did not start on port {self.port}:\n{tail}")
+
+    def start_worker(self, pool: str, cwd: Path, name: str, **env: str) -> subprocess.Popen[bytes]:
+        """Start ``prefect worker start --pool POOL --limit 1`` in ``cwd`` (not the checkout, on purpose)."""
+        cwd.mkdir(parents=True, exist_ok=True)
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "prefect",
+                "worker",
+                "start",
+                "--pool",
+                pool,
+                "--type",
+                "process",
+                "--limit",
+                "1",
+                "--name",
+                name,
+            ],
+            cwd=cwd,
+            env=self.env(PREFECT_WORKER_QUERY_SECONDS=WORKER_QUERY_S, **env),
+            stdout=self._log(name),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.workers.append(worker)
+        return worker
+
+    def prefect(
+        self, *args: str, cwd: Path | None = None, timeout_s: float = 600.0, **env: str
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the ``prefect`` CLI against this server."""
+        return subprocess.run(
+            [sys.executable, "-m", "prefect", *args],
+            cwd=cwd,
+            env=self.env(**env),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+
+    def stop(self) -> None:
+        """Stop the workers, then the server (process groups), and close the logs."""
+        for worker in self.workers:
+            stop_group(worker)
+        if self.server is not None:
+            stop_group(self.server)
+        for handle in self.logs:
+            handle.close()
