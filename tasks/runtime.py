@@ -22,7 +22,7 @@ from datagen.errors import DatagenError, GpuLockTimeoutError
 from datagen.settings import get_settings
 
 # A first, short try at the GPU lock: when it fails another run holds the GPUs, and the run says so.
-GPU_LOCK_PROBE_S = 2.0
+GPU_LOCK_PROBE_S = 5.0
 # The slot is leased and renewed in the background (every 3/4 of the lease); a run killed with SIGKILL
 # cannot release it, so its lease expiring is what frees the box: the shortest lease Prefect's API accepts
 # (60 s), so the next run waits at most a minute, not Prefect's default 5 min.

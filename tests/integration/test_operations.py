@@ -223,7 +223,8 @@ def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: S
     starts = sorted(run["start_time"] for run in runs)
     ends = sorted(run["end_time"] for run in runs)
     assert starts[1] < ends[0], "the second run only started after the first ended: no overlap was tested"
-    assert sum("another run holds this host's GPUs" in output for output in outputs) == 1
+    # The run that waited said so (on a loaded machine the first run's short first try may say it too).
+    assert any("another run holds this host's GPUs" in output for output in outputs)
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:
