@@ -399,12 +399,14 @@ def expand(
         }
         resolved = _requested_config(parameters)
         resolved = resolved.model_copy(update={"run_id": resolved.run_id or _generated_run_id()})
-        with hold_host_gpus():
-            return _run(resolved, flow_run_id)
+        # Taken just before training is halted: everything before it needs no GPU, so a run refused by
+        # preflight says so at once instead of after waiting for another run to give the GPUs back.
+        with contextlib.ExitStack() as gpu_lock:
+            return _run(resolved, flow_run_id, gpu_lock)
 
 
-def _run(config: RunConfig, flow_run_id: str) -> RunSummary:
-    """The run itself, once its config is resolved and this host's GPUs are ours."""
+def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
+    """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on."""
     logger = get_run_logger()
     configure_s3_credentials()
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
@@ -444,6 +446,7 @@ def _run(config: RunConfig, flow_run_id: str) -> RunSummary:
         servers, generation_wall_s = 0, 0.0
         errors: list[BaseException] = []
     else:
+        gpu_lock.enter_context(hold_host_gpus())
         halt = halt_training(config.training)
         record_halt(state_dir, config.training)
         write_attempt_record(config, run, attempt_id, "training", halt)

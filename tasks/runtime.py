@@ -18,6 +18,7 @@ from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment as runtime_deployment
 
 from datagen.app.codeversion import check_code_version
+from datagen.app.terminal import RUN_FAILED_LOG_PREFIX
 from datagen.errors import DatagenError, GpuLockTimeoutError
 from datagen.settings import get_settings
 
@@ -155,7 +156,7 @@ def explain_failure() -> Iterator[None]:
         yield
     except Exception as error:
         kind = "" if isinstance(error, DatagenError) else f"{type(error).__name__}: "
-        get_run_logger().error("run failed: %s%s", kind, error)
+        get_run_logger().error("%s%s%s", RUN_FAILED_LOG_PREFIX, kind, error)
         with contextlib.suppress(Exception):
             APILogHandler().flush()
         raise

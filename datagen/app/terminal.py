@@ -76,8 +76,13 @@ def interrupt_signals() -> Iterator[None]:
             signal.signal(signum, old)
 
 
+# The flow logs why a run failed under this prefix (for the Prefect UI and `--watch`); the terminal prints
+# its own one line for the same failure, so the console leaves this one out.
+RUN_FAILED_LOG_PREFIX = "run failed: "
+
+
 class _ConsoleFilter(logging.Filter):
-    """Keeps tracebacks (and Prefect's echo of a failed state) off the terminal; the log file has them."""
+    """Keeps tracebacks (and Prefect's echoes of a failure) off the terminal; the log file has them."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info or record.exc_text or record.stack_info:
@@ -85,7 +90,9 @@ class _ConsoleFilter(logging.Filter):
         if not record.name.startswith("prefect"):
             return True
         message = record.getMessage()
-        return not message.startswith(("Finished in state Failed", "Finished in state Crashed"))
+        return not message.startswith(
+            ("Finished in state Failed", "Finished in state Crashed", RUN_FAILED_LOG_PREFIX)
+        )
 
 
 def _console_handlers() -> list[logging.Handler]:
