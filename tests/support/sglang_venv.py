@@ -46,6 +46,9 @@ SMALL_DEPS = (
     "loguru",
     "gguf",
     "einops",
+    # custom_logit_processor imports dill at import time (seen missing on a fresh clone; the dev venv had it
+    # only through the `datasets` package).
+    "dill",
 )
 # compressed-tensors pulls in a GPU stack as dependencies; sglang only imports its config classes.
 SMALL_NO_DEPS = ("compressed-tensors",)
