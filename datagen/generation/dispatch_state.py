@@ -11,10 +11,10 @@ import asyncio
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
-import aiohttp
 from pydantic import BaseModel, ConfigDict
 
-from datagen.generation.wire import CHAT_COMPLETIONS_PATH, GenerationRequest
+from datagen.generation.http import HttpPool
+from datagen.generation.wire import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord
 
 GenerationResult = CompletionRecord | FailureRecord
@@ -125,7 +125,6 @@ class ServerState:
     """One server as the dispatcher sees it; lives on the loop thread only."""
 
     url: str
-    chat_url: str = ""
     up: bool = False
     # A reset or a connect timeout: no new request until /health answers (or SUSPECT_MAX_S passes).
     suspect_since: float | None = None
@@ -133,10 +132,10 @@ class ServerState:
     dispatched: int = 0
     completed: int = 0
     probing: bool = False
-    session: aiohttp.ClientSession | None = None
-
-    def __post_init__(self) -> None:
-        self.chat_url = self.url + CHAT_COMPLETIONS_PATH
+    # Generation requests, sized to the in-flight cap; and a separate small pool for /health probes,
+    # so a probe never waits behind (or takes) a generation slot.
+    pool: HttpPool | None = None
+    health_pool: HttpPool | None = None
 
     @property
     def usable(self) -> bool:

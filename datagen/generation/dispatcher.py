@@ -16,9 +16,10 @@ How work flows (see docs/architecture.md, "Generation: from shards to servers an
   ``max_inflight_per_server``; the next request goes to the live server with the fewest outstanding
   requests. When a request finishes, its server's slot is refilled at once (O(1): while requests wait,
   no other server has a free slot), so a wave of many slots freeing together is refilled in one pass.
-* HTTP: one aiohttp session per server whose keep-alive pool is exactly that server's in-flight cap:
-  connections are reused, the pool never queues, and its bookkeeping does not grow with the fleet
-  (measured: ~0.2 ms of CPU per request against ~2.2 ms for httpx with per-server pools, whose
+* HTTP: one keep-alive pool per server (:mod:`datagen.generation.http`, a plain asyncio protocol with
+  httptools' parser), at most that server's in-flight cap busy: connections are reused, the pool never
+  queues, and a request costs a few microseconds of bookkeeping whatever the fleet's size (measured:
+  ~0.06 ms of CPU per request, against ~0.4 ms for aiohttp's ``ClientSession`` and ~2 ms for httpx, whose
   ``AsyncConnectionPool`` scans every connection for every request).
 
 Failures: transient errors (connection errors, resets, timeouts, 5xx, 408/409/429, an empty or invalid
@@ -52,7 +53,6 @@ from concurrent.futures import Future, InvalidStateError
 from types import TracebackType
 from typing import Any
 
-import aiohttp
 import orjson
 
 from datagen.config import GenerationConfig
@@ -70,7 +70,16 @@ from datagen.generation.dispatch_state import (
     Success,
     Transient,
 )
+from datagen.generation.http import (
+    ConnectFailedError,
+    ConnectionBrokenError,
+    ConnectTimeoutError,
+    HttpError,
+    HttpPool,
+    MalformedResponseError,
+)
 from datagen.generation.wire import (
+    CHAT_COMPLETIONS_PATH,
     BadToolArgumentsError,
     GenerationRequest,
     UnusableResponseError,
@@ -81,6 +90,7 @@ from datagen.generation.wire import (
 from datagen.records import (
     CompletionRecord,
     FailureRecord,
+    utc_now,
 )
 
 logger = logging.getLogger(__name__)
@@ -113,7 +123,9 @@ ADMISSION_MIN_REQUESTS = 256
 SUSPECT_MAX_S = 10.0
 # Requests pulled from streams per admission pass, so one huge backlog cannot hold the loop for long.
 ADMIT_BATCH = 512
-JSON_HEADERS = {"Content-Type": "application/json"}
+# /health probes: one at a time per server (a probe is skipped while the last one runs); two connections
+# leave room for the one closing.
+HEALTH_POOL_SIZE = 2
 # The loop thread gives up the GIL on every socket operation; with Python's default 5 ms switch interval
 # it then waits up to 5 ms behind any busy thread of the flow process (shard tasks writing parts, Prefect's
 # engine) before it may read the next answer: at a thousand requests per second that convoy, not the
@@ -192,7 +204,6 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stop_event: asyncio.Event | None = None
-        self._health_session: aiohttp.ClientSession | None = None
         self._final_stats: DispatcherStats | None = None
         # The loop holds tasks only weakly: keep probe tasks referenced until they end.
         self._probes: set[asyncio.Task[None]] = set()
@@ -357,27 +368,34 @@ class Dispatcher:
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
 
-    def _open_session(self, server: ServerState) -> None:
+    def _open_pools(self, server: ServerState) -> None:
         # One pool per server, sized to its cap: the dispatcher never has more in flight there, so the pool
         # never queues a request, and every slot keeps its own warm connection.
-        connector = aiohttp.TCPConnector(
-            limit=self.max_inflight_per_server, keepalive_timeout=KEEPALIVE_IDLE_S, ttl_dns_cache=None
+        server.pool = HttpPool(
+            server.url,
+            limit=self.max_inflight_per_server,
+            keepalive_idle_s=KEEPALIVE_IDLE_S,
+            connect_timeout_s=min(CONNECT_TIMEOUT_S, self.generation.request_timeout_s),
+            headers=self._headers(),
         )
-        timeout = aiohttp.ClientTimeout(
-            total=self.generation.request_timeout_s,
-            sock_connect=min(CONNECT_TIMEOUT_S, self.generation.request_timeout_s),
+        server.health_pool = HttpPool(
+            server.url,
+            limit=HEALTH_POOL_SIZE,
+            keepalive_idle_s=KEEPALIVE_IDLE_S,
+            connect_timeout_s=HEALTH_TIMEOUT_S,
+            headers=self._headers(),
         )
-        server.session = aiohttp.ClientSession(
-            connector=connector, timeout=timeout, headers=self._headers(), skip_auto_headers=("User-Agent",)
-        )
+
+    @staticmethod
+    def _close_pools(server: ServerState) -> None:
+        for pool in (server.pool, server.health_pool):
+            if pool is not None:
+                pool.close()
 
     async def _main(self, started: threading.Event) -> None:
         self._stop_event = asyncio.Event()
         for server in self._servers.values():
-            self._open_session(server)
-        self._health_session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S), headers=self._headers()
-        )
+            self._open_pools(server)
         self._all_down_since = time.monotonic()
         health_task = asyncio.create_task(self._health_loop())
         started.set()
@@ -402,9 +420,7 @@ class Dispatcher:
             self._backlog = 0
             self._backing_off = 0
             for server in self._servers.values():
-                if server.session is not None:
-                    await server.session.close()
-            await self._health_session.close()
+                self._close_pools(server)
             self._final_stats = self._snapshot()
 
     def _all_jobs(self) -> list[Job]:
@@ -552,24 +568,27 @@ class Dispatcher:
 
     async def _try(self, job: Job, server: ServerState, started: float) -> Outcome:
         """One HTTP try, classified; never raises except on cancellation."""
-        assert server.session is not None
+        assert server.pool is not None
         body = orjson.dumps(self._payload(job.request))
         try:
-            async with server.session.post(server.chat_url, data=body, headers=JSON_HEADERS) as response:
-                status = response.status
-                raw = await response.read()
-        except aiohttp.ClientConnectorError as error:
+            response = await server.pool.request(
+                "POST", CHAT_COMPLETIONS_PATH, body, timeout_s=self.generation.request_timeout_s
+            )
+        except ConnectFailedError as error:
             # Nothing listens (refused) or the host is unreachable: the server is down.
             return Transient(reason=f"connection refused: {_describe(error)}", server_down=True)
-        except TimeoutError as error:
-            connect = isinstance(error, aiohttp.ConnectionTimeoutError)
-            return Transient(reason=f"{type(error).__name__}: {_describe(error)}", suspect=connect)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as error:
+        except ConnectTimeoutError as error:
+            return Transient(reason=f"connect timeout: {_describe(error)}", suspect=True)
+        except ConnectionBrokenError as error:
             # The server may have finished the request before the connection broke: the retry is safe
             # because the request resolves once (one record), whichever try answers.
             return Transient(reason=f"connection reset: {_describe(error)}", suspect=True)
-        except aiohttp.ClientError as error:
+        except MalformedResponseError as error:
+            return Transient(reason=f"malformed response: {_describe(error)}", suspect=True)
+        except HttpError as error:
+            # The request timeout: a slow answer is not proof the server is ill.
             return Transient(reason=f"{type(error).__name__}: {_describe(error)}")
+        status, raw = response.status, response.body
         latency_s = time.monotonic() - started
         if status >= 500 or status in RETRYABLE_4XX:
             return Transient(reason=f"HTTP {status}: {excerpt(_text(raw))}", status=status)
@@ -606,6 +625,8 @@ class Dispatcher:
             sampling=request.sampling,
             attempts=job.attempts,
             latency_s=latency_s,
+            # Given, not defaulted: pydantic inspects a default factory's signature on every construct.
+            created_at=utc_now(),
         )
         return Success(record)
 
@@ -765,7 +786,7 @@ class Dispatcher:
         self._servers[url] = server
         logger.info("server added url=%s", url)
         if self._loop is not None and self._loop.is_running():
-            self._open_session(server)
+            self._open_pools(server)
             self._probe_soon(server, mark_up=True)
 
     def _remove_server(self, url: str) -> None:
@@ -775,10 +796,7 @@ class Dispatcher:
         self._mark_down(server, "removed", refund=True)
         del self._servers[url]
         logger.info("server removed url=%s", url)
-        if server.session is not None and self._loop is not None and self._loop.is_running():
-            task = self._loop.create_task(server.session.close())
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+        self._close_pools(server)
 
     async def _health_loop(self) -> None:
         while True:
@@ -831,16 +849,17 @@ class Dispatcher:
 
     async def _probe(self, server: ServerState, *, mark_up: bool) -> None:
         """GET /health: 200 marks a down or suspect server up; a refused connection marks it down."""
-        assert self._health_session is not None
+        assert server.health_pool is not None
         server.probing = True
         try:
-            async with self._health_session.get(server.url + self._engine_rules.health_path) as response:
-                status = response.status
-                await response.read()
-        except aiohttp.ClientConnectorError as error:
+            response = await server.health_pool.request(
+                "GET", self._engine_rules.health_path, b"", timeout_s=HEALTH_TIMEOUT_S
+            )
+            status = response.status
+        except ConnectFailedError as error:
             self._mark_down(server, f"health probe refused: {_describe(error)}")
             return
-        except (aiohttp.ClientError, TimeoutError):
+        except HttpError:
             # A busy server may answer /health slowly (SGLang runs a generation there); not proof of death.
             return
         finally:
