@@ -29,6 +29,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
+import orjson
 from pydantic import BaseModel
 
 from datagen.errors import (
@@ -134,15 +135,23 @@ class Store:
 
     def read_json(self, key: str) -> Any:
         """The parsed JSON of ``key``."""
-        return json.loads(self.read_bytes(key))
+        return _loads(self.read_bytes(key))
 
     def iter_jsonl(self, key: str) -> Iterator[dict[str, Any]]:
         """Stream the JSON lines of ``key`` one at a time (bounded memory)."""
+        for line in self.iter_lines(key):
+            yield _loads(line)
+
+    def iter_lines(self, key: str) -> Iterator[bytes]:
+        """Stream the non-empty lines of ``key`` (JSONL), stripped.
+
+        For callers that parse the lines themselves, e.g. straight into a model with ``model_validate_json``.
+        """
         with self.backend.open_read(key) as handle:
             for raw in handle:
                 line = raw.strip()
                 if line:
-                    yield json.loads(line)
+                    yield line
 
     def open_read(self, key: str) -> IO[bytes]:
         """Open ``key`` for streaming reads."""
@@ -155,3 +164,12 @@ class Store:
     def list(self, prefix: str) -> list[str]:
         """Every key under ``prefix``, sorted."""
         return self.backend.list(prefix)
+
+
+def _loads(data: bytes) -> Any:
+    # orjson parses several times faster than json (this reads every prompt and completion of a run); the
+    # standard parser remains for what orjson refuses and json accepts (NaN, Infinity).
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
