@@ -35,7 +35,7 @@ from datagen.config import GenerationConfig, RunConfig
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.wire import GenerationRequest
 from datagen.host.fleet import Fleet
-from datagen.host.plan import plan_servers
+from datagen.host.plan import ServerPlan, plan_servers
 from datagen.host.probe import probe_environment
 from datagen.records import CompletionRecord, Message, PromptRecord, SamplingParams
 
@@ -172,8 +172,10 @@ def _baseline(
     }
 
 
-def run_size(servers: int, model_dir: Path, args: argparse.Namespace, env: Any) -> dict[str, Any]:
-    """Start a fleet of ``servers``, measure both clients on it, stop it."""
+def transformers_fleet(
+    servers: int, model_dir: Path, device: str, concurrency: int, env: Any, ready_timeout_s: float
+) -> tuple[Fleet, ServerPlan, Path]:
+    """Plan ``servers`` ``transformers serve`` servers (one per GPU) the way ``datagen run`` does; not started."""
     config = RunConfig.model_validate(
         {
             "model": {"path": str(model_dir)},
@@ -181,8 +183,8 @@ def run_size(servers: int, model_dir: Path, args: argparse.Namespace, env: Any) 
                 "engine": "transformers",
                 "num_servers": servers,
                 "cpu_servers": servers,
-                "device": args.device,
-                "max_inflight_per_server": args.concurrency,
+                "device": device,
+                "max_inflight_per_server": concurrency,
                 "base_port": 30400,
             },
             "datasets": [{"name": "bench", "format": "openai_messages", "path": "unused"}],
@@ -191,7 +193,14 @@ def run_size(servers: int, model_dir: Path, args: argparse.Namespace, env: Any) 
     )
     state_dir = Path(tempfile.mkdtemp(prefix=f"fleet-{servers}-"))
     plan = plan_servers(env, config, state_dir)
-    fleet = Fleet(plan, state_dir, ready_timeout_s=args.ready_timeout_s)
+    return Fleet(plan, state_dir, ready_timeout_s=ready_timeout_s), plan, state_dir
+
+
+def run_size(servers: int, model_dir: Path, args: argparse.Namespace, env: Any) -> dict[str, Any]:
+    """Start a fleet of ``servers``, measure both clients on it, stop it."""
+    fleet, plan, state_dir = transformers_fleet(
+        servers, model_dir, args.device, args.concurrency, env, args.ready_timeout_s
+    )
     started = time.monotonic()
     try:
         fleet.start()

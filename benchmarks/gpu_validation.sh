@@ -2,7 +2,8 @@
 # The GPU path on an H200 test host, from the repository root (the device tool runs it; results go to $OUT).
 #   bash benchmarks/gpu_validation.sh flow    the real `datagen run` flow: halt a stand-in trainer holding GPU
 #                                             memory, probe, plan one server per GPU, generate, merge, report
-#   bash benchmarks/gpu_validation.sh bench   benchmarks/fleet_throughput.py on 1 and 2 GPUs
+#   bash benchmarks/gpu_validation.sh bench   benchmarks/fleet_throughput.py on 1 and 2 GPUs, 64 and 256 in flight
+#   bash benchmarks/gpu_validation.sh tune    `datagen tune` on a real fleet (benchmarks/tune_on_fleet.py)
 # Python packages the host lacks travel as wheels in .whl/ (see docs/gpu-validation.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/dg/results}
@@ -29,7 +30,16 @@ flow)
   tar czf "$OUT/run-records.tgz" -C /tmp/dg/out/runs/h200 attempts report.json manifest.json done tokenized/summary.json 2>/dev/null
   ;;
 bench)
-  python3 benchmarks/fleet_throughput.py --model-dir /tmp/dg/model --servers 1,2 --prompts 512 --max-tokens 64 \
-    --concurrency 64 --device cuda --out "$OUT/fleet.json" 2>&1 | grep -v '^ '
+  # P5: datagen's dispatcher vs the direct client at 64 and 256 requests in flight per server (ABBA each).
+  for conc in 64 256; do
+    prompts=$(( conc * ${WAVES:-4} ))
+    python3 benchmarks/fleet_throughput.py --model-dir /tmp/dg/model --servers "${SERVERS:-1,2}" --prompts "$prompts" \
+      --max-tokens "${MAX_TOKENS:-64}" --concurrency "$conc" --device cuda --out "$OUT/fleet-$conc.json" 2>&1 | grep -v '^ '
+  done
+  ;;
+tune)
+  # P6: `datagen tune` against a real fleet (transformers serve on each GPU).
+  python3 benchmarks/tune_on_fleet.py --model-dir /tmp/dg/model --servers "${SERVERS:-1}" --device cuda \
+    --levels "${LEVELS:-16,32,64,128,256}" --max-tokens "${MAX_TOKENS:-64}" --out "$OUT/tune.json"
   ;;
 esac
