@@ -178,6 +178,11 @@ def tune(
         f"({result.best_output_tokens_per_s:.1f} output tok/s over {len(result.urls)} server(s))"
         + (f", {result.setting_flag} {result.best_setting}" if result.setting_flag else "")
     )
+    if result.still_rising:
+        typer.echo(
+            f"note: throughput was still rising at {result.best_inflight_per_server}, the largest level tried: "
+            "add larger --levels to find where it flattens"
+        )
     if output is not None:
         output.write_text(tune_result_json(result), encoding="utf-8")
         typer.echo(f"written to {output}: set fleet.tune_result: {output} to plan with it")

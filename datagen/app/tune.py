@@ -86,8 +86,12 @@ def parse_prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
 
 
 def choose_best(curve: list[TunePoint]) -> TunePoint:
-    """The smallest level within :data:`SATURATION_SHARE` of the best throughput (failures disqualify)."""
-    usable = [point for point in curve if point.failed == 0 and point.output_tokens_per_s > 0] or curve
+    """The smallest level within :data:`SATURATION_SHARE` of the best throughput.
+
+    Levels that lost more than :data:`~datagen.host.tune_result.MAX_FAILED_SHARE` of their requests are not
+    candidates (unless every level did).
+    """
+    usable = [point for point in curve if not point.disqualified and point.output_tokens_per_s > 0] or curve
     top = max(point.output_tokens_per_s for point in usable)
     return min(
         (point for point in usable if point.output_tokens_per_s >= SATURATION_SHARE * top),

@@ -10,6 +10,14 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# A level losing more than this share of its requests is not a candidate: the server is overloaded or
+# failing. Below it, failures are the engine's own noise (transformers serve answers HTTP 500 to a few
+# random-weight outputs at any load) and must not hide a level that is much faster.
+MAX_FAILED_SHARE = 0.01
+# The best level is the largest one tried and beat the one before by more than this: the curve has not
+# flattened, so larger levels may be faster still.
+STILL_RISING_GAIN = 1.05
+
 
 class TunePoint(BaseModel):
     """One level of the sweep."""
@@ -27,6 +35,11 @@ class TunePoint(BaseModel):
     server_metrics: dict[str, float] = Field(
         default_factory=dict, description="Means over the level of the engine's gauges (sglang /metrics)."
     )
+
+    @property
+    def disqualified(self) -> bool:
+        """Too many failed requests (over :data:`MAX_FAILED_SHARE`) to recommend this level."""
+        return self.failed > MAX_FAILED_SHARE * max(self.requests, 1)
 
 
 class TuneResult(BaseModel):
@@ -53,6 +66,8 @@ class TuneResult(BaseModel):
         rows = [header]
         for point in self.curve:
             mark = " <- best" if point.inflight_per_server == self.best_inflight_per_server else ""
+            if point.disqualified:
+                mark = f" (not a candidate: {point.failed} of {point.requests} failed)"
             gauges = " ".join(f"{key}={value:.3g}" for key, value in sorted(point.server_metrics.items()))
             latency = f"{point.median_latency_s:7.2f}" if point.median_latency_s is not None else "      -"
             rows.append(
@@ -61,11 +76,21 @@ class TuneResult(BaseModel):
             )
         for point in self.setting_curve:
             mark = " <- best" if point.setting == self.best_setting else ""
+            if point.disqualified:
+                mark = f" (not a candidate: {point.failed} of {point.requests} failed)"
             rows.append(
                 f"{self.setting_flag} {point.setting}: {point.output_tokens_per_s:.1f} tok/s at "
                 f"{point.inflight_per_server} in flight, {point.failed} failed{mark}"
             )
         return "\n".join(rows)
+
+    @property
+    def still_rising(self) -> bool:
+        """The best level is the largest tried and clearly beat the one below it: try larger levels."""
+        levels = sorted(self.curve, key=lambda point: point.inflight_per_server)
+        if len(levels) < 2 or levels[-1].inflight_per_server != self.best_inflight_per_server:
+            return False
+        return levels[-1].output_tokens_per_s > STILL_RISING_GAIN * levels[-2].output_tokens_per_s
 
 
 def load_tune_result(path: str | Path) -> TuneResult:

@@ -14,7 +14,7 @@ from datagen.app.tune import choose_best, parse_prometheus, tune_setting_by_rest
 from datagen.config import RunConfig
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report
-from datagen.host.tune_result import TunePoint, load_tune_result
+from datagen.host.tune_result import TunePoint, TuneResult, load_tune_result
 from tests.support.transformers_servers import TransformersServer, TransformersServerPool, free_port
 
 LEVELS = (1, 2, 4)
@@ -83,6 +83,38 @@ def test_best_level_is_the_smallest_within_reach_of_the_top_throughput() -> None
     curve = [point(1, 100), point(4, 370), point(8, 398), point(16, 400), point(32, 500, failed=3)]
 
     assert choose_best(curve).inflight_per_server == 8
+
+
+def test_a_rare_failure_does_not_hide_a_faster_level_and_a_rising_curve_says_so() -> None:
+    # As measured on an H200 with transformers serve: 2 of 768 requests at 256 got its HTTP 500 on random text.
+    def point(level: int, tokens_per_s: float, failed: int = 0) -> TunePoint:
+        return TunePoint(
+            inflight_per_server=level,
+            requests=3 * level,
+            failed=failed,
+            output_tokens=100,
+            wall_s=1.0,
+            output_tokens_per_s=tokens_per_s,
+        )
+
+    curve = [point(64, 719.4), point(128, 1062.4), point(256, 1435.3, failed=2)]
+    best = choose_best(curve)
+    assert best.inflight_per_server == 256
+    result = TuneResult(
+        engine="transformers",
+        urls=["http://x"],
+        max_tokens=64,
+        best_inflight_per_server=256,
+        best_output_tokens_per_s=1435.3,
+        curve=curve,
+        measured_with="client",
+    )
+    assert result.still_rising
+    # Over 1% failed: not a candidate, and the table says why.
+    curve[-1] = point(256, 1435.3, failed=9)
+    assert choose_best(curve).inflight_per_server == 128
+    table = result.model_copy(update={"curve": curve, "best_inflight_per_server": 128}).to_table()
+    assert "(not a candidate: 9 of 768 failed)" in table
 
 
 def test_sglang_metrics_are_read_from_prometheus_text_and_summed_over_ranks() -> None:
