@@ -29,6 +29,7 @@ mask is 1 exactly on the generated ids. Each row records which path made it (``t
 from __future__ import annotations
 
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,18 @@ REJECT_TOO_LONG = "too_long"
 TokenizedFrom = Literal["text", "ids"]
 TOKENIZED_FROM_TEXT: TokenizedFrom = "text"
 TOKENIZED_FROM_IDS: TokenizedFrom = "ids"
+# The files a loaded tokenizer is built from: a change to any of them means loading it again.
+TOKENIZER_SOURCE_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
 # Prompt renders kept for the samples that follow: samples of one prompt sit next to each other in a shard,
 # so a few thousand entries cover any realistic samples_per_prompt while bounding memory (~2 KB each).
 PROMPT_CACHE_ENTRIES = 4096
@@ -233,6 +246,82 @@ def load_tokenizer(path: str) -> Any:
             path=path,
         )
     return tokenizer
+
+
+_shared_lock = threading.Lock()
+_shared: dict[str, tuple[tuple[tuple[str, int, int], ...], Any]] = {}
+
+
+def shared_tokenizer(path: str) -> Any:
+    """:func:`load_tokenizer`, loaded once per process while its files stay unchanged.
+
+    Preflight, the exact-token prompt renders of every shard task and the merge all run in the flow
+    process: one load (seconds for a real vocabulary) serves them all. Callers must not modify it.
+
+    Args:
+        path: As for :func:`load_tokenizer`.
+
+    Returns:
+        The loaded tokenizer, the same object for every caller until a tokenizer file changes.
+
+    Raises:
+        ConfigError: As for :func:`load_tokenizer`.
+
+    """
+    signature = _tokenizer_files_signature(path)
+    with _shared_lock:
+        cached = _shared.get(path)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        tokenizer = load_tokenizer(path)
+        _shared[path] = (signature, tokenizer)
+        return tokenizer
+
+
+def _tokenizer_files_signature(path: str) -> tuple[tuple[str, int, int], ...]:
+    """Name, mtime and size of the tokenizer files under ``path`` (empty for a hub id)."""
+    folder = Path(path)
+    signature = []
+    for name in TOKENIZER_SOURCE_FILES:
+        try:
+            stat = (folder / name).stat()
+        except OSError:
+            continue
+        signature.append((name, stat.st_mtime_ns, stat.st_size))
+    return tuple(signature)
+
+
+def render_prompt(
+    spec: TokenizerSpec,
+    messages: list[Message],
+    tools: list[dict[str, Any]] | None,
+    enable_thinking: bool | None,
+) -> str:
+    """A prompt as the server sees it: the chat template with the generation prompt appended.
+
+    The one prompt render: training rows (:class:`RowTokenizer`) and exact-token requests
+    (:mod:`datagen.generation.generate_api`) both use it, so the ids sent to ``/generate`` are the ids of the
+    training row's prompt.
+
+    Args:
+        spec: The target tokenizer's spec (only its template and special tokens are used).
+        messages: The prompt's messages, ending with the turn to answer.
+        tools: Tool schemas, or None.
+        enable_thinking: The template's thinking switch (left out when None).
+
+    Returns:
+        The rendered text.
+
+    Raises:
+        TokenizeError: The template failed to render these messages.
+
+    """
+    return spec.render(
+        [message.to_chat_dict() for message in messages],
+        tools=tools,
+        add_generation_prompt=True,
+        enable_thinking=enable_thinking,
+    )
 
 
 def render_conversation(
@@ -424,12 +513,7 @@ class RowTokenizer:
         if cached is not None and cached.messages == record.messages and cached.tools == record.tools:
             self._prompts.move_to_end(key)
             return cached
-        text = self.spec.render(
-            [message.to_chat_dict() for message in record.messages],
-            tools=record.tools,
-            add_generation_prompt=True,
-            enable_thinking=thinking,
-        )
+        text = render_prompt(self.spec, record.messages, record.tools, thinking)
         encoding = self.backend.encode(text, add_special_tokens=False)
         ids: list[int] = encoding.ids
         split = len(ids)
