@@ -359,6 +359,13 @@ class GenerationConfig(StrictModel):
     no_live_server_timeout_s: float = Field(
         default=300.0, gt=0, description="How long requests wait for a server to come back before failing."
     )
+    exact_tokens: bool | None = Field(
+        default=None,
+        description="Exact-token mode: render prompts with the target's chat template here, send token ids to "
+        "SGLang's /generate and train on the returned output_ids verbatim (no re-tokenization). Unset: on for "
+        "engines that serve /generate (sglang), off otherwise; true is refused for an engine without it "
+        "(transformers). See docs/engines.md.",
+    )
 
 
 class TrainingJobConfig(StrictModel):
@@ -544,12 +551,15 @@ class RunConfig(StrictModel):
         """The fields that define what the run produces, as JSON data.
 
         Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
-        guard changes no output, so changing it keeps the run id resumable. ``series`` joined the model
-        later: it is left out while unset so the hashes of older runs stay the same.
+        guard changes no output, so changing it keeps the run id resumable. ``series`` and
+        ``generation.exact_tokens`` joined the model later: each is left out while unset so the hashes of older
+        runs stay the same.
         """
         exclude: dict[str, Any] = {"run_id": True, "datasets": {"__all__": {"min_prompts"}}}
         if self.series is None:
             exclude["series"] = True
+        if self.generation.exact_tokens is None:
+            exclude["generation"] = {"exact_tokens"}
         return self.model_dump(mode="json", exclude=exclude)
 
     def config_hash(self) -> str:

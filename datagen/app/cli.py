@@ -69,6 +69,7 @@ def run(
     from datagen.app.runner import prepare_flow_run, print_summary
     from datagen.app.terminal import run_in_terminal, run_log_path
     from datagen.config import check_run_id_option, load_run_config
+    from datagen.engines import exact_tokens_enabled
     from datagen.errors import ConfigError, PreflightError
     from datagen.output.runs import make_run_id
     from datagen.prompts.mix import validate_mix
@@ -79,6 +80,7 @@ def run(
         check_run_id_option(run_id)
         loaded = load_run_config(config, overrides={"run_id": run_id, "output": output})
         validate_mix(loaded)
+        exact_tokens_enabled(loaded)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:

@@ -36,6 +36,7 @@ PREFLIGHT_S3_MAX_ATTEMPTS = 2
 # A server that should already run answers its first byte in well under a second.
 PREFLIGHT_SERVER_CONNECT_TIMEOUT_S = 3.0
 PREFLIGHT_SERVER_READ_TIMEOUT_S = 5.0
+HTTP_NOT_FOUND = 404
 # Any of these in a local directory means it holds a tokenizer (fast, sentencepiece or BPE vocabulary).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -225,7 +226,7 @@ def _check_model(config: RunConfig, store: Store) -> str:
             f"model directory {model_path} has no config.json; set `model.path` to a local model directory "
             "(download it before the run: GPU hosts may not reach the hub)"
         )
-    from datagen.output.tokenize import load_tokenizer
+    from datagen.output.tokenize import shared_tokenizer
 
     location = Path(config.model.tokenizer)
     if location.is_dir() and not any((location / name).is_file() for name in TOKENIZER_FILES):
@@ -235,7 +236,8 @@ def _check_model(config: RunConfig, store: Store) -> str:
             f"{setting} {location} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
             "target's tokenizer there, or point `model.tokenizer_path` at a directory that has it"
         )
-    tokenizer = load_tokenizer(config.model.tokenizer)
+    # Loaded once for the flow process: exact-token generation and the merge reuse it.
+    tokenizer = shared_tokenizer(config.model.tokenizer)
     if not getattr(tokenizer, "chat_template", None):
         raise DatagenError(
             f"tokenizer {config.model.tokenizer} has no chat template; the training data must be rendered with "
@@ -252,6 +254,14 @@ def _check_engine(config: RunConfig, store: Store) -> str:
     if problems:
         raise DatagenError("; ".join(problems))
     return f"engine {config.fleet.engine} available"
+
+
+def _check_generation_mode(config: RunConfig, store: Store) -> str:
+    from datagen.engines import exact_tokens_enabled
+
+    if exact_tokens_enabled(config):
+        return "exact tokens: prompt ids to /generate, the answers' output ids kept verbatim"
+    return "chat completions: answers re-tokenized from their text at the merge"
 
 
 def _check_training(config: RunConfig, store: Store) -> str:
@@ -297,18 +307,37 @@ def _check_external_servers(config: RunConfig, store: Store) -> str:
         return "no external servers"
     import httpx
 
+    from datagen.engines import exact_tokens_enabled
+    from datagen.errors import ConfigError
+    from datagen.generation.generate_api import GENERATE_PATH
+
+    try:
+        exact_tokens = exact_tokens_enabled(config)
+    except ConfigError:
+        exact_tokens = False  # the generation mode check reports it
     timeout = httpx.Timeout(PREFLIGHT_SERVER_READ_TIMEOUT_S, connect=PREFLIGHT_SERVER_CONNECT_TIMEOUT_S)
     unreachable = []
+    without_generate = []
     with httpx.Client(timeout=timeout) as client:
         for url in config.fleet.external_urls:
             try:
                 client.get(url)  # any HTTP answer means a server listens there
+                # SGLang (and its router) route /generate for POST only: a GET is refused with 405, while a
+                # server without the route answers 404. Every request would fail there, so say it now.
+                if exact_tokens and client.get(url.rstrip("/") + GENERATE_PATH).status_code == HTTP_NOT_FOUND:
+                    without_generate.append(url)
             except httpx.HTTPError as error:
                 unreachable.append(f"{url} ({type(error).__name__})")
     if unreachable:
         raise DatagenError(
             f"external server(s) not answering within {PREFLIGHT_SERVER_CONNECT_TIMEOUT_S:.0f}s: "
             f"{', '.join(unreachable)}; start them, or fix `fleet.external_urls`"
+        )
+    if without_generate:
+        raise DatagenError(
+            f"generation.exact_tokens is true but external server(s) {', '.join(without_generate)} have no "
+            f"{GENERATE_PATH} endpoint (404): set generation.exact_tokens: false for servers that speak only "
+            "the OpenAI chat API, or point `fleet.external_urls` at SGLang servers (or their router)"
         )
     return f"{len(config.fleet.external_urls)} external server(s) answering"
 
@@ -331,6 +360,7 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("datasets readable", _check_datasets, False),
     ("model and tokenizer", _check_model, False),
     ("engine", _check_engine, False),
+    ("generation mode", _check_generation_mode, False),
     ("external servers", _check_external_servers, False),
     ("base dataset version", _check_base_version, True),
     ("training job", _check_training, True),

@@ -8,7 +8,7 @@ availability is checked with ``importlib.util.find_spec`` so the orchestrator st
 
 from __future__ import annotations
 
-from datagen.config import EngineKind
+from datagen.config import EngineKind, RunConfig
 from datagen.engines.base import COMMON_FATAL_LOG_PATTERNS, Engine, LaunchCommand, ServerSlot
 from datagen.engines.external import ExternalEngine
 from datagen.engines.sglang import SGLangEngine
@@ -24,6 +24,7 @@ __all__ = [
     "ServerSlot",
     "TransformersEngine",
     "engine_class",
+    "exact_tokens_enabled",
     "get_engine",
 ]
 
@@ -71,3 +72,30 @@ def get_engine(kind: EngineKind | str) -> Engine:
     if kind == "external":
         return ExternalEngine()
     raise ConfigError(f"unknown engine {kind!r}; use one of: transformers, sglang, external", kind=kind)
+
+
+def exact_tokens_enabled(config: RunConfig) -> bool:
+    """Whether the run generates in exact-token mode (``/generate``), from the config and the engine.
+
+    Args:
+        config: The run config; ``generation.exact_tokens`` unset means the engine's default.
+
+    Returns:
+        True to send token ids to ``/generate``; False for the OpenAI chat-completions path.
+
+    Raises:
+        ConfigError: ``generation.exact_tokens`` is true for an engine that has no ``/generate``.
+
+    """
+    rules = engine_class(config.fleet.engine)
+    requested = config.generation.exact_tokens
+    if requested is None:
+        return rules.supports_generate
+    if requested and not rules.allows_exact_tokens:
+        raise ConfigError(
+            f"generation.exact_tokens: true needs SGLang's /generate endpoint, and engine "
+            f"{config.fleet.engine!r} has none (it serves only the OpenAI chat API). Remove the setting (or set it "
+            "to false) to generate through chat completions, or use fleet.engine: sglang.",
+            engine=config.fleet.engine,
+        )
+    return requested

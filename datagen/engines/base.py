@@ -131,7 +131,10 @@ class Engine(Protocol):
     unsupported_sampling_fields: frozenset[str]
     """Chat-completion sampling fields the engine refuses (422); the dispatcher leaves them out."""
     supports_generate: bool
-    """Whether the engine serves SGLang's ``/generate`` (token ids in, token ids out: exact-token mode)."""
+    """Whether the engine serves SGLang's ``/generate`` (token ids in, token ids out): exact-token mode's default."""
+    allows_exact_tokens: bool
+    """Whether ``generation.exact_tokens: true`` may be set: the engine serves ``/generate``, or may (servers
+    datagen did not start, e.g. SGLang behind a router); False refuses the setting."""
     fatal_log_patterns: tuple[re.Pattern[str], ...]
     """A match in a starting server's log means it will never become ready."""
     supports_tensor_parallel: bool

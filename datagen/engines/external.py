@@ -23,7 +23,10 @@ class ExternalEngine:
     # Unknown server software: ask for metrics only where the engine is known to serve them.
     metrics_path: str | None = None
     unsupported_sampling_fields: frozenset[str] = frozenset()
+    # Unknown server software: exact-token mode only when the user says the servers serve /generate
+    # (generation.exact_tokens: true, e.g. SGLang or its router).
     supports_generate = False
+    allows_exact_tokens = True
     fatal_log_patterns = compile_patterns(())
     supports_tensor_parallel = False
     launches_processes = False

@@ -95,6 +95,7 @@ class SGLangEngine:
     metrics_path: str | None = "/metrics"
     unsupported_sampling_fields: frozenset[str] = frozenset()
     supports_generate = True
+    allows_exact_tokens = True
     fatal_log_patterns = compile_patterns(SGLANG_FATAL_LOG_PATTERNS)
     supports_tensor_parallel = True
     launches_processes = True

@@ -40,7 +40,9 @@ class TransformersEngine:
     metrics_path: str | None = None
     # `transformers serve` answers 422 to top_k and min_p in chat completions.
     unsupported_sampling_fields = frozenset({"top_k", "min_p"})
+    # `transformers serve` speaks only the OpenAI API: no token ids in or out.
     supports_generate = False
+    allows_exact_tokens = False
     fatal_log_patterns = compile_patterns(TRANSFORMERS_FATAL_LOG_PATTERNS)
     # One server is one model on one device: transformers serve has no tensor parallelism.
     supports_tensor_parallel = False
