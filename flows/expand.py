@@ -30,6 +30,7 @@ from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
+import datagen.engines
 import datagen.host.handback
 from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
@@ -476,6 +477,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 generation=config.generation,
                 liveness=fleet.is_alive,
                 api_key=api_key.get_secret_value() if api_key else None,
+                exact_tokens=datagen.engines.exact_tokens_enabled(config),
             ) as dispatcher:
                 generation_started = time.monotonic()
                 finished = False

@@ -70,6 +70,13 @@ from datagen.generation.dispatch_state import (
     Success,
     Transient,
 )
+from datagen.generation.generate_api import (
+    GENERATE_PATH,
+    build_request_payload,
+    generate_field_names,
+    parse_generate_completion,
+    require_prompt_tokens,
+)
 from datagen.generation.http import (
     ConnectFailedError,
     ConnectionBrokenError,
@@ -148,6 +155,8 @@ class Dispatcher:
         api_key: Sent as a bearer token when set.
         admission_limit: Requests admitted at once across all streams; by default
             ``ADMISSION_SLOTS_FACTOR`` times the fleet's slots (at least ``ADMISSION_MIN_REQUESTS``).
+        exact_tokens: Send SGLang ``/generate`` requests (the prompt's token ids, which every request must carry)
+            and keep the answers' ``output_ids``, instead of OpenAI chat completions.
 
     Example:
         >>> with Dispatcher(urls, model=m, engine="sglang", max_inflight_per_server=64,
@@ -167,6 +176,7 @@ class Dispatcher:
         liveness: Callable[[str], bool] | None = None,
         api_key: str | None = None,
         admission_limit: int | None = None,
+        exact_tokens: bool = False,
     ) -> None:
         if max_inflight_per_server < 1:
             raise ValueError("max_inflight_per_server must be at least 1")
@@ -197,6 +207,11 @@ class Dispatcher:
         self._all_down_since: float | None = None
         self._engine_rules = engine_class(engine)
         self._dropped_fields = self._engine_rules.unsupported_sampling_fields
+        # Exact-token mode: the prompt's ids to /generate, its output ids back; otherwise chat completions.
+        self.exact_tokens = exact_tokens
+        self._generation_path = GENERATE_PATH if exact_tokens else CHAT_COMPLETIONS_PATH
+        if exact_tokens:
+            self._dropped_fields = generate_field_names(self._dropped_fields)
         self._dropped_fields_logged = False
         self._lock = threading.Lock()
         self._state = "new"
@@ -241,12 +256,14 @@ class Dispatcher:
                 raise RuntimeError("Dispatcher loop did not start; see the log for the error")
             self._state = "running"
         logger.info(
-            "dispatcher started servers=%d model=%s engine=%s max_inflight_per_server=%d admission_limit=%d",
+            "dispatcher started servers=%d model=%s engine=%s max_inflight_per_server=%d admission_limit=%d "
+            "exact_tokens=%s",
             len(self._servers),
             self.model,
             self.engine,
             self.max_inflight_per_server,
             self.admission_limit,
+            self.exact_tokens,
         )
         return self
 
@@ -298,8 +315,11 @@ class Dispatcher:
 
         Raises:
             RuntimeError: The dispatcher is not running (call start() or use it as a context manager).
+            ValueError: In exact-token mode, a request without its prompt's ids.
 
         """
+        if self.exact_tokens:
+            require_prompt_tokens(requests)
         stream = RequestStream(requests, deliver, len(requests))
         with self._lock:
             if self._state != "running":
@@ -569,10 +589,10 @@ class Dispatcher:
     async def _try(self, job: Job, server: ServerState, started: float) -> Outcome:
         """One HTTP try, classified; never raises except on cancellation."""
         assert server.pool is not None
-        body = orjson.dumps(self._payload(job.request))
+        body = orjson.dumps(self._payload(job))
         try:
             response = await server.pool.request(
-                "POST", CHAT_COMPLETIONS_PATH, body, timeout_s=self.generation.request_timeout_s
+                "POST", self._generation_path, body, timeout_s=self.generation.request_timeout_s
             )
         except ConnectFailedError as error:
             # Nothing listens (refused) or the host is unreachable: the server is down.
@@ -602,7 +622,10 @@ class Dispatcher:
             kind = "empty body" if not raw.strip() else f"invalid JSON body: {excerpt(_text(raw))}"
             return Transient(reason=f"HTTP 200 with {kind}", status=status)
         try:
-            completion, finish_reason, usage = parse_chat_completion(data)
+            if self.exact_tokens:
+                completion, finish_reason, usage = parse_generate_completion(data, job.request)
+            else:
+                completion, finish_reason, usage = parse_chat_completion(data)
         except UnusableResponseError as error:
             return Transient(reason=f"HTTP 200 with unusable completion: {error}", status=status)
         except BadToolArgumentsError as error:
@@ -889,12 +912,17 @@ class Dispatcher:
 
     # --- requests and stats -----------------------------------------------------------------------
 
-    def _payload(self, request: GenerationRequest) -> dict[str, Any]:
-        payload = build_chat_payload(request, self.model)
+    def _payload(self, job: Job) -> dict[str, Any]:
+        if self.exact_tokens:
+            # The attempt in the rid keeps a retry distinct from an earlier try the server may still run.
+            payload = build_request_payload(job.request, rid=f"{job.request.key}#{job.attempts}")
+            fields: dict[str, Any] = payload["sampling_params"]
+        else:
+            payload = fields = build_chat_payload(job.request, self.model)
         if self._dropped_fields:
-            dropped = sorted(self._dropped_fields & payload.keys())
+            dropped = sorted(self._dropped_fields & fields.keys())
             for name in dropped:
-                del payload[name]
+                del fields[name]
             if dropped and not self._dropped_fields_logged:
                 self._dropped_fields_logged = True
                 logger.warning("sampling fields not sent engine=%s fields=%s", self.engine, ",".join(dropped))

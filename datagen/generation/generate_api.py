@@ -1,25 +1,43 @@
 """SGLang's native ``/generate`` wire format: exact token ids in, exact token ids out (exact-token mode).
 
-The prompt is rendered with the target's chat template here (the same render the tokenize step uses, so
-the prompt ids of a training row are the ids that were served), sent as ``input_ids`` with
-``sampling_params``; the answer's ``output_ids`` are kept verbatim with its ``meta_info`` (finish reason,
-token counts), so tokenization uses them without re-tokenizing text (zero drift). Everything here is pure;
-the dispatcher sends the bodies. Reasoning and tool calls are parsed from the text for the record by the
-caller; ``/generate`` applies no chat template and no reasoning/tool parser.
+The prompt is rendered with the target's chat template here, by the function the tokenize step renders a
+training row's prompt with (:func:`datagen.output.tokenize.render_prompt`), and sent as ``input_ids`` with
+``sampling_params``; the answer's ``output_ids`` are kept verbatim with its finish reason and token counts, so
+tokenization uses them without re-tokenizing text (zero drift). Reasoning and tool calls are split from the
+raw text for the record (:mod:`datagen.generation.markup`); ``/generate`` applies no chat template and no
+reasoning or tool-call parser.
+
+Prompts are rendered in the shard task's thread before its requests reach the dispatcher
+(:func:`attach_prompt_tokens`); the dispatcher's loop only builds bodies and parses answers.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from collections.abc import Iterable
+from typing import Any, Final
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
 
-from datagen.generation.wire import GenerationRequest, UnusableResponseError, excerpt
-from datagen.records import FinishReason, TokenUsage
+from datagen.errors import TokenizeError
+from datagen.generation.markup import (
+    opens_reasoning,
+    split_reasoning,
+    split_tool_calls,
+    strip_end_of_text,
+)
+from datagen.generation.wire import GenerationRequest, PromptTokens, UnusableResponseError, excerpt
+from datagen.output.tokenize import TokenizerSpec, render_prompt, shared_tokenizer
+from datagen.records import AssistantCompletion, FailureRecord, FinishReason, PromptRecord, TokenUsage
 
 GENERATE_PATH = "/generate"
 # sglang's /generate finish_reason.type values mapped onto datagen's.
 GENERATE_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+# Sampling fields whose /generate name differs from the chat-completions name (the engines' rules use those).
+GENERATE_FIELD_NAMES: Final = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
+UNRENDERABLE_PROMPT = "unrenderable_prompt"
+# Validated in pydantic-core (microseconds for thousands of ids), on the dispatcher's loop thread.
+_TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[StrictInt])
 
 
 class GenerateResult(BaseModel):
@@ -34,11 +52,126 @@ class GenerateResult(BaseModel):
     meta_info: dict[str, Any] = Field(default_factory=dict, description="sglang's meta_info, verbatim.")
 
 
+class PromptEncoder:
+    """Renders prompts with the target's chat template and tokenizes them, as training rows' prompts are.
+
+    Args:
+        spec: The target tokenizer's spec (:meth:`TokenizerSpec.from_tokenizer`); the merge's workers build
+            their tokenizer from the same serialized form.
+
+    """
+
+    def __init__(self, spec: TokenizerSpec) -> None:
+        self.spec = spec
+        self.backend = spec.backend()
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any) -> PromptEncoder:
+        """The encoder of a loaded ``transformers`` fast tokenizer."""
+        return cls(TokenizerSpec.from_tokenizer(tokenizer))
+
+    def encode(self, prompts: list[tuple[PromptRecord, bool | None]]) -> list[PromptTokens | TokenizeError]:
+        """Render and tokenize prompts; one result per ``(prompt, enable_thinking)``, in order.
+
+        Args:
+            prompts: Each prompt with the thinking switch it is sampled with.
+
+        Returns:
+            Per prompt its ids, or the :class:`TokenizeError` saying why the template cannot render it.
+
+        """
+        results: list[PromptTokens | TokenizeError | None] = []
+        texts: list[str] = []
+        for prompt, thinking in prompts:
+            try:
+                texts.append(render_prompt(self.spec, prompt.messages, prompt.tools, thinking))
+                results.append(None)
+            except TokenizeError as error:
+                results.append(error)
+        # encode_batch encodes each text exactly as the row tokenizer's encode() does, and releases the GIL
+        # while it runs, so the dispatcher's loop thread is not held up by a shard's renders.
+        encodings = iter(self.backend.encode_batch(texts, add_special_tokens=False))
+        text_of = iter(texts)
+        out: list[PromptTokens | TokenizeError] = []
+        for result in results:
+            if result is not None:
+                out.append(result)
+                continue
+            ids: list[int] = next(encodings).ids
+            out.append(PromptTokens(input_ids=ids, opens_reasoning=opens_reasoning(next(text_of))))
+        return out
+
+
+_encoder_lock = threading.Lock()
+_encoders: dict[str, tuple[Any, PromptEncoder]] = {}
+
+
+def prompt_encoder(tokenizer_path: str) -> PromptEncoder:
+    """The process's encoder for the tokenizer at ``tokenizer_path``, built once from the shared tokenizer.
+
+    Args:
+        tokenizer_path: ``model.tokenizer`` of the run.
+
+    Returns:
+        The encoder; the same one for every shard task of the process.
+
+    Raises:
+        ConfigError: The tokenizer cannot be loaded (preflight checked it already).
+
+    """
+    tokenizer = shared_tokenizer(tokenizer_path)
+    with _encoder_lock:
+        cached = _encoders.get(tokenizer_path)
+        if cached is None or cached[0] is not tokenizer:
+            cached = (tokenizer, PromptEncoder.from_tokenizer(tokenizer))
+            _encoders[tokenizer_path] = cached
+        return cached[1]
+
+
+def attach_prompt_tokens(
+    requests: list[GenerationRequest], encoder: PromptEncoder
+) -> tuple[list[GenerationRequest], list[FailureRecord]]:
+    """Give every request its rendered prompt's ids; each prompt is rendered once for all its samples.
+
+    Args:
+        requests: Requests without ``prompt_tokens``.
+        encoder: The run's encoder (:func:`prompt_encoder`).
+
+    Returns:
+        The requests to send (with ``prompt_tokens``), and a failure for each request whose prompt the chat
+        template cannot render (never sent: no server could answer it either).
+
+    """
+    index: dict[tuple[str, bool | None], int] = {}
+    unique: list[tuple[PromptRecord, bool | None]] = []
+    for request in requests:
+        key = (request.prompt.prompt_id, request.sampling.enable_thinking)
+        if key not in index:
+            index[key] = len(unique)
+            unique.append((request.prompt, request.sampling.enable_thinking))
+    encoded = encoder.encode(unique)
+    ready: list[GenerationRequest] = []
+    failures: list[FailureRecord] = []
+    for request in requests:
+        tokens = encoded[index[(request.prompt.prompt_id, request.sampling.enable_thinking)]]
+        if isinstance(tokens, TokenizeError):
+            failures.append(
+                FailureRecord(
+                    prompt_id=request.prompt.prompt_id,
+                    sample_index=request.sample_index,
+                    dataset=request.dataset,
+                    reason=f"the chat template cannot render the prompt: {tokens}",
+                    error_type=UNRENDERABLE_PROMPT,
+                    attempts=0,
+                )
+            )
+        else:
+            ready.append(request.model_copy(update={"prompt_tokens": tokens}))
+    return ready, failures
+
+
 def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     """The prompt's token ids: the chat template rendered with a generation prompt, then encoded.
-
-    This is the render :func:`datagen.output.tokenize.tokenize_completion` uses for exact-id rows, so the prompt
-    part of a training row equals what the server saw.
 
     Args:
         tokenizer: The target model's tokenizer (with its chat template).
@@ -47,17 +180,36 @@ def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:
     Returns:
         The ids to send as ``input_ids``.
 
-    """
-    from datagen.output.tokenize import render_conversation
+    Raises:
+        TokenizeError: The template cannot render the prompt.
 
-    text = render_conversation(
-        tokenizer,
-        [message.to_chat_dict() for message in request.prompt.messages],
-        tools=request.prompt.tools,
-        add_generation_prompt=True,
-        enable_thinking=request.sampling.enable_thinking,
+    """
+    (tokens,) = PromptEncoder.from_tokenizer(tokenizer).encode(
+        [(request.prompt, request.sampling.enable_thinking)]
     )
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if isinstance(tokens, TokenizeError):
+        raise tokens
+    return tokens.input_ids
+
+
+def require_prompt_tokens(requests: Iterable[GenerationRequest]) -> None:
+    """Check that every request carries its prompt's ids (exact-token mode sends nothing else).
+
+    Raises:
+        ValueError: A request has none (call :func:`attach_prompt_tokens` before submitting).
+
+    """
+    for request in requests:
+        if request.prompt_tokens is None:
+            raise ValueError(
+                f"request {request.key} has no prompt_tokens: in exact-token mode requests are submitted with "
+                "their rendered prompt ids (datagen.generation.generate_api.attach_prompt_tokens)"
+            )
+
+
+def generate_field_names(chat_fields: Iterable[str]) -> frozenset[str]:
+    """Chat-completions sampling field names as ``/generate`` spells them (for the engines' field rules)."""
+    return frozenset(GENERATE_FIELD_NAMES.get(name, name) for name in chat_fields)
 
 
 def build_generate_payload(
@@ -66,7 +218,7 @@ def build_generate_payload(
     """The ``/generate`` body of one request (unset sampling fields left out).
 
     Args:
-        input_ids: The rendered prompt (:func:`render_prompt_ids`).
+        input_ids: The rendered prompt (:func:`render_prompt_ids`, or the request's ``prompt_tokens``).
         request: Sampling parameters come from here.
         rid: sglang request id (lets ``/abort_request`` cancel it); must be unique among running requests.
 
@@ -89,10 +241,23 @@ def build_generate_payload(
         params["min_p"] = sampling.min_p
     if sampling.seed is not None:
         params["sampling_seed"] = sampling.seed
-    payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": params, "stream": False}
+    payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "stream": False}
     if rid is not None:
         payload["rid"] = rid
     return payload
+
+
+def build_request_payload(request: GenerationRequest, *, rid: str) -> dict[str, Any]:
+    """The ``/generate`` body of a request carrying its prompt's ids.
+
+    Raises:
+        ValueError: The request has no ``prompt_tokens``.
+
+    """
+    if request.prompt_tokens is None:
+        require_prompt_tokens([request])
+    assert request.prompt_tokens is not None
+    return build_generate_payload(request.prompt_tokens.input_ids, request, rid=rid)
 
 
 def parse_generate_response(data: Any) -> GenerateResult:
@@ -105,30 +270,91 @@ def parse_generate_response(data: Any) -> GenerateResult:
         Text, exact output ids, finish reason, usage and the raw meta_info.
 
     Raises:
-        UnusableResponseError: The body lacks ``output_ids`` or ``meta_info`` (transient: overloaded servers
-            send garbage; a server without ``/generate`` answers 404 before this).
+        UnusableResponseError: The body lacks ``output_ids`` or ``meta_info``, or they are malformed
+            (transient: overloaded servers send garbage; a server without ``/generate`` answers 404 before this).
 
     """
     if isinstance(data, list) and len(data) == 1:
         data = data[0]
     if not isinstance(data, dict):
         raise UnusableResponseError(f"expected a JSON object from /generate, got {type(data).__name__}")
-    output_ids = data.get("output_ids")
     meta = data.get("meta_info")
-    if not isinstance(output_ids, list) or not all(isinstance(token, int) for token in output_ids):
-        raise UnusableResponseError(f"/generate answer has no output_ids: {excerpt(str(data))}")
+    try:
+        output_ids = _TOKEN_IDS.validate_python(data.get("output_ids"))
+    except ValidationError:
+        raise UnusableResponseError(
+            f"/generate answer has no output_ids list: {excerpt(str(data))}"
+        ) from None
     if not isinstance(meta, dict):
         raise UnusableResponseError(f"/generate answer has no meta_info: {excerpt(str(data))}")
     finish = meta.get("finish_reason")
     kind = finish.get("type") if isinstance(finish, dict) else finish
-    usage = TokenUsage(
-        prompt_tokens=int(meta.get("prompt_tokens") or 0),
-        completion_tokens=int(meta.get("completion_tokens") or len(output_ids)),
+    text = data.get("text")
+    usage = TokenUsage.model_construct(
+        prompt_tokens=_count(meta, "prompt_tokens") or 0,
+        completion_tokens=_count(meta, "completion_tokens") or len(output_ids),
+        reasoning_tokens=_count(meta, "reasoning_tokens"),
     )
-    return GenerateResult(
-        text=str(data.get("text") or ""),
+    # Every field is checked above: validating the whole model again would repeat the ids' check.
+    return GenerateResult.model_construct(
+        text=text if isinstance(text, str) else "",
         output_ids=output_ids,
         finish_reason=GENERATE_FINISH_REASONS.get(str(kind), "unknown"),
         usage=usage,
         meta_info=meta,
     )
+
+
+def parse_generate_completion(
+    data: Any, request: GenerationRequest
+) -> tuple[AssistantCompletion, FinishReason, TokenUsage]:
+    """Turn a ``/generate`` answer into datagen's records (what ``parse_chat_completion`` does for chat).
+
+    Args:
+        data: The parsed JSON body.
+        request: The request it answers (its prompt's tools and whether the prompt opened a think block).
+
+    Returns:
+        The completion (with ``output_token_ids``, reasoning and tool calls split from the text), the finish
+        reason (``tool_calls`` when a stopped answer made calls, as SGLang reports it for chat) and the usage.
+
+    Raises:
+        UnusableResponseError: A malformed body, or a generation the server aborted (transient: not the
+            request's fault; aborts the request caused come back as HTTP 4xx).
+        BadToolArgumentsError: A tool call that is not a name with JSON-object arguments (final, as on the
+            chat path).
+
+    """
+    result = parse_generate_response(data)
+    if result.finish_reason == "abort":
+        finish = result.meta_info.get("finish_reason")
+        message = finish.get("message") if isinstance(finish, dict) else None
+        raise UnusableResponseError(f"the server aborted the generation: {message or 'no reason given'}")
+    tokens = request.prompt_tokens
+    reasoning, rest = split_reasoning(
+        strip_end_of_text(result.text), reasoning_open=tokens is not None and tokens.opens_reasoning
+    )
+    content, tool_calls = split_tool_calls(rest, request.prompt.tools)
+    completion = AssistantCompletion.model_construct(
+        content=(content or None) if tool_calls else content,
+        reasoning_content=reasoning,
+        tool_calls=tool_calls or None,
+        output_token_ids=result.output_ids,
+    )
+    finish_reason = result.finish_reason
+    if tool_calls and finish_reason == "stop":
+        finish_reason = "tool_calls"
+    usage = result.usage
+    if not usage.prompt_tokens and tokens is not None:
+        usage = usage.model_copy(update={"prompt_tokens": len(tokens.input_ids)})
+    return completion, finish_reason, usage
+
+
+def _count(meta: dict[str, Any], key: str) -> int | None:
+    """A token count from meta_info, None when absent."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UnusableResponseError(f"/generate meta_info.{key} is not a token count: {excerpt(repr(value))}")
+    return value

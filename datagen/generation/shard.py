@@ -6,9 +6,10 @@ Storage is the truth, checked first and written last:
    nothing is sent;
 2. checkpoint parts (``parts/<dataset>/shard-NNNNN/{completions,failures}-NNNNN.jsonl``) left by an
    interrupted attempt hold finished requests; those are not sent again;
-3. the remaining requests (each prompt x ``samples_per_prompt``) go to the dispatcher; results are
-   buffered and flushed as a new write-once part every ``checkpoint_every`` results or
-   ``checkpoint_interval_s`` seconds, whichever comes first;
+3. the remaining requests (each prompt x ``samples_per_prompt``) go to the dispatcher (in exact-token
+   mode with their prompt rendered and tokenized here first, once per prompt); results are buffered and
+   flushed as a new write-once part every ``checkpoint_every`` results or ``checkpoint_interval_s``
+   seconds, whichever comes first;
 4. when every request has a result, the final completions and failures files are assembled from all
    parts (deduplicated by request key: the first occurrence wins and a completion beats a failure),
    each written once (or verified, when an interrupted attempt already wrote it), then the done marker.
@@ -45,6 +46,7 @@ from datagen.config import RunConfig
 from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.generate_api import attach_prompt_tokens, prompt_encoder
 from datagen.generation.wire import GenerationRequest
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
@@ -125,6 +127,11 @@ def generate_shard(
     writer = _PartWriter(
         store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part
     )
+    if dispatcher.exact_tokens:
+        # Rendered here, in the shard task's thread, not on the dispatcher's loop; a prompt the template
+        # cannot render fails without being sent.
+        to_send, unrenderable = attach_prompt_tokens(to_send, prompt_encoder(config.model.tokenizer))
+        writer.flush([], unrenderable)
     _run_requests(
         dispatcher,
         to_send,

@@ -35,6 +35,22 @@ FINISH_REASONS: dict[str, FinishReason] = {
 }
 
 
+class PromptTokens(BaseModel):
+    """A prompt rendered with the target's chat template and tokenized, for exact-token mode (``/generate``).
+
+    Attributes:
+        input_ids: The rendered prompt's token ids, generation prompt included.
+        opens_reasoning: The generation prompt leaves a ``<think>`` block open (Qwen3.5/3.6 pre-fill
+            ``<think>`` and a newline), so the answer starts inside its reasoning.
+
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_ids: list[int] = Field(min_length=1)
+    opens_reasoning: bool = False
+
+
 class GenerationRequest(BaseModel):
     """One request to generate: a prompt, which sample of it, and how to sample.
 
@@ -43,6 +59,7 @@ class GenerationRequest(BaseModel):
         sample_index: Which of the prompt's samples this is (0-based).
         sampling: The resolved sampling parameters (seed already derived per request, if any).
         dataset: The dataset the prompt belongs to.
+        prompt_tokens: The rendered prompt's ids (exact-token mode only; shared by the prompt's samples).
 
     """
 
@@ -52,6 +69,7 @@ class GenerationRequest(BaseModel):
     sample_index: int = Field(default=0, ge=0)
     sampling: SamplingParams
     dataset: str
+    prompt_tokens: PromptTokens | None = None
 
     @property
     def key(self) -> str:
