@@ -176,10 +176,10 @@ class FaultServer:
     async def _respond(self, method: str, path: str, raw: bytes, writer: asyncio.StreamWriter) -> bool:
         if path == "/health":
             status = 200 if self.healthy else 503
-            await _send(writer, status, {"status": "ok" if self.healthy else "starting"})
+            await send_json(writer, status, {"status": "ok" if self.healthy else "starting"})
             return True
         if method != "POST" or path != "/v1/chat/completions":
-            await _send(writer, 404, {"detail": "not found"})
+            await send_json(writer, 404, {"detail": "not found"})
             return True
         body = json.loads(raw) if raw else None
         fault = self._choose_fault(body)
@@ -193,8 +193,12 @@ class FaultServer:
             with self._lock:
                 self.in_flight -= 1
 
+    def _content(self, body: dict[str, Any] | None) -> str:
+        """The text directives are read from: the last message's content."""
+        return str(body["messages"][-1]["content"]) if body else ""
+
     def _choose_fault(self, body: dict[str, Any] | None) -> str:
-        content = str(body["messages"][-1]["content"]) if body else ""
+        content = self._content(body)
         with self._lock:
             self._attempts_by_content[content] += 1
             attempt = self._attempts_by_content[content]
@@ -211,7 +215,7 @@ class FaultServer:
         return "ok"
 
     async def _answer(self, fault: str, body: dict[str, Any] | None, writer: asyncio.StreamWriter) -> bool:
-        content = str(body["messages"][-1]["content"]) if body else ""
+        content = self._content(body)
         delay = self.plan.base_delay_s
         sleep = SLEEP.search(content)
         if sleep:
@@ -224,20 +228,24 @@ class FaultServer:
             _abort(writer)
             return False
         if fault == "500":
-            await _send(writer, 500, {"detail": "injected internal error"})
+            await send_json(writer, 500, {"detail": "injected internal error"})
             return True
         if fault == "429":
-            await _send(writer, 429, {"detail": "injected: too many requests"})
+            await send_json(writer, 429, {"detail": "injected: too many requests"})
             return True
         if fault == "400":
-            await _send(writer, 400, {"detail": "injected: bad request"})
+            await send_json(writer, 400, {"detail": "injected: bad request"})
             return True
         if fault == "empty":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n")
             await writer.drain()
             return True
-        await _send(writer, 200, _completion(body or {}, content))
+        await send_json(writer, 200, self._success(fault, body or {}, content))
         return True
+
+    def _success(self, fault: str, body: dict[str, Any], content: str) -> dict[str, Any]:
+        """The body of a 200 answer (``fault`` is ``ok`` or a directive the base server does not inject)."""
+        return _completion(body, content)
 
 
 def _completion(body: dict[str, Any], content: str) -> dict[str, Any]:
@@ -273,12 +281,13 @@ def _completion(body: dict[str, Any], content: str) -> dict[str, Any]:
     }
 
 
-async def _send(writer: asyncio.StreamWriter, status: int, payload: dict[str, Any]) -> None:
+async def send_json(writer: asyncio.StreamWriter, status: int, payload: dict[str, Any]) -> None:
     data = json.dumps(payload).encode()
     reason = {
         200: "OK",
         400: "Bad Request",
         404: "Not Found",
+        405: "Method Not Allowed",
         429: "Too Many Requests",
         500: "Internal Server Error",
         503: "Service Unavailable",

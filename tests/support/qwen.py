@@ -48,3 +48,24 @@ def build_qwen_tokenizer_dir(directory: Path, template: str) -> Path:
     config["chat_template"] = (QWEN_FIXTURES / TEMPLATES[template]).read_text()
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return directory
+
+
+def tokenizer_with_template(tokenizer_dir: Path, directory: Path, template: str) -> Path:
+    """A copy of a tokenizer folder (tokenizer files only, no weights) using one of the vendored chat templates.
+
+    Args:
+        tokenizer_dir: A folder with ``tokenizer.json`` and ``tokenizer_config.json`` (e.g. the tiny model's).
+        directory: Where to write (created).
+        template: ``qwen3`` or ``qwen3.6``.
+
+    Returns:
+        ``directory``.
+
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer_dir / "tokenizer.json", directory / "tokenizer.json")
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    (directory / "chat_template.jinja").write_text((QWEN_FIXTURES / TEMPLATES[template]).read_text())
+    return directory

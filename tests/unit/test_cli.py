@@ -154,6 +154,22 @@ def test_run_with_an_invalid_config_exits_2_naming_the_field(tmp_path: Path) -> 
     assert "Traceback" not in result.stderr + result.stdout
 
 
+def test_run_with_exact_tokens_on_an_engine_without_generate_exits_2_with_one_message(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: {path: /models/m}\n"
+        "fleet: {engine: transformers}\n"
+        "generation: {exact_tokens: true}\n"
+        "datasets: [{name: m, format: metamath, path: x.json}]\n"
+        f"output: {tmp_path / 'out'}\n"
+    )
+    result = datagen("run", "--config", str(config))
+    assert result.returncode == EXIT_CONFIG_ERROR
+    assert result.stderr.count("generation.exact_tokens: true needs SGLang's /generate") == 1
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "out").exists()
+
+
 def test_run_with_a_missing_config_file_exits_2(tmp_path: Path) -> None:
     result = datagen("run", "--config", str(tmp_path / "absent.yaml"))
     assert result.returncode == EXIT_CONFIG_ERROR

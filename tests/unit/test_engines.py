@@ -7,13 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from datagen.config import FleetConfig, ModelConfig, SGLangOptions
+from datagen.config import FleetConfig, ModelConfig, RunConfig, SGLangOptions
 from datagen.engines import (
     ExternalEngine,
     ServerSlot,
     SGLangEngine,
     TransformersEngine,
     engine_class,
+    exact_tokens_enabled,
     get_engine,
 )
 from datagen.engines.sglang import (
@@ -271,3 +272,50 @@ def test_engine_class_gives_the_quirks_without_building_the_recipe() -> None:
     assert engine_class("external").health_path == "/health"
     with pytest.raises(ConfigError, match="unknown engine"):
         engine_class("vllm")
+
+
+def _run_config(engine: str, exact_tokens: bool | None) -> RunConfig:
+    fleet: dict[str, object] = {"engine": engine}
+    if engine == "external":
+        fleet["external_urls"] = ["http://127.0.0.1:30000"]
+    return RunConfig.model_validate(
+        {
+            "model": {"path": "/models/m"},
+            "fleet": fleet,
+            "datasets": [{"name": "m", "format": "metamath", "path": "/data/m.json"}],
+            "output": "/tmp/out",
+            "generation": {"exact_tokens": exact_tokens},
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("engine", "exact_tokens", "expected"),
+    [
+        ("sglang", None, True),  # the default where /generate exists
+        ("transformers", None, False),
+        ("external", None, False),  # unknown software: chat unless the user says otherwise
+        ("sglang", False, False),
+        ("external", True, True),  # e.g. SGLang servers or their router, started by someone else
+        ("transformers", False, False),
+    ],
+)
+def test_exact_tokens_default_to_the_engines_generate_support(
+    engine: str, exact_tokens: bool | None, expected: bool
+) -> None:
+    assert exact_tokens_enabled(_run_config(engine, exact_tokens)) is expected
+
+
+def test_exact_tokens_for_an_engine_without_generate_is_refused_with_the_fix() -> None:
+    with pytest.raises(ConfigError) as raised:
+        exact_tokens_enabled(_run_config("transformers", True))
+
+    message = str(raised.value)
+    assert "generation.exact_tokens: true needs SGLang's /generate" in message
+    assert "'transformers'" in message and "fleet.engine: sglang" in message
+
+
+def test_an_unset_exact_tokens_leaves_the_config_hash_of_older_runs_unchanged() -> None:
+    unset = _run_config("sglang", None)
+    assert "exact_tokens" not in unset.identity_dict()["generation"]
+    assert _run_config("sglang", True).config_hash() != unset.config_hash()

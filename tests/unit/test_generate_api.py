@@ -9,13 +9,40 @@ import pytest
 
 from datagen.config import SamplingParams
 from datagen.generation.generate_api import (
+    UNRENDERABLE_PROMPT,
+    PromptEncoder,
+    attach_prompt_tokens,
     build_generate_payload,
+    generate_field_names,
+    parse_generate_completion,
     parse_generate_response,
     render_prompt_ids,
 )
-from datagen.generation.wire import GenerationRequest, UnusableResponseError
+from datagen.generation.wire import (
+    BadToolArgumentsError,
+    GenerationRequest,
+    PromptTokens,
+    UnusableResponseError,
+)
 from datagen.output.tokenize import TokenizedRow, load_tokenizer, tokenize_completion
-from datagen.records import AssistantCompletion, CompletionRecord, Message, PromptRecord, TokenUsage
+from datagen.records import (
+    AssistantCompletion,
+    CompletionRecord,
+    FunctionCall,
+    Message,
+    PromptRecord,
+    TokenUsage,
+    ToolCall,
+)
+from tests.support.qwen import tokenizer_with_template
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +122,137 @@ def test_served_prompt_ids_and_output_ids_are_the_training_row_verbatim(tokenize
     assert isinstance(row, TokenizedRow)
     assert row.input_ids == prompt_ids + output_ids
     assert [token for token, bit in zip(row.input_ids, row.loss_mask, strict=True) if bit] == output_ids
+
+
+def _answer(text: str, output_ids: list[int], finish: Any, **meta: Any) -> dict[str, Any]:
+    return {"text": text, "output_ids": output_ids, "meta_info": {"finish_reason": finish, **meta}}
+
+
+def _tokenized(request: GenerationRequest, *, opens_reasoning: bool = False) -> GenerationRequest:
+    return request.model_copy(
+        update={"prompt_tokens": PromptTokens(input_ids=[1, 2, 3], opens_reasoning=opens_reasoning)}
+    )
+
+
+@pytest.mark.parametrize(
+    ("finish", "expected"),
+    [
+        ({"type": "stop", "matched": 2}, "stop"),
+        ({"type": "stop", "matched": "</answer>"}, "stop"),
+        ({"type": "length", "length": 4}, "length"),
+        (None, "unknown"),
+        ({"type": "surprise"}, "unknown"),
+    ],
+)
+def test_finish_reasons_map_onto_datagens(finish: Any, expected: str) -> None:
+    completion, finish_reason, usage = parse_generate_completion(
+        _answer("hi", [7, 8, 2], finish, prompt_tokens=3, completion_tokens=3), _tokenized(_request())
+    )
+
+    assert finish_reason == expected
+    assert completion.output_token_ids == [7, 8, 2]
+    assert usage == TokenUsage(prompt_tokens=3, completion_tokens=3)
+
+
+def test_a_stopped_answer_with_tool_calls_finishes_with_tool_calls_as_sglang_reports_it_for_chat() -> None:
+    request = _tokenized(_request()).model_copy(
+        update={
+            "prompt": PromptRecord(
+                prompt_id="p1",
+                dataset="demo",
+                messages=[Message(role="user", content="?")],
+                tools=[WEATHER_TOOL],
+            )
+        }
+    )
+    call = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    text = f"<think>\ncheck</think>\n\nLooking.\n\n<tool_call>\n{call}\n</tool_call>"
+
+    completion, finish_reason, _ = parse_generate_completion(
+        _answer(text, [5, 6, 2], {"type": "stop", "matched": 2}), request
+    )
+
+    assert finish_reason == "tool_calls"
+    assert completion.reasoning_content == "\ncheck"
+    assert completion.content == "Looking."
+    assert completion.tool_calls == [
+        ToolCall(id="call_0", function=FunctionCall(name="get_weather", arguments={"city": "Oslo"}))
+    ]
+
+
+def test_an_answer_inside_an_open_think_block_is_reasoning_until_it_closes() -> None:
+    completion, finish_reason, usage = parse_generate_completion(
+        _answer("still thinking", [5, 6], {"type": "length", "length": 2}),
+        _tokenized(_request(), opens_reasoning=True),
+    )
+
+    assert (completion.reasoning_content, completion.content) == ("still thinking", "")
+    assert finish_reason == "length"
+    # Counts missing from meta_info come from the ids themselves.
+    assert usage == TokenUsage(prompt_tokens=3, completion_tokens=2)
+
+
+def test_an_aborted_generation_is_transient_not_a_completion() -> None:
+    body = _answer("", [5], {"type": "abort", "message": "Abort in waiting queue"})
+
+    with pytest.raises(UnusableResponseError, match="aborted the generation: Abort in waiting queue"):
+        parse_generate_completion(body, _tokenized(_request()))
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("not an object", "expected a JSON object"),
+        ({"text": "x", "meta_info": {}}, "no output_ids"),
+        ({"text": "x", "output_ids": [1, "2"], "meta_info": {}}, "no output_ids"),
+        ({"text": "x", "output_ids": [1, True], "meta_info": {}}, "no output_ids"),
+        ({"text": "x", "output_ids": [1]}, "no meta_info"),
+        ({"text": "x", "output_ids": [1], "meta_info": {"prompt_tokens": "many"}}, "not a token count"),
+    ],
+)
+def test_malformed_bodies_are_unusable_responses_as_on_the_chat_path(body: Any, message: str) -> None:
+    # UnusableResponseError is what the dispatcher retries (transient), for both paths.
+    with pytest.raises(UnusableResponseError, match=message):
+        parse_generate_completion(body, _tokenized(_request()))
+
+
+def test_a_malformed_tool_call_is_final_as_on_the_chat_path() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Oslo}}\n</tool_call>'
+
+    with pytest.raises(BadToolArgumentsError, match="not valid JSON"):
+        parse_generate_completion(_answer(text, [5], {"type": "stop"}), _tokenized(_request()))
+
+
+def test_sampling_field_rules_are_translated_to_generate_names() -> None:
+    assert generate_field_names({"top_k", "min_p", "seed", "max_tokens"}) == {
+        "top_k",
+        "min_p",
+        "sampling_seed",
+        "max_new_tokens",
+    }
+
+
+def test_each_prompt_is_rendered_once_for_all_its_samples_and_an_unrenderable_one_fails_unsent(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    tokenizer = load_tokenizer(str(tokenizer_with_template(tiny_model_dir, tmp_path / "qwen3.6", "qwen3.6")))
+    good = PromptRecord(prompt_id="good", dataset="demo", messages=[Message(role="user", content="Hi")])
+    # The Qwen3.6 template refuses a conversation without a user query.
+    bad = PromptRecord(prompt_id="bad", dataset="demo", messages=[Message(role="assistant", content="Hi")])
+    requests = [
+        GenerationRequest(prompt=prompt, sample_index=index, sampling=SamplingParams(), dataset="demo")
+        for prompt in (good, bad)
+        for index in range(2)
+    ]
+
+    ready, failures = attach_prompt_tokens(requests, PromptEncoder.from_tokenizer(tokenizer))
+
+    assert [request.key for request in ready] == ["good/0", "good/1"]
+    assert ready[0].prompt_tokens is ready[1].prompt_tokens  # one render, shared by the samples
+    assert ready[0].prompt_tokens is not None and ready[0].prompt_tokens.opens_reasoning
+    assert ready[0].prompt_tokens.input_ids == render_prompt_ids(tokenizer, requests[0])
+    assert [(failure.key, failure.error_type, failure.attempts) for failure in failures] == [
+        ("bad/0", UNRENDERABLE_PROMPT, 0),
+        ("bad/1", UNRENDERABLE_PROMPT, 0),
+    ]
+    assert "No user query found" in failures[0].reason

@@ -202,3 +202,31 @@ def test_external_servers_that_do_not_answer_are_refused_in_seconds(
     assert time.monotonic() - started < 15
     (problem,) = raised.value.problems
     assert f"127.0.0.1:{port} (ConnectError)" in problem and "fleet.external_urls" in problem
+
+
+def test_exact_tokens_against_external_servers_without_generate_are_refused_before_training_stops(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    from tests.support.fault_server import FaultServer
+    from tests.support.generate_server import GenerateServer
+
+    with FaultServer() as chat_only, GenerateServer(tiny_model_dir) as sglang_like:
+        config = _config(
+            tmp_path,
+            tiny_model_dir,
+            fleet={"engine": "external", "external_urls": [chat_only.url, sglang_like.url]},
+            generation={"exact_tokens": True},
+        )
+        with pytest.raises(PreflightError) as raised:
+            run_preflight(config)
+        report = run_preflight(
+            config.model_copy(
+                update={"fleet": config.fleet.model_copy(update={"external_urls": [sglang_like.url]})}
+            )
+        )
+
+    (problem,) = raised.value.problems
+    assert f"{chat_only.url} have no /generate endpoint" in problem and sglang_like.url not in problem
+    assert "generation.exact_tokens: false" in problem
+    (mode,) = [check for check in report.checks if check.name == "generation mode"]
+    assert mode.ok and "exact tokens" in mode.detail
