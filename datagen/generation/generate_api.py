@@ -321,8 +321,7 @@ def parse_generate_completion(
     Raises:
         UnusableResponseError: A malformed body, or a generation the server aborted (transient: not the
             request's fault; aborts the request caused come back as HTTP 4xx).
-        BadToolArgumentsError: A tool call that is not a name with JSON-object arguments (final, as on the
-            chat path).
+        BadToolArgumentsError: A tool call whose arguments are not a JSON object (final, as on the chat path).
 
     """
     result = parse_generate_response(data)
@@ -334,10 +333,12 @@ def parse_generate_completion(
     reasoning, rest = split_reasoning(
         strip_end_of_text(result.text), reasoning_open=tokens is not None and tokens.opens_reasoning
     )
-    content, tool_calls = split_tool_calls(rest, request.prompt.tools)
+    # SGLang's chat API looks for tool calls only when the request offers tools; so does the record.
+    content, tool_calls = split_tool_calls(rest, request.prompt.tools) if request.prompt.tools else (rest, [])
     completion = AssistantCompletion.model_construct(
-        content=(content or None) if tool_calls else content,
-        reasoning_content=reasoning,
+        # As SGLang's chat API reports them: content always text, an empty reasoning none.
+        content=content,
+        reasoning_content=reasoning or None,
         tool_calls=tool_calls or None,
         output_token_ids=result.output_ids,
     )

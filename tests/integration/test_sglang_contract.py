@@ -5,23 +5,35 @@ venv), the plan matrix (dense and hybrid models, SM90 and SM120, data and tensor
 radix cache off and on with ``no_buffer``, router) is planned with the flags that release's parser reports, and
 the argvs are parsed by ``ServerArgs.add_cli_args`` / ``sglang_router.launch_router.parse_router_args``.
 Chat bodies are validated by ``ChatCompletionRequest``, ``/generate`` bodies by ``GenerateReqInput`` and
-``SamplingParams``. One introspection subprocess per release answers everything (a few seconds).
+``SamplingParams``. One introspection subprocess per release answers everything (a few seconds). In exact-token
+mode the record's reasoning and tool calls are split from ``/generate``'s raw text: on the current release
+they must come out as SGLang's own ``qwen3`` / ``qwen25`` / ``qwen3_coder`` parsers make them for chat.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import datagen.engines.sglang_introspect
 from datagen.config import RunConfig, SamplingParams
 from datagen.engines.sglang_flags import run_introspection, sglang_flags
-from datagen.generation.generate_api import build_generate_payload
-from datagen.generation.wire import GenerationRequest, build_chat_payload
+from datagen.generation.generate_api import build_generate_payload, parse_generate_completion
+from datagen.generation.wire import (
+    BadToolArgumentsError,
+    GenerationRequest,
+    PromptTokens,
+    build_chat_payload,
+    parse_chat_completion,
+)
 from datagen.host.plan import ServerPlan, plan_servers, router_launch
 from datagen.host.probe import EnvReport, probe_from_dir
 from datagen.records import Message, PromptRecord
+from tests.support import sglang_parsers
 from tests.support.sglang_venv import SGLANG_VERSIONS, ensure_venv
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -179,3 +191,149 @@ def test_a_misspelt_flag_and_a_misspelt_sampling_field_are_caught_by_the_real_mo
     assert answer["server_argvs"][0] is not None
     assert answer["generate_bodies"][0] is not None and "max_tokens" in answer["generate_bodies"][0]
     assert answer["chat_bodies"][0] is not None
+
+
+SEARCH_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "query": {"type": "string"},
+                "limit": {"type": "integer"},
+                "ratio": {"type": "number"},
+                "exact": {"type": "boolean"},
+                "filters": {"type": "object"},
+                "tags": {"type": "array", "items": {"type": "string"}},
+                "mode": {"enum": ["fast", "slow"]},
+                "note": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            },
+        },
+    },
+}
+CALL = '{"name": "search", "arguments": {"query": "drafter", "limit": 3}}'
+XML_CALL = (
+    "<function=search>\n<parameter=query>\n42\n</parameter>\n<parameter=limit>\n5\n</parameter>\n"
+    "<parameter=ratio>\n0.5\n</parameter>\n<parameter=exact>\nTrue\n</parameter>\n"
+    '<parameter=filters>\n{"lang": "en"}\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n'
+    "<parameter=mode>\nfast\n</parameter>\n<parameter=note>\nnull\n</parameter>\n"
+    "<parameter=extra>\n7\n</parameter>\n</function>"
+)
+# (generated text, prompt left <think> open, the server's tool-call parser, tools offered)
+PARSER_CASES: list[tuple[str, bool, str, bool]] = [
+    ("<think>\nplan</think>\n\nanswer", False, "qwen25", False),
+    ("plan</think>\n\nanswer", True, "qwen25", False),
+    ("just an answer", False, "qwen25", False),
+    ("<think>\ncut off mid-thought", False, "qwen25", False),
+    ("still thinking", True, "qwen25", False),
+    ("<think></think>answer", False, "qwen25", False),
+    ("plan<tool_call>\n" + CALL + "\n</tool_call>", True, "qwen25", True),
+    ("<think>\nR</think>\n\nLooking.\n\n<tool_call>\n" + CALL + "\n</tool_call>", False, "qwen25", True),
+    (
+        "Two.\n<tool_call>\n" + CALL + "\n</tool_call>\n<tool_call>\n" + CALL + "\n</tool_call>",
+        False,
+        "qwen25",
+        True,
+    ),
+    (
+        'Broken.\n<tool_call>\n{"name": "search", "arguments": {"query": x}}\n</tool_call>',
+        False,
+        "qwen25",
+        True,
+    ),
+    ('Unknown.\n<tool_call>\n{"name": "fly", "arguments": {}}\n</tool_call>', False, "qwen25", True),
+    ("List.\n<tool_call>\n[" + CALL + ", " + CALL + "]\n</tool_call>", False, "qwen25", True),
+    ('Array.\n<tool_call>\n{"name": "search", "arguments": [1]}\n</tool_call>', False, "qwen25", True),
+    ('Truncated.\n<tool_call>\n{"name": "search", "argu', False, "qwen25", True),
+    ("No tools offered.\n<tool_call>\n" + CALL + "\n</tool_call>", False, "qwen25", False),
+    ("Typed.\n\n<tool_call>\n" + XML_CALL + "\n</tool_call>", True, "qwen3_coder", True),
+    (
+        "R</think>\n\n<tool_call>\n" + XML_CALL + "\n</tool_call><tool_call>\n" + XML_CALL + "\n</tool_call>",
+        True,
+        "qwen3_coder",
+        True,
+    ),
+    ("Open.\n<tool_call>\n<function=search>\n<parameter=query>\nabc", True, "qwen3_coder", True),
+]
+
+
+@pytest.fixture(scope="module")
+def current_sglang_python() -> str:
+    return str(ensure_venv(SGLANG_VERSIONS[0]))
+
+
+def _sglang_chat_message(answer: dict[str, Any]) -> dict[str, Any]:
+    """The chat completion SGLang's serving_chat builds from its parsers' output."""
+    calls = [
+        {"id": f"call_{index}", "type": "function", "function": call}
+        for index, call in enumerate(answer["calls"])
+    ]
+    message = {
+        "role": "assistant",
+        "content": answer["content"] or "",
+        "reasoning_content": answer["reasoning"] or None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    return {
+        "choices": [{"message": message, "finish_reason": "tool_calls" if calls else "stop"}],
+        "usage": {},
+    }
+
+
+def _outcome(parse: Any) -> Any:
+    try:
+        completion, finish_reason, _ = parse()
+    except BadToolArgumentsError:
+        return "final: invalid_tool_arguments"
+    calls = [(call.function.name, call.function.arguments) for call in completion.tool_calls or []]
+    return (completion.content or "", completion.reasoning_content, calls, finish_reason)
+
+
+def test_exact_token_records_split_reasoning_and_tool_calls_as_sglangs_chat_api_does(
+    current_sglang_python: str,
+) -> None:
+    request_body = {
+        "cases": [
+            {
+                "text": text,
+                "force_reasoning": open_,
+                "tool_call_parser": parser,
+                "tools": [SEARCH_TOOL] if tools else [],
+            }
+            for text, open_, parser, tools in PARSER_CASES
+        ]
+    }
+    result = subprocess.run(
+        [current_sglang_python, sglang_parsers.__file__, datagen.engines.sglang_introspect.__file__],
+        input=json.dumps(request_body),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout)["answers"]
+
+    mismatches = []
+    for (text, open_, _, tools), answer in zip(PARSER_CASES, answers, strict=True):
+        assert "error" not in answer, answer
+        prompt = PromptRecord(
+            prompt_id="p",
+            dataset="d",
+            messages=[Message(role="user", content="?")],
+            tools=[SEARCH_TOOL] if tools else None,
+        )
+        request = GenerationRequest(
+            prompt=prompt,
+            sampling=SamplingParams(),
+            dataset="d",
+            prompt_tokens=PromptTokens(input_ids=[1], opens_reasoning=open_),
+        )
+        body = {"text": text, "output_ids": [1, 2], "meta_info": {"finish_reason": {"type": "stop"}}}
+        ours = _outcome(lambda body=body, request=request: parse_generate_completion(body, request))
+        theirs = _outcome(lambda answer=answer: parse_chat_completion(_sglang_chat_message(answer)))
+        if ours != theirs:
+            mismatches.append((text, ours, theirs))
+    assert mismatches == []

@@ -20,7 +20,8 @@ some answers leave it out of the ids too (engines that do). Every answer sent is
 
 Faults are injected as by :class:`~tests.support.fault_server.FaultServer`, with directives found in the
 decoded prompt (``[[500,reset]]``...), plus ``abort`` (200 with ``finish_reason.type == "abort"``) and
-``garbage`` (200 without ``output_ids``); ``#badtool`` in the prompt makes a tool call whose JSON is broken.
+``garbage`` (200 without ``output_ids``); ``#badtool`` in the prompt makes a tool call whose arguments are
+not an object, ``#brokentool`` one that is not valid JSON.
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ class GenerateServer(FaultServer):
         if "input_ids" not in body:
             return super()._success(fault, body, content)
         rid = body.get("rid")
-        key = str(rid).split("#", 1)[0] if rid else json.dumps(body["input_ids"])
+        key = str(rid).rsplit("#", 1)[0] if rid else json.dumps(body["input_ids"])
         if fault == "garbage":
             return {"text": "no ids here", "meta_info": {"id": rid}}
         input_ids = list(body["input_ids"])
@@ -220,12 +221,16 @@ class GenerateServer(FaultServer):
             if not thinking_open:
                 planned += [ids["<think>"], *self._encode("\n")]
             planned += [*reasoning_ids, ids["</think>"], *self._encode("\n\n")]
-        ramble = rng.random() < LENGTH_SHARE and "#badtool" not in prompt_text
+        bad_call = "#badtool" in prompt_text or "#brokentool" in prompt_text
+        ramble = rng.random() < LENGTH_SHARE and not bad_call
         planned += self._words(rng, limit + 1, limit + 5) if ramble else self._words(rng, 2, 12)
         tool_call = None
-        if "#badtool" in prompt_text:
-            broken = '\n{"name": "get_weather", "arguments": {"city": Paris\n'
-            planned += [ids["<tool_call>"], *self._encode(broken), ids["</tool_call>"]]
+        if bad_call:
+            if "#badtool" in prompt_text:
+                body = '\n{"name": "get_weather", "arguments": ["Paris"]}\n'
+            else:
+                body = '\n{"name": "get_weather", "arguments": {"city": Paris\n'
+            planned += [ids["<tool_call>"], *self._encode(body), ids["</tool_call>"]]
         elif "<tools>" in prompt_text and rng.random() < TOOL_CALL_SHARE:
             tool_call = {"name": "get_weather", "arguments": {"city": rng.choice(["Paris", "Oslo", "Lima"])}}
             body = self._tool_call_body(tool_call, xml_calls)

@@ -132,17 +132,31 @@ def test_transient_faults_and_aborts_are_retried_with_a_new_rid_each_try(
     assert record.completion.output_token_ids == server.answers_by_key()[request.key][-1].output_ids
 
 
-def test_a_bad_request_and_a_malformed_tool_call_are_final(
+def test_a_bad_request_and_tool_arguments_that_are_not_an_object_are_final(
     server: GenerateServer, encoder: PromptEncoder
 ) -> None:
-    requests = requests_for(encoder, ["[[400]] refused", "#badtool call it"])
+    requests = requests_for(encoder, ["[[400]] refused", "#badtool call it"], tools=True)
 
     with dispatcher_for(server.url) as dispatcher:
         refused, bad_tool = run_all(dispatcher, requests)
 
     assert isinstance(refused, FailureRecord) and refused.error_type == "http_400" and refused.attempts == 1
     assert isinstance(bad_tool, FailureRecord) and bad_tool.error_type == "invalid_tool_arguments"
-    assert bad_tool.attempts == 1 and "not valid JSON" in bad_tool.reason
+    assert bad_tool.attempts == 1 and "not a JSON object" in bad_tool.reason
+
+
+def test_a_tool_call_that_is_not_json_is_left_out_as_sglang_does_and_the_ids_are_kept(
+    server: GenerateServer, encoder: PromptEncoder
+) -> None:
+    (request,) = requests_for(encoder, ["#brokentool call it"], tools=True)
+
+    with dispatcher_for(server.url) as dispatcher:
+        (record,) = run_all(dispatcher, [request])
+
+    assert isinstance(record, CompletionRecord)
+    assert record.finish_reason == "stop" and record.completion.tool_calls is None
+    assert record.completion.output_token_ids == server.answers_by_key()[request.key][0].output_ids
+    assert "<tool_call>" not in (record.completion.content or "")
 
 
 def test_a_server_without_generate_fails_each_request_with_its_404() -> None:

@@ -216,11 +216,24 @@ def test_malformed_bodies_are_unusable_responses_as_on_the_chat_path(body: Any, 
         parse_generate_completion(body, _tokenized(_request()))
 
 
-def test_a_malformed_tool_call_is_final_as_on_the_chat_path() -> None:
-    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": Oslo}}\n</tool_call>'
+def test_tool_calls_are_read_only_for_prompts_that_offer_tools_and_bad_arguments_are_final() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": ["Oslo"]}\n</tool_call>'
+    body = _answer(text, [5], {"type": "stop"})
+    with_tools = _tokenized(_request()).model_copy(
+        update={
+            "prompt": PromptRecord(
+                prompt_id="p1",
+                dataset="demo",
+                messages=[Message(role="user", content="?")],
+                tools=[WEATHER_TOOL],
+            )
+        }
+    )
 
-    with pytest.raises(BadToolArgumentsError, match="not valid JSON"):
-        parse_generate_completion(_answer(text, [5], {"type": "stop"}), _tokenized(_request()))
+    completion, finish_reason, _ = parse_generate_completion(body, _tokenized(_request()))
+    assert (completion.content, completion.tool_calls, finish_reason) == (text, None, "stop")
+    with pytest.raises(BadToolArgumentsError, match="not a JSON object"):
+        parse_generate_completion(body, with_tools)
 
 
 def test_sampling_field_rules_are_translated_to_generate_names() -> None:
