@@ -84,6 +84,7 @@ from datagen.generation.http import (
     HttpError,
     HttpPool,
     MalformedResponseError,
+    new_event_loop,
 )
 from datagen.generation.wire import (
     CHAT_COMPLETIONS_PATH,
@@ -246,7 +247,7 @@ class Dispatcher:
             if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
                 sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
             started = threading.Event()
-            self._loop = asyncio.new_event_loop()
+            self._loop = new_event_loop()
             self._thread = threading.Thread(
                 target=self._thread_main, args=(started,), name="datagen-dispatcher", daemon=True
             )

@@ -33,6 +33,27 @@ from urllib.parse import urlsplit
 
 import httptools
 
+try:  # libuv's loop: the loop's own per-request work (handles, transports) in C; Linux and macOS only
+    import uvloop
+except ImportError:  # pragma: no cover - Windows, or a host without the wheel
+    uvloop = None  # type: ignore[assignment]
+
+# Deadlines are checked by one sweep per pool at this interval, not by a timer per request: a timer costs
+# more than the rest of a request's bookkeeping (asyncio copies the context for every handle), and request
+# timeouts are seconds to minutes, so a tenth of a second of slack is nothing.
+SWEEP_INTERVAL_S = 0.1
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """The fastest event loop available: uvloop's where installed, else asyncio's.
+
+    Measured with the dispatcher alone against the benchmark simulator on the 2-core CI machine: ~0.15 ms of
+    CPU per request on uvloop against ~0.20 ms on asyncio's default loop.
+    """
+    if uvloop is not None:
+        return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
 
 class HttpError(Exception):
     """A request failed below HTTP semantics (no usable response)."""
@@ -74,8 +95,8 @@ class _Connection(asyncio.Protocol):
         "_complete",
         "_parser",
         "_status",
-        "_timer",
         "_waiter",
+        "deadline",
         "idle_since",
         "keep_alive",
         "open",
@@ -92,13 +113,12 @@ class _Connection(asyncio.Protocol):
         self._complete = False
         self._status = 0
         self._waiter: asyncio.Future[Response] | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0
 
     # --- asyncio.Protocol -------------------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = transport  # type: ignore[assignment]  # a stream transport (uvloop's is not a subclass)
         self.open = True
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -124,7 +144,6 @@ class _Connection(asyncio.Protocol):
         if self._complete:
             body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
             response = Response(self._status, body)
-            self._finish()
             waiter = self._waiter
             self._waiter = None
             if not waiter.done():
@@ -145,32 +164,29 @@ class _Connection(asyncio.Protocol):
 
     def send(self, data: bytes, deadline: float) -> asyncio.Future[Response]:
         assert self.transport is not None
-        loop = asyncio.get_running_loop()
-        self._waiter = loop.create_future()
+        self._waiter = asyncio.get_running_loop().create_future()
         self._body = []
         self._complete = False
-        self._timer = loop.call_at(deadline, self._time_out)
+        self.deadline = deadline
         self.transport.write(data)
         return self._waiter
+
+    @property
+    def waiting(self) -> bool:
+        """A request was sent and its response has not completed."""
+        return self._waiter is not None
 
     def close(self) -> None:
         self.open = False
         if self.transport is not None:
             self.transport.close()
 
-    def _time_out(self) -> None:
-        self._timer = None
+    def time_out(self) -> None:
         self._fail(ResponseTimeoutError("no complete response within the request timeout"))
         # The answer may still come; this connection can no longer tell it from the next one's.
         self.close()
 
-    def _finish(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
     def _fail(self, error: HttpError) -> None:
-        self._finish()
         waiter = self._waiter
         self._waiter = None
         if waiter is not None and not waiter.done():
@@ -219,6 +235,8 @@ class HttpPool:
         self.keepalive_idle_s = keepalive_idle_s
         self.connect_timeout_s = connect_timeout_s
         self._idle: deque[_Connection] = deque()
+        self._sending: set[_Connection] = set()
+        self._sweep_handle: asyncio.TimerHandle | None = None
         self._busy = 0
         self.connections_opened = 0
         self._closed = False
@@ -253,7 +271,11 @@ class HttpPool:
             if head is None:
                 head = f"{method} {self._prefix}{path} HTTP/1.1\r\n".encode("latin-1") + self._header_block
                 self._request_lines[(method, path)] = head
-            response = await connection.send(head + str(len(body)).encode() + b"\r\n\r\n" + body, deadline)
+            waiter = connection.send(head + str(len(body)).encode() + b"\r\n\r\n" + body, deadline)
+            self._sending.add(connection)
+            if self._sweep_handle is None:
+                self._sweep_handle = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
+            response = await waiter
         except BaseException:
             # Cancelled or failed mid-request: the connection's stream state is unknown.
             if connection is not None:
@@ -261,6 +283,8 @@ class HttpPool:
             raise
         finally:
             self._busy -= 1
+            if connection is not None:
+                self._sending.discard(connection)
         if connection.open and connection.keep_alive and not self._closed:
             connection.idle_since = time.monotonic()
             self._idle.append(connection)
@@ -274,11 +298,22 @@ class HttpPool:
         self._closed = True
         while self._idle:
             self._idle.pop().close()
+        if self._sweep_handle is not None and not self._sending:
+            self._sweep_handle.cancel()
+            self._sweep_handle = None
 
     @property
     def idle_connections(self) -> int:
         """Connections open and waiting for a request."""
         return len(self._idle)
+
+    def _sweep(self) -> None:
+        self._sweep_handle = None
+        now = asyncio.get_running_loop().time()
+        for connection in [c for c in self._sending if c.waiting and c.deadline <= now]:
+            connection.time_out()
+        if self._sending:
+            self._sweep_handle = asyncio.get_running_loop().call_later(SWEEP_INTERVAL_S, self._sweep)
 
     def _take_idle(self) -> _Connection | None:
         # Most recently used first: it is the least likely to be near the server's idle timeout.

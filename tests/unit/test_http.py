@@ -8,8 +8,8 @@ import contextlib
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, TypeVar
 
 import pytest
 import uvicorn
@@ -21,7 +21,19 @@ from datagen.generation.http import (
     HttpPool,
     MalformedResponseError,
     ResponseTimeoutError,
+    new_event_loop,
 )
+
+T = TypeVar("T")
+
+
+def run(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run on the loop the dispatcher runs on (uvloop where installed)."""
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(coroutine)
+    finally:
+        loop.close()
 
 
 def free_port() -> int:
@@ -98,7 +110,7 @@ def test_requests_reuse_one_keep_alive_connection_and_send_headers_and_body(uvic
         pool.close()
         return bodies
 
-    bodies = asyncio.run(main())
+    bodies = run(main())
     assert bodies[3] == b'POST /prefix/echo Bearer k 8|{"n": 3}'
 
 
@@ -110,7 +122,7 @@ def test_a_chunked_body_arrives_whole(uvicorn_url: str) -> None:
         assert again.status == 200 and pool.connections_opened == 1
         return response.body
 
-    body = asyncio.run(main())
+    body = run(main())
     assert len(body) == 100 * 10_000 + sum(len(str(index)) for index in range(100)) + 3
     assert body.endswith(b"99end")
 
@@ -128,7 +140,7 @@ def test_concurrent_requests_open_one_connection_each_up_to_the_limit(uvicorn_ur
             await pool.request("POST", "/echo", b"{}", timeout_s=5)
         await asyncio.gather(*tasks)
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_a_timed_out_request_closes_its_connection(uvicorn_url: str) -> None:
@@ -142,7 +154,7 @@ def test_a_timed_out_request_closes_its_connection(uvicorn_url: str) -> None:
         assert response.body.startswith(b"POST /echo")
         assert pool.connections_opened == 2
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_idle_connections_past_their_keep_alive_are_not_reused(uvicorn_url: str) -> None:
@@ -153,7 +165,7 @@ def test_idle_connections_past_their_keep_alive_are_not_reused(uvicorn_url: str)
         await pool.request("POST", "/echo", b"{}", timeout_s=5)
         assert pool.connections_opened == 2
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_a_refused_connection_is_a_connect_failure() -> None:
@@ -162,7 +174,7 @@ def test_a_refused_connection_is_a_connect_failure() -> None:
         with pytest.raises(ConnectFailedError, match="cannot connect"):
             await pool.request("POST", "/echo", b"{}", timeout_s=5)
 
-    asyncio.run(main())
+    run(main())
 
 
 def test_a_server_that_never_accepts_times_out_instead_of_hanging() -> None:
@@ -188,7 +200,7 @@ def test_a_server_that_never_accepts_times_out_instead_of_hanging() -> None:
             return time.monotonic() - started
 
         try:
-            assert asyncio.run(main()) < 5
+            assert run(main()) < 5
         finally:
             for filler in fillers:
                 filler.close()
@@ -243,7 +255,7 @@ def test_broken_answers_are_classified(reply: bytes, error: type[Exception]) -> 
         assert pool.idle_connections == 0
 
     try:
-        asyncio.run(main())
+        run(main())
     finally:
         server.close()
 
@@ -259,7 +271,7 @@ def test_connection_close_from_the_server_is_honoured() -> None:
         assert pool.connections_opened == 3
 
     try:
-        asyncio.run(main())
+        run(main())
     finally:
         server.close()
 
