@@ -471,6 +471,59 @@ class TokenizeConfig(StrictModel):
     )
 
 
+# The deployment of the host part of a multi-host run (flows/host.py), as deployments/prefect.yaml names it.
+HOST_DEPLOYMENT: Final = "expand-host/expand-host"
+# Fleet keys a host may not change: the run's engine and served model decide the requests every server gets,
+# and the run's one dispatcher is the router over every host's servers (see docs/architecture.md).
+HOST_FIXED_FLEET_KEYS: Final = frozenset({"engine", "router", "router_policy", "router_port", "speculative"})
+
+
+class HostConfig(StrictModel):
+    """One GPU box of a multi-host run: the Prefect work queue its worker polls, and what differs there."""
+
+    name: Slug = Field(description="The host's name in logs, store keys and the report (e.g. `box-1`).")
+    work_queue: str = Field(
+        min_length=1,
+        description="Work queue (in the host deployment's pool) that only this box's worker polls; the host "
+        "part of the run is sent there.",
+    )
+    deployment: str | None = Field(
+        default=None,
+        description="`flow/deployment` of the host part for this box; multi_host.deployment when unset.",
+    )
+    fleet: Annotated[dict[str, Any], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+        default={},
+        description="Fleet keys that differ on this box (e.g. {host: 10.0.0.5, num_servers: 4}), over the run's "
+        "`fleet`; engine, router and speculative stay the run's.",
+    )
+    training: TrainingJobConfig | None = Field(
+        default=None, description="The training job to halt on this box; the run's `training` when unset."
+    )
+
+
+class MultiHostConfig(StrictModel):
+    """How the parent flow drives the hosts of a multi-host run (no effect without `hosts`)."""
+
+    deployment: str = Field(
+        default=HOST_DEPLOYMENT, description="`flow/deployment` of the host part (flows/host.py)."
+    )
+    ready_timeout_s: float = Field(
+        default=1800.0,
+        gt=0,
+        description="How long the parent waits for a host's preflight and then for its fleet; a host later "
+        "than this is left out of the run (and reported).",
+    )
+    host_lost_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A host whose servers all stay down this long (or whose host flow run ends) is removed: "
+        "its in-flight requests go to the other hosts and the report names it.",
+    )
+    poll_interval_s: float = Field(
+        default=1.0, gt=0, description="How often hosts and the parent look for each other's markers."
+    )
+
+
 class RunConfig(StrictModel):
     """Everything that defines one data-expansion run; its hash is the run's identity."""
 
@@ -495,6 +548,12 @@ class RunConfig(StrictModel):
         description="Expansion series (e.g. `nightly`): each run takes prompts no earlier run of the series "
         "took and publishes the next dataset version on top of the series' last one. See docs/operations.md.",
     )
+    hosts: list[HostConfig] = Field(
+        default_factory=list,
+        description="Several GPU boxes: one host part per entry, on that box's Prefect worker; every host's "
+        "servers join one dispatcher. Empty: this host only. See docs/operations.md (multi-host runbook).",
+    )
+    multi_host: MultiHostConfig = Field(default_factory=MultiHostConfig)
 
     @field_validator("datasets")
     @classmethod
@@ -504,6 +563,79 @@ class RunConfig(StrictModel):
         if duplicates:
             raise ValueError(f"dataset names must be unique; repeated: {', '.join(duplicates)}")
         return datasets
+
+    @field_validator("hosts")
+    @classmethod
+    def _hosts_are_consistent(cls, hosts: list[HostConfig]) -> list[HostConfig]:
+        names = [host.name for host in hosts]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"host names must be unique; repeated: {', '.join(duplicates)}: rename them")
+        queues = [host.work_queue for host in hosts]
+        shared = sorted({queue for queue in queues if queues.count(queue) > 1})
+        if shared:
+            raise ValueError(
+                f"hosts share work queue(s) {', '.join(shared)}: give each box its own queue (its worker polls "
+                "only it), or one box would run two host parts"
+            )
+        for host in hosts:
+            fixed = sorted(HOST_FIXED_FLEET_KEYS & host.fleet.keys())
+            if fixed:
+                raise ValueError(
+                    f"host {host.name}: fleet.{', fleet.'.join(fixed)} cannot differ per host; set it in the "
+                    "run's `fleet` instead"
+                )
+        return hosts
+
+    @model_validator(mode="after")
+    def _hosts_fit_the_fleet(self) -> RunConfig:
+        if not self.hosts:
+            return self
+        if self.fleet.router:
+            raise ValueError(
+                "fleet.router cannot be used with hosts: the run's dispatcher already routes over every "
+                "host's servers; set fleet.router: false (docs/operations.md, multi-host runbook)"
+            )
+        for host in self.hosts:
+            try:
+                self.fleet_for(host.name)
+            except ValidationError as error:
+                problems = "; ".join(
+                    f"{'.'.join(str(p) for p in item['loc']) or 'fleet'}: {item['msg']}"
+                    for item in error.errors()
+                )
+                raise ValueError(f"host {host.name}: fleet overrides are invalid: {problems}") from None
+        return self
+
+    def host(self, name: str) -> HostConfig:
+        """The host called ``name``.
+
+        Raises:
+            ConfigError: No host has that name.
+        """
+        for host in self.hosts:
+            if host.name == name:
+                return host
+        known = ", ".join(host.name for host in self.hosts) or "none"
+        raise ConfigError(f"no host named {name!r} in this config (hosts: {known})", name=name)
+
+    def fleet_for(self, name: str) -> FleetConfig:
+        """The fleet config of host ``name``: the run's, with the host's overrides."""
+        overrides = self.host(name).fleet
+        if not overrides:
+            return self.fleet
+        return FleetConfig.model_validate({**self.fleet.model_dump(), **overrides})
+
+    def for_host(self, name: str) -> RunConfig:
+        """The config the host part of host ``name`` runs with: its fleet and training job, no hosts."""
+        host = self.host(name)
+        return self.model_copy(
+            update={
+                "fleet": self.fleet_for(name),
+                "training": host.training or self.training,
+                "hosts": [],
+            }
+        )
 
     @model_validator(mode="after")
     def _mix_is_consistent(self) -> RunConfig:
@@ -551,11 +683,18 @@ class RunConfig(StrictModel):
         """The fields that define what the run produces, as JSON data.
 
         Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
-        guard changes no output, so changing it keeps the run id resumable. ``series`` and
+        guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
+        where the run generates, not what: a run resumes on other or fewer hosts. ``series`` and
         ``generation.exact_tokens`` joined the model later: each is left out while unset so the hashes of older
         runs stay the same.
         """
-        exclude: dict[str, Any] = {"run_id": True, "datasets": {"__all__": {"min_prompts"}}}
+        exclude: dict[str, Any] = {
+            "run_id": True,
+            "datasets": {"__all__": {"min_prompts"}},
+            # Where the run generates changes no output: a resume may use other (or fewer) hosts.
+            "hosts": True,
+            "multi_host": True,
+        }
         if self.series is None:
             exclude["series"] = True
         if self.generation.exact_tokens is None:

@@ -213,5 +213,9 @@ class SeriesConflictError(DatagenError, RuntimeError):
     """Two runs of one expansion series took the same prompts (they ran at once on different hosts)."""
 
 
+class HostsUnavailableError(DatagenError, RuntimeError):
+    """A multi-host run has no host left to generate on (none came up, or every one was lost)."""
+
+
 class GpuLockTimeoutError(DatagenError, TimeoutError):
     """Another run kept this host's GPUs for longer than the run was allowed to wait."""

@@ -46,6 +46,7 @@ from datagen.output.report import GenerationWindow, RunReport, RunSummary, recor
 from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings
+from flows.multihost import HostsOutcome, run_on_hosts
 from tasks.credentials import configure_s3_credentials
 from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
 from tasks.host import (
@@ -177,9 +178,22 @@ def _prepared_outcomes(
 
 
 def _record_generation_window(
-    config: RunConfig, layout: RunLayout, attempt_id: str, wall_s: float, servers: int, finished: bool
+    config: RunConfig,
+    layout: RunLayout,
+    attempt_id: str,
+    wall_s: float,
+    servers: int,
+    finished: bool,
+    hosts: HostsOutcome | None = None,
 ) -> None:
-    window = GenerationWindow(attempt_id=attempt_id, wall_s=wall_s, servers=servers, interrupted=not finished)
+    window = GenerationWindow(
+        attempt_id=attempt_id,
+        wall_s=wall_s,
+        servers=servers,
+        interrupted=not finished,
+        hosts=list(hosts.served) if hosts else [],
+        lost_hosts=dict(hosts.lost) if hosts else {},
+    )
     try:
         record_generation_window(open_store(config), layout, window)
     except Exception as error:  # never mask why generation ended
@@ -350,6 +364,43 @@ def _generate_all(
     return prepared, summaries, errors
 
 
+def _generate_on_hosts(
+    config: RunConfig,
+    run: Any,
+    prepared_futures: list[PrefectFuture[PreparedDataset]],
+    attempt_id: str,
+    flow_run_id: str,
+) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
+    """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
+    outcome = HostsOutcome()
+    window: dict[str, float] = {}
+
+    def generate(
+        dispatcher: Dispatcher,
+    ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
+        window["started"] = time.monotonic()
+        finished = False
+        try:
+            result = _generate_all(config, run, prepared_futures, dispatcher)
+            finished = True
+            return result
+        finally:
+            window["wall_s"] = time.monotonic() - window["started"]
+            _record_generation_window(
+                config, run.layout, attempt_id, window["wall_s"], outcome.servers, finished, outcome
+            )
+
+    prepared, summaries, errors = run_on_hosts(
+        config, run.layout, attempt_id, flow_run_id if flow_run_id != "local" else None, generate, outcome
+    )
+    if outcome.lost:
+        get_run_logger().warning(
+            "hosts lost during the run: %s",
+            "; ".join(f"{name} ({reason})" for name, reason in sorted(outcome.lost.items())),
+        )
+    return prepared, summaries, errors, outcome.servers, window.get("wall_s", 0.0)
+
+
 def _samples(config: RunConfig, dataset: str) -> int:
     return config.sampling_for(config.dataset(dataset)).samples_per_prompt
 
@@ -446,6 +497,12 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         ]
         servers, generation_wall_s = 0, 0.0
         errors: list[BaseException] = []
+    elif config.hosts:
+        # Several boxes: each host part halts its training and serves (flows/host.py); this flow holds no
+        # GPU lock and halts nothing itself, it only sends the requests.
+        prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
+            config, run, prepared_futures, attempt_id, flow_run_id
+        )
     else:
         gpu_lock.enter_context(hold_host_gpus())
         halt = halt_training(config.training)

@@ -89,6 +89,7 @@ def write_report(
     # Every attempt's generation time (this one's was recorded as it ended): a resumed run's completions
     # come from all of them.
     wall_s, attempts = datagen.output.report.generation_time_over_attempts(store, layout)
+    hosts, lost_hosts = datagen.output.report.hosts_over_attempts(store, layout)
     report = datagen.output.report.build_report(
         run_id=run.run_id,
         config=config,
@@ -100,6 +101,8 @@ def write_report(
         generation_attempts=attempts or 1,
         dataset_mix=datagen.prompts.mix.dataset_mix(config, prepared),
         mix_by_category=datagen.prompts.mix.mix_table(config, prepared, rows_by_dataset),
+        hosts=hosts,
+        lost_hosts=lost_hosts,
     )
     try:
         store.write_json(layout.report_json, report)

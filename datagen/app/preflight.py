@@ -367,11 +367,32 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
 ]
 
 
-def run_preflight(config: RunConfig) -> PreflightReport:
+# Checks of the box that generates. In a multi-host run each host part runs them on its own box (with its
+# fleet and training job); the parent, which serves nothing and halts nothing, skips the last three.
+HOST_CHECKS: frozenset[str] = frozenset(
+    {"model and tokenizer", "engine", "generation mode", "external servers", "training job"}
+)
+SERVING_ONLY_CHECKS: frozenset[str] = frozenset({"engine", "external servers", "training job"})
+
+
+def run_host_preflight(config: RunConfig) -> PreflightReport:
+    """The checks of one box of a multi-host run (``config`` as :meth:`RunConfig.for_host` gives it).
+
+    Raises:
+        PreflightError: At least one check failed.
+    """
+    return run_preflight(config, only=HOST_CHECKS)
+
+
+def run_preflight(config: RunConfig, only: frozenset[str] | None = None) -> PreflightReport:
     """Run every check and raise one error listing all failures.
+
+    With ``config.hosts`` the checks of the serving box are left to each host part
+    (:func:`run_host_preflight`).
 
     Args:
         config: The run config with its run id resolved.
+        only: Run only the checks with these names.
 
     Returns:
         The report (all checks passed).
@@ -384,6 +405,10 @@ def run_preflight(config: RunConfig) -> PreflightReport:
     store = preflight_store(config)
     unreachable = False
     for name, check, reads_output in CHECKS:
+        if (only is not None and name not in only) or (
+            only is None and config.hosts and name in SERVING_ONLY_CHECKS
+        ):
+            continue
         if reads_output and unreachable:
             skipped = Check(
                 name=name, ok=False, skipped=True, detail="not checked: the output is unreachable"

@@ -20,6 +20,10 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     runs/<run_id>/report.json, report.md
     runs/<run_id>/manifest.json                     written last: every object, counts, checksums
     runs/<run_id>/series.json                       series runs: earlier runs excluded, base version
+    runs/<run_id>/hosts/<attempt>/<host>/preflight.json  multi-host: a host part's checks (host -> parent)
+    runs/<run_id>/hosts/<attempt>/go.json            multi-host: halt and serve, or not (parent -> hosts)
+    runs/<run_id>/hosts/<attempt>/<host>/fleet.json  multi-host: a host's server URLs (host -> parent)
+    runs/<run_id>/hosts/<attempt>/release.json       multi-host: generation is over (parent -> hosts)
     series/<series>/ledger/<run_id>.jsonl           series runs: the prompts each run took (written once)
     datasets/<name>/v0001.json                      dataset versions (old shards referenced, never rewritten)
 """
@@ -132,6 +136,11 @@ class RunLayout:
     def series_entry(self) -> str:
         """A series run's place in its series, written before its prompts are chosen."""
         return f"{self.root}/series.json"
+
+    def hosts_object(self, attempt_id: str, name: str, host: str | None = None) -> str:
+        """A multi-host handshake object of one parent attempt: the parent's (no ``host``) or a host's."""
+        folder = f"{self.root}/hosts/{attempt_id}"
+        return f"{folder}/{host}/{name}" if host is not None else f"{folder}/{name}"
 
 
 def series_ledger_prefix(series: str) -> str:

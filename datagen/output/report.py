@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +69,11 @@ class RunReport(BaseModel):
         default_factory=list, description="Target, new, existing and combined mix per category."
     )
     rejection_samples: dict[str, list[dict[str, Any]]] = Field(default_factory=dict)
+    hosts: list[str] = Field(default_factory=list, description="Multi-host runs: the hosts that served.")
+    lost_hosts: dict[str, str] = Field(
+        default_factory=dict,
+        description="Multi-host runs: hosts lost mid-run, and why (their requests went on).",
+    )
 
     def table_rows(self) -> list[dict[str, Any]]:
         """One flat row per dataset plus a total row, for a table artifact."""
@@ -101,6 +106,8 @@ class RunReport(BaseModel):
             f"output throughput: **{self.output_tokens_per_s:.1f} tok/s**",
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
+            *([f"- hosts: {', '.join(self.hosts)}"] if self.hosts else []),
+            *[f"- **host lost: {name}** ({reason})" for name, reason in sorted(self.lost_hosts.items())],
             f"- tokenized rows: **{self.totals.tokenized_rows}**"
             + (
                 f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else ""
@@ -190,6 +197,8 @@ def build_report(
     dataset_mix: Sequence[DatasetMix],
     mix_by_category: Sequence[MixRow],
     generation_attempts: int = 1,
+    hosts: Sequence[str] = (),
+    lost_hosts: Mapping[str, str] | None = None,
 ) -> RunReport:
     """Assemble the report from the stages' summaries.
 
@@ -206,6 +215,8 @@ def build_report(
         dataset_mix: Each dataset's quota and shortfall (:func:`datagen.prompts.mix.dataset_mix`).
         mix_by_category: The mix table (:func:`datagen.prompts.mix.mix_table`); the mix is computed by the
             prompts stage, the report only shows it.
+        hosts: Multi-host runs: the hosts that served (any attempt).
+        lost_hosts: Multi-host runs: hosts lost mid-run -> why.
     """
     by_name = {
         dataset.name: DatasetReport(dataset=dataset.name, category=dataset.category)
@@ -274,6 +285,8 @@ def build_report(
         mix=mix,
         mix_by_category=list(mix_by_category),
         rejection_samples=samples,
+        hosts=list(hosts),
+        lost_hosts=dict(lost_hosts or {}),
     )
 
 
@@ -308,12 +321,33 @@ class GenerationWindow(BaseModel):
     wall_s: float = Field(ge=0)
     servers: int = 0
     interrupted: bool = Field(default=False, description="The attempt ended early (signal, crash, failure).")
+    hosts: list[str] = Field(default_factory=list, description="Multi-host runs: the hosts that served.")
+    lost_hosts: dict[str, str] = Field(
+        default_factory=dict, description="Multi-host runs: hosts lost during this attempt, and why."
+    )
 
 
 def record_generation_window(store: Store, layout: RunLayout, window: GenerationWindow) -> None:
     """Store how long this attempt generated, once (a rerun of the same attempt keeps the first record)."""
     with contextlib.suppress(OutputExistsError):
         store.write_json(layout.attempt_object(window.attempt_id, GENERATION_RECORD), window)
+
+
+def hosts_over_attempts(store: Store, layout: RunLayout) -> tuple[list[str], dict[str, str]]:
+    """Multi-host runs: every host that served in any attempt, and every host lost (with why), by name."""
+    served: set[str] = set()
+    lost: dict[str, str] = {}
+    for key in store.list(layout.attempts_prefix):
+        if key.endswith("/" + GENERATION_RECORD):
+            window = GenerationWindow.model_validate(store.read_json(key))
+            served.update(window.hosts)
+            lost.update(
+                {
+                    name: f"{reason} (attempt {window.attempt_id})"
+                    for name, reason in window.lost_hosts.items()
+                }
+            )
+    return sorted(served), lost
 
 
 def generation_time_over_attempts(store: Store, layout: RunLayout) -> tuple[float, int]:

@@ -28,8 +28,12 @@ def test_prefect_yaml_is_accepted_by_prefects_model_and_parameters_are_run_confi
 
     model = PrefectYamlModel.model_validate(_load())
     names = sorted(deployment.name or "" for deployment in model.deployments)
-    assert names == ["expand-manual", "expand-nightly"]
+    assert names == ["expand-host", "expand-manual", "expand-nightly"]
+    host = next(d for d in model.deployments if d.name == "expand-host")
+    assert host.entrypoint == "flows/host.py:expand_host"
     for deployment in model.deployments:
+        if deployment.name == "expand-host":
+            continue
         assert deployment.entrypoint == "flows/expand.py:expand"
         load_run_config(REPO / deployment.parameters["config_path"])
     nightly = next(d for d in model.deployments if d.name == "expand-nightly")

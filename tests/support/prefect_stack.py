@@ -163,9 +163,15 @@ class PrefectStack:
         self.stop()
         raise RuntimeError(f"prefect server did not start on port {self.port}:\n{tail}")
 
-    def start_worker(self, pool: str, cwd: Path, name: str, **env: str) -> subprocess.Popen[bytes]:
-        """Start ``prefect worker start --pool POOL --limit 1`` in ``cwd`` (not the checkout, on purpose)."""
+    def start_worker(
+        self, pool: str, cwd: Path, name: str, work_queue: str | None = None, **env: str
+    ) -> subprocess.Popen[bytes]:
+        """Start ``prefect worker start --pool POOL --limit 1`` in ``cwd`` (not the checkout, on purpose).
+
+        With ``work_queue`` the worker polls only that queue of the pool (one box of a multi-host run).
+        """
         cwd.mkdir(parents=True, exist_ok=True)
+        queue = ["--work-queue", work_queue] if work_queue else []
         worker = subprocess.Popen(
             [
                 sys.executable,
@@ -181,6 +187,7 @@ class PrefectStack:
                 "1",
                 "--name",
                 name,
+                *queue,
             ],
             cwd=cwd,
             env=self.env(PREFECT_WORKER_QUERY_SECONDS=WORKER_QUERY_S, **env),

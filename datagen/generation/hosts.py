@@ -1,0 +1,141 @@
+"""Hosts joining and leaving the run's one dispatcher: every box's servers, one fleet-wide queue.
+
+A multi-host run keeps a single :class:`~datagen.generation.dispatcher.Dispatcher` in the parent flow
+process; each host's servers are added as the host publishes them (``fleet.json``, see
+:mod:`datagen.output.hosts`) and removed when the host is lost. The dispatcher does the rest, as on one box:
+continuous admission over all servers, least-outstanding routing, exactly one record per request.
+
+A host is lost when its host flow run ends before the parent released it (crashed, failed, cancelled), or
+when every one of its servers has been down (connection refused, liveness) for ``lost_after_s``: a killed
+box leaves its flow run "Running" in Prefect forever (its worker died with it), so the servers' silence is
+the signal that always comes. Removing a server hands its in-flight requests back to the queue without
+costing them an attempt; the other hosts answer them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from datagen.generation.dispatcher import Dispatcher
+from datagen.output.hosts import HostFleet
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LostHost:
+    """A host removed mid-run, and why."""
+
+    name: str
+    reason: str
+    in_flight: int
+
+
+@dataclass
+class _Member:
+    fleet: HostFleet
+    down_since: float | None = None
+
+
+@dataclass
+class HostWatch:
+    """The hosts whose servers the dispatcher uses; decides when one is lost.
+
+    Args:
+        dispatcher: The run's dispatcher (running).
+        lost_after_s: How long all of a host's servers may be down before the host is removed.
+        clock: Monotonic seconds (a parameter for tests).
+    """
+
+    dispatcher: Dispatcher
+    lost_after_s: float
+    clock: Callable[[], float] = time.monotonic
+    members: dict[str, _Member] = field(default_factory=dict)
+    lost: list[LostHost] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def join(self, fleet: HostFleet) -> bool:
+        """Add a host's servers to the dispatcher (once per host); False when it was already lost or joined."""
+        with self._lock:
+            if fleet.host in self.members or any(lost.name == fleet.host for lost in self.lost):
+                return False
+            self.members[fleet.host] = _Member(fleet)
+        if fleet.max_inflight_per_server != self.dispatcher.max_inflight_per_server:
+            logger.warning(
+                "host plans another in-flight cap than the dispatcher keeps host=%s planned=%d kept=%d",
+                fleet.host,
+                fleet.max_inflight_per_server,
+                self.dispatcher.max_inflight_per_server,
+            )
+        for url in fleet.urls:
+            self.dispatcher.add_server(url)
+        logger.info(
+            "host joined host=%s hostname=%s servers=%d urls=%s",
+            fleet.host,
+            fleet.hostname,
+            len(fleet.urls),
+            ",".join(fleet.urls),
+        )
+        return True
+
+    @property
+    def active(self) -> list[str]:
+        """Names of the hosts whose servers are in use."""
+        with self._lock:
+            return list(self.members)
+
+    def check(self, ended: Mapping[str, str]) -> list[LostHost]:
+        """Remove the hosts that are gone; returns the ones lost by this call.
+
+        Args:
+            ended: Host name -> final state of its host flow run, for hosts whose flow run has ended.
+        """
+        now = self.clock()
+        servers = {server.url: server for server in self.dispatcher.stats().servers}
+        newly_lost: list[LostHost] = []
+        with self._lock:
+            members = list(self.members.items())
+        for name, member in members:
+            reason: str | None = None
+            if name in ended:
+                reason = f"its host flow run ended ({ended[name]}) while generation went on"
+            else:
+                states = [servers.get(url.rstrip("/")) for url in member.fleet.urls]
+                if any(state is not None and state.up for state in states):
+                    member.down_since = None
+                elif member.down_since is None:
+                    member.down_since = now
+                elif now - member.down_since >= self.lost_after_s:
+                    reason = f"all {len(states)} of its servers down for {now - member.down_since:.0f}s"
+            if reason is not None:
+                newly_lost.append(self._lose(name, member, reason, servers))
+        return newly_lost
+
+    def give_up(self, name: str, reason: str) -> LostHost:
+        """Record a host that never joined (its fleet never came, or its flow run ended first)."""
+        lost = LostHost(name=name, reason=reason, in_flight=0)
+        with self._lock:
+            self.lost.append(lost)
+        logger.error("host lost before it served host=%s reason=%s", name, reason)
+        return lost
+
+    def _lose(self, name: str, member: _Member, reason: str, servers: Mapping[str, object]) -> LostHost:
+        in_flight = sum(getattr(servers.get(url.rstrip("/")), "in_flight", 0) for url in member.fleet.urls)
+        for url in member.fleet.urls:
+            self.dispatcher.remove_server(url)
+        lost = LostHost(name=name, reason=reason, in_flight=in_flight)
+        with self._lock:
+            self.members.pop(name, None)
+            self.lost.append(lost)
+        logger.error(
+            "host lost host=%s reason=%s in_flight_requeued=%d hosts_left=%d",
+            name,
+            reason,
+            in_flight,
+            len(self.members),
+        )
+        return lost

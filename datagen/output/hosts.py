@@ -1,0 +1,128 @@
+"""The multi-host handshake: write-once objects through which a run's parent and its host parts talk.
+
+One parent attempt (the `expand` flow) and one host part per box (the `expand-host` flow, on that box's
+worker) share nothing but the run's store and the Prefect API. Per parent attempt, under
+``runs/<run_id>/hosts/<attempt>/`` (keys in :class:`datagen.output.layout.RunLayout.hosts_object`)::
+
+    <host>/preflight.json   host -> parent   the host's own checks passed (or their problems)
+    go.json                 parent -> hosts  every host passed: halt training and serve (or: stop, why)
+    <host>/fleet.json       host -> parent   the host's servers are ready: their URLs and in-flight cap
+    release.json            parent -> hosts  generation is over: stop the servers, hand the GPUs back
+
+Every object is created once (a second writer gets ``OutputExistsError``); a reader polls for it. So
+no host halts its training before every host's preflight passed, and a host keeps its servers until the
+parent says so, however the two processes are scheduled.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.records import utc_now
+
+logger = logging.getLogger(__name__)
+
+PREFLIGHT = "preflight.json"
+GO = "go.json"
+FLEET = "fleet.json"
+RELEASE = "release.json"
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+class HostPreflight(BaseModel):
+    """A host part's checks, run on its box before anything there is halted."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str
+    flow_run_id: str
+    hostname: str = Field(description="The machine the host part runs on (its `socket.gethostname()`).")
+    problems: list[str] = Field(default_factory=list, description="Empty when every check passed.")
+
+
+class HostsGo(BaseModel):
+    """The parent's decision once every host reported its preflight."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    go: bool
+    reason: str = ""
+
+
+class HostFleet(BaseModel):
+    """A host's ready servers, as the parent's dispatcher needs them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str
+    flow_run_id: str
+    hostname: str
+    pid: int = Field(description="The host part's process (it owns the servers).")
+    urls: list[str] = Field(min_length=1, description="Base URLs the dispatcher sends requests to.")
+    max_inflight_per_server: int = Field(gt=0, description="The host's planned in-flight cap per URL.")
+    served_model_name: str
+    created_at: str = Field(default_factory=lambda: utc_now().isoformat())
+
+
+class HostsRelease(BaseModel):
+    """Generation is over: hosts stop their servers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: str
+    lost_hosts: list[str] = Field(default_factory=list)
+
+
+def write_host_object(
+    store: Store, layout: RunLayout, attempt_id: str, name: str, value: BaseModel, host: str | None = None
+) -> str:
+    """Create one handshake object (write-once); returns its URL."""
+    return store.write_json(layout.hosts_object(attempt_id, name, host), value).url
+
+
+def read_host_object(
+    store: Store, layout: RunLayout, attempt_id: str, name: str, model: type[ModelT], host: str | None = None
+) -> ModelT | None:
+    """The handshake object if it exists yet, else None."""
+    key = layout.hosts_object(attempt_id, name, host)
+    if not store.exists(key):
+        return None
+    return model.model_validate(store.read_json(key))
+
+
+def wait_for_host_object(
+    store: Store,
+    layout: RunLayout,
+    attempt_id: str,
+    name: str,
+    model: type[ModelT],
+    *,
+    host: str | None = None,
+    poll_s: float,
+    timeout_s: float | None = None,
+    give_up: Callable[[], str | None] = lambda: None,
+) -> ModelT | str:
+    """Poll until the object exists, ``give_up`` returns a reason, or ``timeout_s`` passes.
+
+    Returns:
+        The object, or why the wait ended without it.
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        found = read_host_object(store, layout, attempt_id, name, model, host)
+        if found is not None:
+            return found
+        reason = give_up()
+        if reason:
+            return reason
+        if deadline is not None and time.monotonic() >= deadline:
+            return f"{layout.hosts_object(attempt_id, name, host)} did not appear within {timeout_s:.0f}s"
+        time.sleep(poll_s)

@@ -1,0 +1,183 @@
+"""The `expand-host` flow: one box's part of a multi-host run, on that box's own Prefect worker.
+
+The parent `expand` flow starts one run of this flow per host (``run_deployment``, one work queue per box)
+and talks to it through the run's store (:mod:`datagen.output.hosts`)::
+
+    host preflight -> preflight.json ... wait for go.json (every host passed)
+      -> [host GPU lock] halt-training -> probe-environment -> plan-servers -> start-fleet -> fleet.json
+      -> keep the servers up (restarting dead ones) until release.json (or the parent's run ended)
+      -> stop-fleet -> hand-back-gpus
+
+Generation itself happens in the parent: its one dispatcher sends requests to every host's servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+from prefect import flow, get_run_logger
+from prefect.context import FlowRunContext
+from pydantic import BaseModel
+
+import datagen.app.preflight
+from datagen.config import RunConfig
+from datagen.errors import PreflightError
+from datagen.host.fleet import Fleet
+from datagen.host.handback import record_halt
+from datagen.output.hosts import (
+    FLEET,
+    GO,
+    PREFLIGHT,
+    RELEASE,
+    HostFleet,
+    HostPreflight,
+    HostsGo,
+    HostsRelease,
+    wait_for_host_object,
+    write_host_object,
+)
+from datagen.output.layout import RunLayout
+from datagen.output.runs import open_store
+from datagen.output.store import Store
+from flows.expand import FLEET_MONITOR_INTERVAL_S, _fleet_state_dir, _fleets_root, _stop_servers_hook
+from tasks.credentials import configure_s3_credentials
+from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
+from tasks.hosts import flow_run_ended
+from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
+
+
+def _host_flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    parameters = dict(flow_run.parameters or {})
+    config = parameters.get("config") or {}
+    run_id = config.get("run_id") if isinstance(config, dict) else getattr(config, "run_id", None)
+    return f"expand-host-{run_id}-{parameters.get('host')}"
+
+
+@flow(
+    name="expand-host",
+    flow_run_name=_host_flow_run_name,
+    on_cancellation=[_stop_servers_hook],
+    on_crashed=[_stop_servers_hook],
+    validate_parameters=True,
+)
+def expand_host(config: RunConfig, host: str, attempt_id: str, parent_flow_run_id: str | None = None) -> str:
+    """Serve the target on this box's GPUs for one attempt of a multi-host run.
+
+    Args:
+        config: The run's whole config (run id resolved); this box's part is ``config.for_host(host)``.
+        host: This box's name in ``config.hosts``.
+        attempt_id: The parent attempt this host part belongs to (its handshake folder).
+        parent_flow_run_id: The parent flow run: when it ends, this host stops serving.
+
+    Returns:
+        What this host did, in one line.
+    """
+    context = FlowRunContext.get()
+    flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
+    with forward_thread_logs(flow_run_id), explain_failure():
+        verify_code_version(__file__)
+        configure_s3_credentials()
+        return _serve(config, host, attempt_id, parent_flow_run_id, flow_run_id)
+
+
+def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, flow_run_id: str) -> str:
+    logger = get_run_logger()
+    assert config.run_id is not None, "the parent resolves the run id before starting host parts"
+    local = config.for_host(host)
+    store = open_store(config)
+    layout = RunLayout(config.run_id)
+    poll_s = config.multi_host.poll_interval_s
+    hostname = socket.gethostname()
+
+    problems: list[str] = []
+    try:
+        datagen.app.preflight.run_host_preflight(local)
+    except PreflightError as error:
+        problems = error.problems
+    write_host_object(
+        store,
+        layout,
+        attempt_id,
+        PREFLIGHT,
+        HostPreflight(host=host, flow_run_id=flow_run_id, hostname=hostname, problems=problems),
+        host=host,
+    )
+    if problems:
+        raise PreflightError([f"host {host}: {problem}" for problem in problems])
+    logger.info("host preflight passed host=%s hostname=%s; waiting for the other hosts", host, hostname)
+
+    def parent_ended() -> str | None:
+        state = flow_run_ended(parent)
+        return f"the parent flow run ended ({state})" if state else None
+
+    go = wait_for_host_object(
+        store,
+        layout,
+        attempt_id,
+        GO,
+        HostsGo,
+        poll_s=poll_s,
+        timeout_s=config.multi_host.ready_timeout_s,
+        give_up=parent_ended,
+    )
+    if not isinstance(go, HostsGo) or not go.go:
+        reason = go if isinstance(go, str) else go.reason
+        logger.warning("host part not started host=%s reason=%s; nothing was halted", host, reason)
+        return f"host {host}: nothing halted ({reason})"
+
+    state_dir = _fleet_state_dir(flow_run_id)
+    with hold_host_gpus():
+        halt = halt_training(local.training)
+        record_halt(state_dir, local.training)
+        _record(store, layout, attempt_id, f"host-{host}-training", halt)
+        fleet: Fleet | None = None
+        try:
+            env = probe_environment()
+            _record(store, layout, attempt_id, f"host-{host}-env", env)
+            plan = plan_servers(env, local, state_dir)
+            _record(store, layout, attempt_id, f"host-{host}-plan", plan)
+            fleet = Fleet(
+                plan,
+                state_dir,
+                ready_timeout_s=local.fleet.ready_timeout_s,
+                max_restarts_per_server=local.fleet.max_restarts_per_server,
+            )
+            urls = start_fleet(fleet, _fleets_root())
+            fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
+            published = HostFleet(
+                host=host,
+                flow_run_id=flow_run_id,
+                hostname=hostname,
+                pid=os.getpid(),
+                urls=urls,
+                max_inflight_per_server=plan.inflight_per_client_url(
+                    plan.max_inflight_per_server(local.fleet.max_inflight_per_server)
+                ),
+                served_model_name=plan.served_model_name,
+            )
+            write_host_object(store, layout, attempt_id, FLEET, published, host=host)
+            logger.info("host serving host=%s servers=%d; until the parent releases it", host, len(urls))
+            started = time.monotonic()
+            released = wait_for_host_object(
+                store, layout, attempt_id, RELEASE, HostsRelease, poll_s=poll_s, give_up=parent_ended
+            )
+            why = released if isinstance(released, str) else released.reason
+            logger.info("host released host=%s after_s=%.0f reason=%s", host, time.monotonic() - started, why)
+        finally:
+            if fleet is not None:
+                stop_fleet(fleet)
+            restarted = hand_back_gpus(state_dir)
+            if restarted is not None:
+                with contextlib.suppress(Exception):
+                    _record(store, layout, attempt_id, f"host-{host}-training-restart", restarted)
+    return f"host {host}: served {len(urls)} server(s) ({why})"
+
+
+def _record(store: Store, layout: RunLayout, attempt_id: str, name: str, value: BaseModel) -> None:
+    """Store one record of this host part under the parent attempt's folder (``host-<name>-<what>.json``)."""
+    store.write_json(layout.attempt_object(attempt_id, f"{name}.json"), value)

@@ -1,0 +1,268 @@
+"""The parent's side of a multi-host run: start the host parts, meet them in the store, run one dispatcher.
+
+    check-hosts -> one `expand-host` flow run per host (run_deployment, timeout=0: subflow runs in the UI)
+      -> every host's preflight.json -> go.json (or: refuse the run, nothing halted anywhere)
+      -> the first fleet.json -> one Dispatcher; later hosts join it, lost hosts leave it (a watcher thread)
+      -> generation (the same shard tasks as on one box) -> release.json -> the hosts stop and hand back
+
+See docs/architecture.md ("Several hosts") for why one dispatcher over every host's servers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from prefect import get_run_logger
+
+import datagen.engines
+from datagen.config import RunConfig
+from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightError
+from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.hosts import HostWatch
+from datagen.output.hosts import (
+    FLEET,
+    GO,
+    PREFLIGHT,
+    RELEASE,
+    HostFleet,
+    HostPreflight,
+    HostsGo,
+    HostsRelease,
+    read_host_object,
+    write_host_object,
+)
+from datagen.output.layout import RunLayout
+from datagen.output.runs import open_store
+from datagen.settings import get_settings
+from tasks.hosts import check_hosts, ended_flow_runs, start_host_parts
+
+T = TypeVar("T")
+# After the release, how long the parent waits to see every host part end (to log how each ended).
+HOSTS_STOP_WAIT_S = 120.0
+
+
+@dataclass
+class HostsOutcome:
+    """Which hosts served this attempt, which were lost and why, how many servers took part."""
+
+    served: list[str] = field(default_factory=list)
+    lost: dict[str, str] = field(default_factory=dict)
+    servers: int = 0
+
+
+def run_on_hosts(
+    config: RunConfig,
+    layout: RunLayout,
+    attempt_id: str,
+    parent_flow_run_id: str | None,
+    generate: Callable[[Dispatcher], T],
+    outcome: HostsOutcome,
+) -> T:
+    """Run ``generate`` with one dispatcher over the servers of every host of ``config.hosts``.
+
+    ``outcome`` is filled as hosts join and leave, also when generation raises.
+
+    Raises:
+        PreflightError: A host is misconfigured or its own checks failed; nothing was halted on any host.
+        HostsUnavailableError: No host's servers came up.
+    """
+    logger = get_run_logger()
+    store = open_store(config)
+    poll_s = config.multi_host.poll_interval_s
+    check_hosts(config)
+    started = start_host_parts(config, attempt_id, parent_flow_run_id)
+    release = "generation over"
+    try:
+        _await_preflights(config, layout, attempt_id, started)
+        waiting = dict(started)
+        first = _await_first_fleet(config, layout, attempt_id, waiting, outcome)
+        api_key = get_settings().server_api_key
+        with Dispatcher(
+            first.urls,
+            model=first.served_model_name,
+            engine=config.fleet.engine,
+            max_inflight_per_server=first.max_inflight_per_server,
+            generation=config.generation,
+            api_key=api_key.get_secret_value() if api_key else None,
+            exact_tokens=datagen.engines.exact_tokens_enabled(config),
+        ) as dispatcher:
+            watch = HostWatch(dispatcher, lost_after_s=config.multi_host.host_lost_after_s)
+            _join(watch, first, outcome)
+            stop = threading.Event()
+            watcher = threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(_watch_hosts, config, layout, attempt_id, started, waiting, watch, outcome, stop),
+                name="datagen-host-watch",
+                daemon=True,
+            )
+            watcher.start()
+            try:
+                return generate(dispatcher)
+            except BaseException as error:
+                release = f"generation ended early: {type(error).__name__}"
+                raise
+            finally:
+                stop.set()
+                watcher.join(poll_s * 5 + 30)
+    finally:
+        with contextlib.suppress(OutputExistsError):
+            write_host_object(
+                store,
+                layout,
+                attempt_id,
+                RELEASE,
+                HostsRelease(reason=release, lost_hosts=sorted(outcome.lost)),
+            )
+        _await_hosts_stopped(started, outcome)
+        logger.info(
+            "hosts released served=%s lost=%s",
+            ",".join(outcome.served) or "none",
+            ",".join(outcome.lost) or "none",
+        )
+
+
+def _join(watch: HostWatch, fleet: HostFleet, outcome: HostsOutcome) -> None:
+    if watch.join(fleet):
+        outcome.served.append(fleet.host)
+        outcome.servers += len(fleet.urls)
+
+
+def _await_preflights(config: RunConfig, layout: RunLayout, attempt_id: str, started: dict[str, str]) -> None:
+    """Wait for every host's preflight; write go.json (go or not) once all passed or one failed."""
+    store = open_store(config)
+    deadline = time.monotonic() + config.multi_host.ready_timeout_s
+    reports: dict[str, HostPreflight] = {}
+    problems: list[str] = []
+    while True:
+        for name in started:
+            if name not in reports:
+                found = read_host_object(store, layout, attempt_id, PREFLIGHT, HostPreflight, host=name)
+                if found is not None:
+                    reports[name] = found
+        ended = ended_flow_runs({name: run for name, run in started.items() if name not in reports})
+        problems = [
+            f"host {name}: its host flow run ended ({state}) before it reported its checks: see that run's log"
+            for name, state in sorted(ended.items())
+        ]
+        problems += [f"host {r.host}: {problem}" for r in reports.values() for problem in r.problems]
+        missing = sorted(set(started) - set(reports) - set(ended))
+        if problems or not missing:
+            break
+        if time.monotonic() >= deadline:
+            problems = [
+                f"host {name}: no preflight within {config.multi_host.ready_timeout_s:.0f}s: is its worker busy or "
+                "stopped? (see the host flow run in the UI)"
+                for name in missing
+            ]
+            break
+        time.sleep(config.multi_host.poll_interval_s)
+    if problems:
+        write_host_object(store, layout, attempt_id, GO, HostsGo(go=False, reason="; ".join(problems)))
+        raise PreflightError(problems)
+    write_host_object(store, layout, attempt_id, GO, HostsGo(go=True))
+    get_run_logger().info(
+        "every host passed its preflight hosts=%s: halting training and starting servers there",
+        ",".join(f"{r.host}@{r.hostname}" for r in reports.values()),
+    )
+
+
+def _await_first_fleet(
+    config: RunConfig, layout: RunLayout, attempt_id: str, waiting: dict[str, str], outcome: HostsOutcome
+) -> HostFleet:
+    """The first host fleet to be ready; hosts whose flow run ended meanwhile are lost."""
+    store = open_store(config)
+    deadline = time.monotonic() + config.multi_host.ready_timeout_s
+    while waiting:
+        for name in list(waiting):
+            found = read_host_object(store, layout, attempt_id, FLEET, HostFleet, host=name)
+            if found is not None:
+                del waiting[name]
+                return found
+        for name, state in ended_flow_runs(waiting).items():
+            outcome.lost[name] = f"its host flow run ended ({state}) before its servers were ready"
+            get_run_logger().error("host lost host=%s reason=%s", name, outcome.lost[name])
+            del waiting[name]
+        if time.monotonic() >= deadline:
+            for name in waiting:
+                outcome.lost[name] = f"no servers ready within {config.multi_host.ready_timeout_s:.0f}s"
+            waiting.clear()
+            break
+        time.sleep(config.multi_host.poll_interval_s)
+    raise HostsUnavailableError(
+        "no host's servers came up: "
+        + "; ".join(f"{name}: {reason}" for name, reason in sorted(outcome.lost.items()))
+        + ". Read the host flow runs' logs (subflow runs of this run in the UI), fix, and run again with the same "
+        "run id to resume."
+    )
+
+
+def _watch_hosts(
+    config: RunConfig,
+    layout: RunLayout,
+    attempt_id: str,
+    started: dict[str, str],
+    waiting: dict[str, str],
+    watch: HostWatch,
+    outcome: HostsOutcome,
+    stop: threading.Event,
+) -> None:
+    """Until ``stop``: join hosts whose fleet appears, remove hosts that are gone."""
+    logger = get_run_logger()
+    store = open_store(config)
+    deadline = time.monotonic() + config.multi_host.ready_timeout_s
+    while not stop.wait(config.multi_host.poll_interval_s):
+        try:
+            for name in list(waiting):
+                found = read_host_object(store, layout, attempt_id, FLEET, HostFleet, host=name)
+                if found is not None:
+                    del waiting[name]
+                    _join(watch, found, outcome)
+            ended = ended_flow_runs(started)
+            for name in list(waiting):
+                if name in ended or time.monotonic() >= deadline:
+                    reason = (
+                        f"its host flow run ended ({ended[name]}) before its servers were ready"
+                        if name in ended
+                        else f"no servers ready within {config.multi_host.ready_timeout_s:.0f}s"
+                    )
+                    del waiting[name]
+                    outcome.lost[name] = watch.give_up(name, reason).reason
+            for lost in watch.check({name: state for name, state in ended.items() if name in watch.active}):
+                outcome.lost[lost.name] = lost.reason
+            if not watch.active and not waiting:
+                logger.error(
+                    "every host is lost: requests wait for servers, then fail after "
+                    "generation.no_live_server_timeout_s; rerun with the same run id to resume"
+                )
+        except Exception as error:  # the watcher must outlive one failed API call
+            logger.warning("host watch failed; retrying error=%s", error)
+
+
+def _await_hosts_stopped(started: dict[str, str], outcome: HostsOutcome) -> None:
+    """Wait (bounded) for the host parts to end after the release, and log how each ended."""
+    logger = get_run_logger()
+    deadline = time.monotonic() + HOSTS_STOP_WAIT_S
+    alive = {name: run for name, run in started.items() if name not in outcome.lost}
+    while alive and time.monotonic() < deadline:
+        try:
+            ended = ended_flow_runs(alive)
+        except Exception as error:
+            logger.warning("host states unavailable error=%s", error)
+            return
+        for name, state in ended.items():
+            logger.info("host part ended host=%s state=%s", name, state)
+            del alive[name]
+        if alive:
+            time.sleep(1.0)
+    if alive:
+        logger.warning(
+            "host parts still running %.0fs after the release: %s (they stop their servers when they see it)",
+            HOSTS_STOP_WAIT_S,
+            ",".join(alive),
+        )

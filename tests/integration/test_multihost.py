@@ -1,0 +1,289 @@
+"""One run over two "hosts": a real `prefect server start`, the `expand-host` deployment, two process workers on
+two work queues (separate state folders and GPU locks: two boxes), each host serving simulated
+continuous-batching servers of its own (benchmarks/simulator.py, one process per host, `engine: external`).
+
+* a run across both hosts: every request answered exactly once, both hosts served, both host parts completed;
+* one host killed mid-run (its worker, its host flow run's process and its servers, SIGKILL): the run completes
+  on the other host, every request answered exactly once, the report names the lost host;
+* a host on a work queue that does not exist refuses the run before any host part starts.
+
+The parent runs through `datagen run` with PREFECT_API_URL set (the same flow the deployments run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from tests.support.prefect_stack import PrefectStack, copy_checkout, free_port, stop_group
+
+REPO = Path(__file__).resolve().parents[2]
+POOL = "gpu-box"
+HOSTS = ("host-a", "host-b")
+SERVERS_PER_HOST = 2
+SLOTS = 8
+RUN_TIMEOUT_S = 300
+
+
+class Stack:
+    """The deployed checkout, its Prefect server, one worker and one simulator process per host."""
+
+    def __init__(self, root: Path, prefect: PrefectStack, clone: Path) -> None:
+        self.root = root
+        self.prefect = prefect
+        self.clone = clone
+        self.workers: dict[str, subprocess.Popen[bytes]] = {}
+        self.simulators: dict[str, subprocess.Popen[bytes]] = {}
+        self.urls: dict[str, list[str]] = {}
+
+    def start_host(self, host: str) -> None:
+        """A worker polling only the host's queue, and the host's servers."""
+        self.workers[host] = self.prefect.start_worker(
+            POOL,
+            self.root / f"worker-{host}",
+            f"worker-{host}",
+            work_queue=host,
+            PYTHONPATH=str(self.clone),
+            DATAGEN_STATE_DIR=str(self.root / f"state-{host}"),
+            DATAGEN_GPU_LOCK=f"datagen-gpus-{host}",
+        )
+        self.start_servers(host)
+
+    def start_servers(self, host: str, step_ms: float = 20.0) -> None:
+        """The host's simulated servers (restarted with new ports for each test)."""
+        if host in self.simulators:
+            stop_group(self.simulators[host])
+        ports = [free_port() for _ in range(SERVERS_PER_HOST)]
+        self.simulators[host] = subprocess.Popen(
+            [
+                sys.executable,
+                str(REPO / "benchmarks" / "simulator.py"),
+                "--ports",
+                ",".join(map(str, ports)),
+                "--slots",
+                str(SLOTS),
+                "--mean-tokens",
+                "30",
+                "--sigma",
+                "0.5",
+                "--step-base-ms",
+                str(step_ms),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.urls[host] = [f"http://127.0.0.1:{port}" for port in ports]
+        deadline = time.monotonic() + 30
+        for url in self.urls[host]:
+            while True:
+                try:
+                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                assert time.monotonic() < deadline, f"simulator {url} did not start"
+                time.sleep(0.1)
+
+    def served(self, host: str) -> int:
+        """Requests the host's servers finished."""
+        return sum(httpx.get(f"{url}/bench/stats", timeout=5).json()["finished"] for url in self.urls[host])
+
+    def run(self, config: dict[str, Any], run_id: str) -> subprocess.Popen[str]:
+        """`datagen run --config FILE --run-id ID` against the stack's Prefect server (the parent flow)."""
+        path = self.root / f"{run_id}.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        return subprocess.Popen(
+            [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(path), "--run-id", run_id],
+            cwd=self.root,
+            env=self.prefect.env(
+                PYTHONPATH=str(self.clone), DATAGEN_STATE_DIR=str(self.root / "state-parent")
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
+    """`datagen deploy --name expand-host` from a clone, a Prefect server, one worker + servers per host."""
+    root = tmp_path_factory.mktemp("multihost")
+    clone = copy_checkout(REPO, root / "clone")
+    prefect = PrefectStack(home=root / "prefect-home").start()
+    stack = Stack(root, prefect, clone)
+    try:
+        deployed = subprocess.run(
+            [sys.executable, "-m", "flows.cli_entry", "deploy", "--name", "expand-host"],
+            cwd=root,
+            env=prefect.env(PYTHONPATH=str(clone)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        for host in HOSTS:
+            created = prefect.prefect("work-queue", "create", host, "--pool", POOL, cwd=root)
+            assert created.returncode == 0, created.stdout + created.stderr
+            stack.start_host(host)
+        yield stack
+    finally:
+        for simulator in stack.simulators.values():
+            stop_group(simulator)
+        prefect.stop()
+
+
+def _config(
+    stack: Stack, tmp_path: Path, tiny_model_dir: Path, prompts: int, **multi_host: Any
+) -> dict[str, Any]:
+    dataset = tmp_path / "questions.jsonl"
+    with dataset.open("w") as handle:
+        for index in range(prompts):
+            message = {"role": "user", "content": f"question {index:04d}: explain it."}
+            handle.write(json.dumps({"messages": [message]}) + "\n")
+    return {
+        "model": {"path": str(tiny_model_dir)},
+        "fleet": {
+            "engine": "external",
+            "external_urls": stack.urls[HOSTS[0]],
+            "max_inflight_per_server": SLOTS,
+        },
+        "sampling": {"max_tokens": 64},
+        "datasets": [
+            {
+                "name": "questions",
+                "format": "openai_messages",
+                "path": str(dataset),
+                "category": "chat",
+                "shard_size": 50,
+            }
+        ],
+        "output": str(tmp_path / "out"),
+        "generation": {
+            "checkpoint_every": 16,
+            "checkpoint_interval_s": 0.5,
+            "request_timeout_s": 30,
+            "backoff_initial_s": 0.2,
+            "backoff_max_s": 1.0,
+        },
+        "tokenize": {"dataset_name": "drafter-expansion"},
+        "hosts": [
+            {"name": host, "work_queue": host, "fleet": {"external_urls": stack.urls[host]}} for host in HOSTS
+        ],
+        "multi_host": {"poll_interval_s": 0.5, "ready_timeout_s": 180, **multi_host},
+    }
+
+
+def _answered(run_root: Path) -> Counter[tuple[str, int]]:
+    """(prompt id, sample) -> how many final records (completions and failures) the run holds for it."""
+    keys: Counter[tuple[str, int]] = Counter()
+    for folder in ("completions", "failures"):
+        for path in (run_root / folder).rglob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                record = json.loads(line)
+                keys[(record["prompt_id"], record["sample_index"])] += 1
+    return keys
+
+
+def _finish(process: subprocess.Popen[str]) -> str:
+    try:
+        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+    return output
+
+
+def _assert_exactly_once(run_root: Path, prompts: int) -> None:
+    answered = _answered(run_root)
+    assert len(answered) == prompts, f"{prompts - len(answered)} request(s) never answered"
+    duplicated = [key for key, count in answered.items() if count > 1]
+    assert not duplicated, f"answered more than once: {duplicated[:5]}"
+    failures = sum(1 for _ in (run_root / "failures").rglob("*.jsonl") for line in _.read_text().splitlines())
+    assert failures == 0
+
+
+def test_a_run_across_two_hosts_answers_every_request_once_on_both(
+    stack: Stack, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    prompts = 200
+    for host in HOSTS:
+        stack.start_servers(host, step_ms=10.0)
+    config = _config(stack, tmp_path, tiny_model_dir, prompts)
+
+    output = _finish(stack.run(config, "two-hosts"))
+
+    assert "run complete" in output or "completions" in output, output[-6000:]
+    run_root = tmp_path / "out" / "runs" / "two-hosts"
+    assert (run_root / "manifest.json").exists(), output[-6000:]
+    _assert_exactly_once(run_root, prompts)
+    report = json.loads((run_root / "report.json").read_text())
+    assert report["hosts"] == list(HOSTS)
+    assert report["lost_hosts"] == {}
+    assert report["servers"] == SERVERS_PER_HOST * len(HOSTS)
+    for host in HOSTS:
+        assert stack.served(host) > prompts // 5, f"{host} served almost nothing"
+        assert f"host part ended host={host} state=Completed" in output, output[-6000:]
+
+
+def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_names_it(
+    stack: Stack, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    prompts = 800
+    for host in HOSTS:
+        stack.start_servers(host, step_ms=25.0)
+    config = _config(stack, tmp_path, tiny_model_dir, prompts, host_lost_after_s=3)
+    lost = HOSTS[1]
+
+    parent = stack.run(config, "host-loss")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while stack.served(lost) < 60:
+        assert parent.poll() is None, _finish(parent)[-6000:]
+        assert time.monotonic() < deadline, "the lost-to-be host never served"
+        time.sleep(0.2)
+    fleet_files = list((tmp_path / "out" / "runs" / "host-loss" / "hosts").glob(f"*/{lost}/fleet.json"))
+    host_part_pid = json.loads(fleet_files[0].read_text())["pid"]
+    # The box dies: its worker, the flow run process that owns its servers, the servers.
+    os.killpg(stack.workers[lost].pid, signal.SIGKILL)
+    os.kill(host_part_pid, signal.SIGKILL)
+    os.killpg(stack.simulators[lost].pid, signal.SIGKILL)
+
+    output = _finish(parent)
+
+    assert parent.returncode == 0, output[-8000:]
+    run_root = tmp_path / "out" / "runs" / "host-loss"
+    _assert_exactly_once(run_root, prompts)
+    report = json.loads((run_root / "report.json").read_text())
+    assert list(report["lost_hosts"]) == [lost], report["lost_hosts"]
+    assert "servers down" in report["lost_hosts"][lost]
+    assert f"host lost: {lost}" in (run_root / "report.md").read_text()
+    assert f"host lost host={lost}" in output
+    stack.start_host(lost)  # the next test gets a whole "box" again
+
+
+def test_a_host_on_an_unknown_work_queue_refuses_the_run_before_any_host_starts(
+    stack: Stack, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    config = _config(stack, tmp_path, tiny_model_dir, 10)
+    config["hosts"][1]["work_queue"] = "no-such-queue"
+
+    process = stack.run(config, "unknown-queue")
+    output = _finish(process)
+
+    assert process.returncode == 2, output[-6000:]
+    assert "work queue 'no-such-queue' does not exist in pool 'gpu-box'" in output.replace("\n", " "), output[
+        -4000:
+    ]
+    assert not (tmp_path / "out" / "runs" / "unknown-queue" / "hosts").exists()
