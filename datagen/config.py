@@ -522,6 +522,12 @@ class MultiHostConfig(StrictModel):
     poll_interval_s: float = Field(
         default=1.0, gt=0, description="How often hosts and the parent look for each other's markers."
     )
+    start_with_hosts: int = Field(
+        default=1,
+        gt=0,
+        description="Generation starts once this many hosts serve (the others join as they come up); fewer "
+        "only when the rest were lost first.",
+    )
 
 
 class RunConfig(StrictModel):
@@ -591,6 +597,11 @@ class RunConfig(StrictModel):
     def _hosts_fit_the_fleet(self) -> RunConfig:
         if not self.hosts:
             return self
+        if self.multi_host.start_with_hosts > len(self.hosts):
+            raise ValueError(
+                f"multi_host.start_with_hosts is {self.multi_host.start_with_hosts} but only {len(self.hosts)} "
+                "host(s) are listed: lower it"
+            )
         if self.fleet.router:
             raise ValueError(
                 "fleet.router cannot be used with hosts: the run's dispatcher already routes over every "

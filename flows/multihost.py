@@ -2,7 +2,8 @@
 
     check-hosts -> one `expand-host` flow run per host (run_deployment, timeout=0: subflow runs in the UI)
       -> every host's preflight.json -> go.json (or: refuse the run, nothing halted anywhere)
-      -> the first fleet.json -> one Dispatcher; later hosts join it, lost hosts leave it (a watcher thread)
+      -> the first fleet.json(s) (multi_host.start_with_hosts) -> one Dispatcher; later hosts join it,
+         lost hosts leave it (a watcher thread)
       -> generation (the same shard tasks as on one box) -> release.json -> the hosts stop and hand back
 
 See docs/architecture.md ("Several hosts") for why one dispatcher over every host's servers.
@@ -81,7 +82,8 @@ def run_on_hosts(
     try:
         _await_preflights(config, layout, attempt_id, started)
         waiting = dict(started)
-        first = _await_first_fleet(config, layout, attempt_id, waiting, outcome)
+        ready = _await_fleets(config, layout, attempt_id, waiting, outcome)
+        first = ready[0]
         api_key = get_settings().server_api_key
         with Dispatcher(
             first.urls,
@@ -93,7 +95,8 @@ def run_on_hosts(
             exact_tokens=datagen.engines.exact_tokens_enabled(config),
         ) as dispatcher:
             watch = HostWatch(dispatcher, lost_after_s=config.multi_host.host_lost_after_s)
-            _join(watch, first, outcome)
+            for fleet in ready:
+                _join(watch, fleet, outcome)
             stop = threading.Event()
             watcher = threading.Thread(
                 target=contextvars.copy_context().run,
@@ -172,18 +175,26 @@ def _await_preflights(config: RunConfig, layout: RunLayout, attempt_id: str, sta
     )
 
 
-def _await_first_fleet(
+def _await_fleets(
     config: RunConfig, layout: RunLayout, attempt_id: str, waiting: dict[str, str], outcome: HostsOutcome
-) -> HostFleet:
-    """The first host fleet to be ready; hosts whose flow run ended meanwhile are lost."""
+) -> list[HostFleet]:
+    """The first ``multi_host.start_with_hosts`` host fleets to be ready (fewer when the others were lost).
+
+    Hosts whose flow run ends meanwhile, or that are not ready by ``multi_host.ready_timeout_s``, are lost.
+
+    Raises:
+        HostsUnavailableError: Every host was lost before serving.
+    """
     store = open_store(config)
+    wanted = config.multi_host.start_with_hosts
     deadline = time.monotonic() + config.multi_host.ready_timeout_s
-    while waiting:
+    ready: list[HostFleet] = []
+    while waiting and len(ready) < wanted:
         for name in list(waiting):
             found = read_host_object(store, layout, attempt_id, FLEET, HostFleet, host=name)
             if found is not None:
                 del waiting[name]
-                return found
+                ready.append(found)
         for name, state in ended_flow_runs(waiting).items():
             outcome.lost[name] = f"its host flow run ended ({state}) before its servers were ready"
             get_run_logger().error("host lost host=%s reason=%s", name, outcome.lost[name])
@@ -192,8 +203,10 @@ def _await_first_fleet(
             for name in waiting:
                 outcome.lost[name] = f"no servers ready within {config.multi_host.ready_timeout_s:.0f}s"
             waiting.clear()
-            break
-        time.sleep(config.multi_host.poll_interval_s)
+        elif waiting and len(ready) < wanted:
+            time.sleep(config.multi_host.poll_interval_s)
+    if ready:
+        return ready
     raise HostsUnavailableError(
         "no host's servers came up: "
         + "; ".join(f"{name}: {reason}" for name, reason in sorted(outcome.lost.items()))

@@ -221,7 +221,8 @@ def test_a_run_across_two_hosts_answers_every_request_once_on_both(
     prompts = 200
     for host in HOSTS:
         stack.start_servers(host, step_ms=10.0)
-    config = _config(stack, tmp_path, tiny_model_dir, prompts)
+    # Both hosts serve from the first request: a short run could otherwise end before the second joins.
+    config = _config(stack, tmp_path, tiny_model_dir, prompts, start_with_hosts=2)
 
     output = _finish(stack.run(config, "two-hosts"))
 
@@ -244,7 +245,7 @@ def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_
     prompts = 480
     for host in HOSTS:
         stack.start_servers(host, step_ms=25.0)
-    config = _config(stack, tmp_path, tiny_model_dir, prompts, host_lost_after_s=3)
+    config = _config(stack, tmp_path, tiny_model_dir, prompts, host_lost_after_s=3, start_with_hosts=2)
     lost = HOSTS[1]
 
     parent = stack.run(config, "host-loss")
