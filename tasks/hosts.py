@@ -7,7 +7,9 @@ and never waits on it: the hosts and the parent meet in the run's store (:mod:`d
 
 from __future__ import annotations
 
+import contextvars
 import datetime as dt
+from concurrent.futures import ThreadPoolExecutor
 from uuid import UUID
 
 from prefect import get_run_logger, task
@@ -24,6 +26,8 @@ from datagen.errors import PreflightError
 # A worker polls its queue every 10 s by default (PREFECT_WORKER_QUERY_SECONDS): a queue not polled for six
 # times that has no worker behind it.
 WORKER_STALE_S = 60.0
+# Host parts started at once (API calls in flight together).
+MAX_PARALLEL_STARTS = 16
 
 
 def _deployment_of(config: RunConfig, host: str) -> str:
@@ -95,31 +99,50 @@ def check_hosts(config: RunConfig) -> list[str]:
     return lines
 
 
+def _start_host_part(config: RunConfig, host: str, attempt_id: str, parent_flow_run_id: str | None) -> str:
+    entry = config.host(host)
+    flow_run = run_deployment(  # a sync call outside an event loop returns the FlowRun itself
+        _deployment_of(config, host),
+        parameters={
+            "config": config.model_dump(mode="json"),
+            "host": host,
+            "attempt_id": attempt_id,
+            "parent_flow_run_id": parent_flow_run_id,
+        },
+        flow_run_name=f"expand-host-{config.run_id}-{host}",
+        work_queue_name=entry.work_queue,
+        timeout=0,
+    )
+    assert isinstance(flow_run, FlowRun)
+    return str(flow_run.id)
+
+
 def start_host_parts(config: RunConfig, attempt_id: str, parent_flow_run_id: str | None) -> dict[str, str]:
-    """Start one `expand-host` flow run per host on its work queue, without waiting for any.
+    """Start one `expand-host` flow run per host on its work queue, all at once, without waiting for any.
+
+    Each start is a few API calls (a second or more on a loaded server): made in parallel, so the last
+    box does not start many seconds after the first.
 
     Returns:
         Host name -> its host flow run id.
     """
     logger = get_run_logger()
-    started: dict[str, str] = {}
-    for host in config.hosts:
-        flow_run = run_deployment(  # a sync call inside a sync flow returns the FlowRun itself
-            _deployment_of(config, host.name),
-            parameters={
-                "config": config.model_dump(mode="json"),
-                "host": host.name,
-                "attempt_id": attempt_id,
-                "parent_flow_run_id": parent_flow_run_id,
-            },
-            flow_run_name=f"expand-host-{config.run_id}-{host.name}",
-            work_queue_name=host.work_queue,
-            timeout=0,
-        )
-        assert isinstance(flow_run, FlowRun)
-        started[host.name] = str(flow_run.id)
+    names = [host.name for host in config.hosts]
+    with ThreadPoolExecutor(max_workers=min(len(names), MAX_PARALLEL_STARTS)) as pool:
+        # Each call runs in a copy of this flow run's context, so Prefect links it as a subflow run.
+        futures = [
+            pool.submit(
+                contextvars.copy_context().run, _start_host_part, config, name, attempt_id, parent_flow_run_id
+            )
+            for name in names
+        ]
+        started = {name: future.result() for name, future in zip(names, futures, strict=True)}
+    for name, flow_run_id in started.items():
         logger.info(
-            "host part started host=%s work_queue=%s flow_run=%s", host.name, host.work_queue, flow_run.id
+            "host part started host=%s work_queue=%s flow_run=%s",
+            name,
+            config.host(name).work_queue,
+            flow_run_id,
         )
     return started
 

@@ -234,6 +234,16 @@ def test_a_run_across_two_hosts_answers_every_request_once_on_both(
     assert report["hosts"] == list(HOSTS)
     assert report["lost_hosts"] == {}
     assert report["servers"] == SERVERS_PER_HOST * len(HOSTS)
+    # One host flow run per host, each a subflow run of the parent (linked through a parent task run).
+    response = httpx.post(
+        f"{stack.prefect.api_url}/flow_runs/filter",
+        json={"flow_runs": {"name": {"like_": "expand-host-two-hosts-"}}},
+        timeout=10,
+    )
+    host_runs = response.json()
+    assert sorted(run["name"] for run in host_runs) == [f"expand-host-two-hosts-{host}" for host in HOSTS]
+    assert all(run["parent_task_run_id"] for run in host_runs), host_runs
+    assert {run["work_queue_name"] for run in host_runs} == set(HOSTS)
     for host in HOSTS:
         assert stack.served(host) > prompts // 5, f"{host} served almost nothing"
         assert f"host part ended host={host} state=Completed" in output, output[-6000:]
@@ -244,7 +254,7 @@ def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_
 ) -> None:
     prompts = 480
     for host in HOSTS:
-        stack.start_servers(host, step_ms=25.0)
+        stack.start_servers(host, step_ms=12.0)
     config = _config(stack, tmp_path, tiny_model_dir, prompts, host_lost_after_s=3, start_with_hosts=2)
     lost = HOSTS[1]
 
