@@ -29,7 +29,7 @@ from datagen.errors import ConfigError, OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
 from datagen.output.store import Store
-from datagen.output.tokenize import TokenizerSpec, shared_tokenizer
+from datagen.output.tokenize import TokenizerSpec
 from datagen.output.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
 from datagen.records import utc_now
 
@@ -212,7 +212,7 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
 
     def make_job() -> TokenizeJob:
         return TokenizeJob(
-            spec=TokenizerSpec.from_tokenizer(shared_tokenizer(config.model.tokenizer)),
+            spec=TokenizerSpec.load(config.model.tokenizer),
             max_length_tokens=settings.max_length_tokens,
             include_truncated=settings.include_truncated,
             answer_render=settings.answer_render,

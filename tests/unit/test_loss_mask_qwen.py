@@ -16,6 +16,8 @@ from typing import Any
 import pytest
 
 from datagen.output.tokenize import (
+    EncodedRow,
+    RowTokenizer,
     TokenizedRow,
     TokenizerSpec,
     load_tokenizer,
@@ -235,6 +237,18 @@ def test_the_fixture_tokenizer_is_qwen3s(qwen: tuple[str, Any]) -> None:
 def test_mask_is_exactly_the_generated_tokens(qwen: tuple[str, Any], case: str) -> None:
     _, tokenizer = qwen
     check(tokenizer, CASES[case])
+
+
+def test_merge_path_gives_the_same_rows(qwen: tuple[str, Any]) -> None:
+    # The merge reads the tokenizer folder without transformers and encodes with TextEncoder's fast path.
+    _, tokenizer = qwen
+    rows = RowTokenizer(TokenizerSpec.load(tokenizer.name_or_path), max_length_tokens=None)
+    assert rows.text.fast
+    assert rows.renders_answer_alone
+    records = [CASES[case] for case in sorted(CASES)]
+    for rec, row in zip(records, rows.encode(records), strict=True):
+        assert isinstance(row, EncodedRow)
+        assert (row.input_ids, row.loss_mask()) == reference_row(tokenizer, rec)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
