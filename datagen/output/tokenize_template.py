@@ -96,7 +96,7 @@ def read_tokenizer_files(path: str) -> TokenizerFiles | None:
     config = json.loads((folder / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
     tokenizer_class = str(config.get("tokenizer_class"))
     defaults = KNOWN_TOKENIZER_CLASSES.get(tokenizer_class)
-    if defaults is None or config.get("add_prefix_space"):
+    if defaults is None or config.get("add_prefix_space") or config.get("split_special_tokens"):
         return None
     if "added_tokens_decoder" not in config and any((folder / name).exists() for name in _LEGACY_FILES):
         return None

@@ -51,9 +51,10 @@ _ASCII_SPLIT = re.compile(
 # Where the pattern always cuts, whatever the other characters' classes: between a newline and a printable,
 # non-space ASCII character (no piece runs across a newline into a non-whitespace character).
 _CHUNK_BOUNDARY = re.compile(r"(?<=[\r\n])(?=[!-~])")
-# Distinct pieces kept per process (~100 bytes each): English text and code need tens of thousands; the cache
-# is emptied when full, so memory stays bounded whatever the data.
-PIECE_CACHE_ENTRIES = 500_000
+# Distinct pieces kept per process (~250 bytes each with their ids and the dict slot, so ~50 MB at most):
+# English prose and code need tens of thousands; the cache is emptied when full, so memory stays bounded
+# whatever the data.
+PIECE_CACHE_ENTRIES = 200_000
 
 
 class TextEncoder:
@@ -66,7 +67,10 @@ class TextEncoder:
 
     def __init__(self, backend: Any) -> None:
         self.backend = backend
-        self.fast = self.supports(_structure(backend))
+        # A tokenizer told to encode special tokens as text does not split on them: not the structure above.
+        self.fast = self.supports(_structure(backend)) and not getattr(
+            backend, "encode_special_tokens", False
+        )
         self._cache: dict[str, list[int]] = {}
         self._added: re.Pattern[str] | None = None
         self._added_ids: dict[str, int] = {}

@@ -186,3 +186,9 @@ def test_a_chat_template_file_wins_over_the_config(tmp_path: Path) -> None:
     files = read_tokenizer_files(str(folder))
     assert files is not None
     assert files.chat_template == load_tokenizer(str(folder)).chat_template == "{{ messages[0].content }}"
+
+
+def test_split_special_tokens_is_left_to_transformers(tmp_path: Path) -> None:
+    folder = build_qwen_tokenizer_dir(tmp_path / "qwen3", "qwen3")
+    _edit_config(folder, split_special_tokens=True)
+    assert read_tokenizer_files(str(folder)) is None

@@ -96,3 +96,14 @@ def test_other_tokenizer_structures_are_encoded_by_the_tokenizer_itself(backend:
     texts = ["ﬁne ²", "plain text"]
     assert not encoder.fast
     assert encoder.encode_batch(texts) == _reference(other, texts)
+
+
+def test_a_tokenizer_that_encodes_special_tokens_as_text_is_left_to_itself(backend: Any) -> None:
+    from tokenizers import Tokenizer
+
+    split = Tokenizer.from_str(backend.to_str())
+    split.encode_special_tokens = True
+    encoder = TextEncoder(split)
+    texts = ["<|im_start|>user\nhi<|im_end|>"]
+    assert not encoder.fast
+    assert encoder.encode_batch(texts) == _reference(split, texts)
