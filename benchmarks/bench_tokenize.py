@@ -236,6 +236,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="Runs per contender and size (interleaved).")
     parser.add_argument("--template", default="qwen3.6", choices=["qwen3", "qwen3.6"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vocabulary",
+        default="small",
+        choices=["small", "wide"],
+        help="Prose vocabulary (benchmarks/tokenize_data.py): small (~250 words) or wide (30,000 pseudo-words, "
+        "Zipf-distributed, 0.5%% of words non-ASCII).",
+    )
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--run-one", nargs=5, metavar=("NAME", "ROOT", "TOKENIZER", "PROCS", "OUT"))
     args = parser.parse_args()
@@ -250,12 +257,13 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     tokenizer = build_qwen_tokenizer_dir(base / "tokenizer", args.template)
     print(
-        f"machine: {os.cpu_count()} cores, load {os.getloadavg()}; procs={args.procs}; template={args.template}"
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()}; procs={args.procs}; template={args.template}; "
+        f"vocabulary={args.vocabulary}"
     )
     report: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for size in args.sizes:
         root = base / f"data-{size}"
-        write_run(root, RUN_ID, size, args.seed)
+        write_run(root, RUN_ID, size, args.seed, args.vocabulary)
         order = list(args.contenders)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in order}
         for repeat in range(args.repeats):
