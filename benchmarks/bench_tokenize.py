@@ -7,8 +7,9 @@ its process tree. Afterwards every output is read back and compared: rows, token
 digest of every row's ids and mask, in order, must be identical, or the benchmark fails.
 
 Runs are interleaved (datagen, datasets, pool, pool, datasets, datagen, ...) so load on a shared machine
-hits every contender alike; medians are reported. Every process tokenizes on one thread
-(``TOKENIZERS_PARALLELISM=false``), so each contender uses exactly its N processes.
+hits every contender alike; medians are reported, with the 1-minute load average at the start and end of every
+run (wall times mean little when other work shares the cores; CPU seconds are steadier). Every process
+tokenizes on one thread (``TOKENIZERS_PARALLELISM=false``), so each contender uses exactly its N processes.
 
     python benchmarks/bench_tokenize.py --sizes 20000 80000 --procs 2 --repeats 2
 """
@@ -191,6 +192,7 @@ def measure(name: str, root: Path, tokenizer: Path, procs: int) -> dict[str, Any
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
     peak = 0
+    load_before = os.getloadavg()[0]
     process = subprocess.Popen(command, env=env)
     stop = threading.Event()
 
@@ -215,6 +217,7 @@ def measure(name: str, root: Path, tokenizer: Path, procs: int) -> dict[str, Any
         raise SystemExit(f"{name} failed with exit code {code}")
     result = {
         "name": name,
+        "load": (load_before, os.getloadavg()[0]),
         "wall_s": wall_s,
         "cpu_s": cpu_s,
         "peak_rss_mib": peak / 2**20,
@@ -233,6 +236,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="Runs per contender and size (interleaved).")
     parser.add_argument("--template", default="qwen3.6", choices=["qwen3", "qwen3.6"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--vocabulary",
+        default="small",
+        choices=["small", "wide"],
+        help="Prose vocabulary (benchmarks/tokenize_data.py): small (~250 words) or wide (30,000 pseudo-words, "
+        "Zipf-distributed, 0.5%% of words non-ASCII).",
+    )
     parser.add_argument("--contenders", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--run-one", nargs=5, metavar=("NAME", "ROOT", "TOKENIZER", "PROCS", "OUT"))
     args = parser.parse_args()
@@ -247,12 +257,13 @@ def main() -> None:
     base = Path(tempfile.mkdtemp(prefix="bench-tokenize-"))
     tokenizer = build_qwen_tokenizer_dir(base / "tokenizer", args.template)
     print(
-        f"machine: {os.cpu_count()} cores, load {os.getloadavg()}; procs={args.procs}; template={args.template}"
+        f"machine: {os.cpu_count()} cores, load {os.getloadavg()}; procs={args.procs}; template={args.template}; "
+        f"vocabulary={args.vocabulary}"
     )
     report: dict[int, dict[str, list[dict[str, Any]]]] = {}
     for size in args.sizes:
         root = base / f"data-{size}"
-        write_run(root, RUN_ID, size, args.seed)
+        write_run(root, RUN_ID, size, args.seed, args.vocabulary)
         order = list(args.contenders)
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in order}
         for repeat in range(args.repeats):
@@ -261,7 +272,7 @@ def main() -> None:
                 runs[name].append(result)
                 print(
                     f"  {size:>6} {name:<8} {result['wall_s']:7.1f} s  cpu {result['cpu_s']:7.1f} s  "
-                    f"{result['peak_rss_mib']:7.0f} MiB  "
+                    f"{result['peak_rss_mib']:7.0f} MiB  load {result['load'][0]:.2f}->{result['load'][1]:.2f}  "
                     f"rows={result['rows']} tokens={result['tokens']} loss={result['loss_tokens']}",
                     flush=True,
                 )
@@ -273,7 +284,13 @@ def main() -> None:
 
 def _print_report(report: dict[int, dict[str, list[dict[str, Any]]]], procs: int) -> None:
     failures: list[str] = []
-    print(f"\nmedians (procs={procs}; load now {os.getloadavg()})")
+    loads = [
+        load for runs in report.values() for results in runs.values() for r in results for load in r["load"]
+    ]
+    print(
+        f"\nmedians (procs={procs}; 1-minute load average at the start and end of the runs: "
+        f"{min(loads):.2f} to {max(loads):.2f}; the machine has {os.cpu_count()} cores)"
+    )
     print(
         f"{'completions':>11} {'contender':<9} {'wall s':>7} {'cpu s':>7} {'rows/s':>8} {'tokens/s':>10} "
         f"{'peak RSS':>9}"

@@ -5,13 +5,17 @@ of ~730 tokens (Qwen3 vocabulary), thinking on most rows, Python code in a third
 tool-call round trip in a quarter (answers that are parallel tool calls or text after a tool response),
 multi-turn histories, a few truncated rows and samples of one prompt next to each other (as generate_shard
 writes them). Written as a finished run (completion shards + done markers) in a local store.
+
+Prose comes from one of two vocabularies: ``small`` (the default: ~250 English words, uniformly; every
+tokenizer-side cache hits almost always) or ``wide`` (those words plus 30,000 pseudo-words, Zipf-distributed,
+and one word in 200 non-ASCII: accents, dashes, arrows, CJK), closer to what real answers cost a tokenizer.
 """
 
 from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
@@ -111,8 +115,51 @@ SAMPLES_PER_PROMPT = 2
 SHARD_COMPLETIONS = 512
 
 
+PSEUDO_WORDS = 30_000
+NON_ASCII_SHARE = 0.005
+NON_ASCII_WORDS = [
+    "naïve", "café", "Straße", "façade", "résumé", "—", "→", "°C", "\u00d7", "≤", "中文", "日本語", "Ω", "✓", "“quoted”",
+]  # fmt: skip
+Vocabulary = Literal["small", "wide"]
+
+
+class _TextRandom(random.Random):
+    """A seeded generator that also carries the vocabulary prose is drawn from."""
+
+    def __init__(self, seed: int, vocabulary: Vocabulary) -> None:
+        super().__init__(seed)
+        self.words = WORDS
+        self.cum_weights: list[float] | None = None
+        if vocabulary == "wide":
+            self.words, self.cum_weights = _wide_vocabulary()
+
+    def words_for(self, count: int) -> list[str]:
+        """``count`` words of the vocabulary (the small one uniformly, the wide one Zipf-distributed)."""
+        if self.cum_weights is None:
+            return self.choices(self.words, k=count)
+        return self.choices(self.words, cum_weights=self.cum_weights, k=count)
+
+
+def _wide_vocabulary() -> tuple[list[str], list[float]]:
+    """The real words first, then pseudo-words from syllables; cumulative Zipf weights (1/rank)."""
+    syllables = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"] + ["an", "el", "in", "or", "us", "ex"]
+    maker = random.Random(1234)
+    pseudo: dict[str, None] = {}
+    while len(pseudo) < PSEUDO_WORDS:
+        pseudo["".join(maker.choices(syllables, k=maker.randint(2, 4)))] = None
+    words = [*WORDS, *pseudo]
+    total = 0.0
+    cum_weights = []
+    for rank in range(len(words)):
+        total += 1.0 / (rank + 1)
+        cum_weights.append(total)
+    return words, cum_weights
+
+
 def _sentence(rng: random.Random, words: int) -> str:
-    chosen = rng.choices(WORDS, k=words)
+    chosen = rng.words_for(words) if isinstance(rng, _TextRandom) else rng.choices(WORDS, k=words)
+    if isinstance(rng, _TextRandom) and rng.cum_weights is not None:
+        chosen = [rng.choice(NON_ASCII_WORDS) if rng.random() < NON_ASCII_SHARE else word for word in chosen]
     chosen[0] = chosen[0].capitalize()
     return " ".join(chosen) + rng.choice([".", ".", "?", "!", ":"])
 
@@ -198,18 +245,19 @@ def _completion(
     return AssistantCompletion(content=content, reasoning_content=reasoning)
 
 
-def make_completions(count: int, seed: int) -> list[CompletionRecord]:
+def make_completions(count: int, seed: int, vocabulary: Vocabulary = "small") -> list[CompletionRecord]:
     """``count`` completions (``SAMPLES_PER_PROMPT`` per prompt), the same for the same seed.
 
     Args:
         count: Completions to make.
         seed: Seed of every choice.
+        vocabulary: ``small`` or ``wide`` (see the module docstring).
 
     Returns:
         The records, samples of one prompt next to each other.
 
     """
-    rng = random.Random(seed)
+    rng = _TextRandom(seed, vocabulary)
     records: list[CompletionRecord] = []
     prompt_index = 0
     while len(records) < count:
@@ -245,7 +293,7 @@ def make_completions(count: int, seed: int) -> list[CompletionRecord]:
     return records
 
 
-def write_run(root: Path, run_id: str, count: int, seed: int) -> RunLayout:
+def write_run(root: Path, run_id: str, count: int, seed: int, vocabulary: Vocabulary = "small") -> RunLayout:
     """Write ``count`` completions as a finished run under ``root`` (shards of ``SHARD_COMPLETIONS``).
 
     Args:
@@ -253,6 +301,7 @@ def write_run(root: Path, run_id: str, count: int, seed: int) -> RunLayout:
         run_id: The run id.
         count: Completions to write.
         seed: Seed of the data.
+        vocabulary: ``small`` or ``wide`` (see the module docstring).
 
     Returns:
         The run's layout.
@@ -260,7 +309,7 @@ def write_run(root: Path, run_id: str, count: int, seed: int) -> RunLayout:
     """
     store = Store(str(root))
     layout = RunLayout(run_id)
-    records = make_completions(count, seed)
+    records = make_completions(count, seed, vocabulary)
     for index, start in enumerate(range(0, count, SHARD_COMPLETIONS)):
         chunk = records[start : start + SHARD_COMPLETIONS]
         dataset = "mixed"

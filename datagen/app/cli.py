@@ -321,26 +321,59 @@ def corpus_adopt(
     category_key_pattern: Annotated[
         str | None, typer.Option(help="Regex with a `category` group, searched in each object key.")
     ] = None,
+    tokenizer: Annotated[
+        str | None,
+        typer.Option(
+            help="The target's tokenizer folder: also tokenize the corpus's completions (*.jsonl) into Parquet "
+            "parts in the output store, so the version's parts are the whole corpus."
+        ),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Tokenizer processes (default: the cores available).")
+    ] = None,
 ) -> None:
     """Reference the existing corpus in place as a base dataset version (nothing under URL is written)."""
     from pydantic import ValidationError
 
+    from datagen.config import TokenizeConfig
     from datagen.errors import DatagenError
-    from datagen.output.corpus import CategoryRule, adopt_corpus
+    from datagen.output.corpus import AdoptTokenize, CategoryRule, adopt_corpus
     from datagen.output.store import Store
 
     try:
         rule = CategoryRule(field=category_field, key_pattern=category_key_pattern)
-        adopted = adopt_corpus(url, Store(output, protected_prefixes=[url]), name=name, rule=rule)
+        tokenize = (
+            AdoptTokenize(tokenizer=tokenizer, settings=TokenizeConfig(workers=workers))
+            if tokenizer
+            else None
+        )
+        adopted = adopt_corpus(
+            url, Store(output, protected_prefixes=[url]), name=name, rule=rule, tokenize=tokenize
+        )
     except ValidationError as error:
         _fail(f"invalid category rule: {error}", EXIT_CONFIG_ERROR)
     except DatagenError as error:
         _fail(f"corpus adopt failed: {error}", EXIT_RUN_FAILED)
     version = adopted.version
+    completion_rows = sum(source.rows for source in version.completion_sources)
+    untokenized = [source for source in version.completion_sources if source.tokenized_rows is None]
+    if not version.completion_sources:
+        completions = ""
+    elif untokenized:
+        completions = (
+            f"  completions: {completion_rows} rows referenced, not training rows (give --tokenizer to tokenize "
+            "them into parts)\n"
+        )
+    else:
+        tokenized = sum(source.tokenized_rows or 0 for source in version.completion_sources)
+        completions = (
+            f"  completions: {completion_rows} rows, {tokenized} tokenized into parts, dropped "
+            f"{json.dumps(adopted.dropped_by_reason)}\n"
+        )
     typer.echo(
         f"adopted {url}: {len(version.shards)} parts ({version.rows} rows), "
-        f"{len(version.completion_sources)} completions files "
-        f"({sum(source.rows for source in version.completion_sources)} rows)\n"
+        f"{len(version.completion_sources)} completions files ({completion_rows} rows)\n"
+        f"{completions}"
         f"  categories {json.dumps(version.categories)}\n"
         f"  version    {adopted.version_url}\n"
         f"  next runs: set tokenize.base_version: {adopted.version_url}"

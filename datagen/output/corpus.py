@@ -7,8 +7,11 @@ store (never under the corpus URL) that references every object by URL, size and
 * tokenized Parquet parts (``*.parquet``): ``input_ids`` and ``loss_mask`` list columns of equal length per row;
   counted rows, tokens and loss tokens; listed as the version's ``shards``, the training set's parts;
 * completions (``*.jsonl``, datagen ``CompletionRecord`` lines): validated and counted (tokens from each
-  record's ``usage``); listed as ``completion_sources`` (referenced for tracing and re-tokenizing; they are
-  not training parts until tokenized).
+  record's ``usage``); listed as ``completion_sources``. Given the target's tokenizer (:class:`AdoptTokenize`),
+  they are also tokenized exactly as a run's completions are (same filters, loss mask and writer) into
+  write-once parts in the output store (``runs/adopted-<digest>/tokenized/``), listed after the adopted
+  parts: then the version's Parquet parts are the whole corpus. Without one they are referenced only and are
+  not training rows.
 
 Rows are counted per category by a :class:`CategoryRule` (a Parquet column or record field, or a regular
 expression over the object's key). Later versions name this one as ``tokenize.base_version`` and inherit its
@@ -26,16 +29,25 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from datagen.config import TokenizeConfig
 from datagen.errors import DatasetError, OutputExistsError
-from datagen.output.layout import dataset_version
+from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.manifest import HASH_CHUNK_BYTES
-from datagen.output.merge import MAX_VERSION_CLAIMS, CompletionSourceRef, DatasetVersion, TokenizedPartRef
+from datagen.output.merge import (
+    MAX_VERSION_CLAIMS,
+    CompletionSourceRef,
+    DatasetVersion,
+    TokenizedPartRef,
+    write_tokenized_parts,
+)
 from datagen.output.store import Store
 from datagen.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
 
 ADOPTED_RUN_ID = "adopted"
+# Hex digits of the digest naming the parts tokenized from an adopted corpus's completions.
+ADOPTED_PARTS_DIGEST_CHARS = 16
 UNCATEGORIZED = "uncategorized"
 PARQUET_SUFFIX = ".parquet"
 JSONL_SUFFIX = ".jsonl"
@@ -78,6 +90,20 @@ class CategoryRule(BaseModel):
         return match["category"] if match and match["category"] else None
 
 
+class AdoptTokenize(BaseModel):
+    """Tokenize an adopted corpus's completions files into training parts, as a run's completions are.
+
+    Attributes:
+        tokenizer: The target's tokenizer folder (the model the completions were generated with).
+        settings: Filters, part and row-group sizes, workers (``dataset_name`` and ``base_version`` unused).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    tokenizer: str
+    settings: TokenizeConfig = Field(default_factory=TokenizeConfig)
+
+
 class AdoptedCorpus(BaseModel):
     """What ``adopt_corpus`` found and wrote."""
 
@@ -86,10 +112,19 @@ class AdoptedCorpus(BaseModel):
     version_key: str
     version_url: str
     version: DatasetVersion
+    dropped_by_reason: dict[str, int] = Field(
+        default_factory=dict,
+        description="Completions not tokenized into rows, by reason (tokenized adoption).",
+    )
 
 
 def adopt_corpus(
-    corpus_url: str, output: Store, *, name: str, rule: CategoryRule | None = None
+    corpus_url: str,
+    output: Store,
+    *,
+    name: str,
+    rule: CategoryRule | None = None,
+    tokenize: AdoptTokenize | None = None,
 ) -> AdoptedCorpus:
     """Reference every object under ``corpus_url`` in a new dataset version written to ``output``.
 
@@ -98,12 +133,16 @@ def adopt_corpus(
         output: Where the manifest goes; the corpus URL is added to its protected prefixes.
         name: The dataset name (``datasets/<name>/vNNNN.json``).
         rule: How rows are counted per category; everything is ``uncategorized`` without one.
+        tokenize: Also tokenize the completions files into parts (written to ``output``); referenced only
+            when None.
 
     Returns:
         The written version.
 
     Raises:
         DatasetError: Nothing adoptable is there, or an object is not a valid part or completions file.
+        ConfigError: The tokenizer cannot be read.
+        TokenizeError: Parts an interrupted adoption left do not match the completions any more.
 
     """
     rule = rule or CategoryRule()
@@ -129,7 +168,45 @@ def adopt_corpus(
             sources.append(source)
         categories.update(counts)
         logger.info("adopted key=%s categories=%s", key, dict(counts))
-    return _publish(output, name, corpus_url, shards, sources, dict(sorted(categories.items())))
+    dropped: dict[str, int] = {}
+    if tokenize is not None and sources:
+        completion_keys = [key for key in keys if key.endswith(JSONL_SUFFIX)]
+        layout = RunLayout(_adopted_parts_id(corpus_url, sources, tokenize))
+        logger.info("tokenizing adopted completions files=%d parts_run=%s", len(sources), layout.run_id)
+        parts, tally, _ = write_tokenized_parts(
+            output, layout, corpus, completion_keys, tokenizer=tokenize.tokenizer, settings=tokenize.settings
+        )
+        shards.extend(parts)
+        sources = [
+            source.model_copy(update={"tokenized_rows": tally.rows_by_file[key]})
+            for source, key in zip(sources, completion_keys, strict=True)
+        ]
+        dropped = dict(sorted(tally.dropped.items()))
+    adopted = _publish(output, name, corpus_url, shards, sources, dict(sorted(categories.items())))
+    return adopted.model_copy(update={"dropped_by_reason": dropped})
+
+
+def _adopted_parts_id(corpus_url: str, sources: list[CompletionSourceRef], tokenize: AdoptTokenize) -> str:
+    """The run id of the parts tokenized from a corpus's completions: the same inputs, the same parts.
+
+    A digest of the corpus URL, every completions file's checksum, the tokenizer (its files as read) and the
+    settings that change rows, so adopting again finds (and resumes) its own parts and never another's.
+    """
+    from datagen.output.tokenize import TokenizerSpec
+
+    spec = TokenizerSpec.load(tokenize.tokenizer)
+    settings = tokenize.settings
+    identity = {
+        "corpus": corpus_url,
+        "files": [(source.url, source.sha256) for source in sources],
+        "tokenizer": hashlib.sha256(
+            json.dumps([spec.backend_json, spec.chat_template, spec.special_tokens]).encode()
+        ).hexdigest(),
+        "rows": [settings.max_length_tokens, settings.include_truncated, settings.answer_render],
+        "parts": [settings.rows_per_part, settings.row_group_rows],
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return f"{ADOPTED_RUN_ID}-{digest[:ADOPTED_PARTS_DIGEST_CHARS]}"
 
 
 def _adopt_part(corpus: Store, key: str, rule: CategoryRule) -> tuple[TokenizedPartRef, Counter[str]]:

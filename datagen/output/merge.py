@@ -24,12 +24,12 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.config import RunConfig
+from datagen.config import RunConfig, TokenizeConfig
 from datagen.errors import ConfigError, OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
 from datagen.output.store import Store
-from datagen.output.tokenize import TokenizerSpec, shared_tokenizer
+from datagen.output.tokenize import TokenizerSpec
 from datagen.output.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
 from datagen.records import utc_now
 
@@ -71,6 +71,11 @@ class CompletionSourceRef(BaseModel):
     size_bytes: int
     sha256: str
     usage_tokens: int = Field(description="Prompt + completion tokens the records' usage reports.")
+    tokenized_rows: int | None = Field(
+        default=None,
+        description="Rows of this file in the version's Parquet parts, when adoption tokenized it (None: not "
+        "tokenized, so not in the training parts).",
+    )
 
 
 class DatasetVersion(BaseModel):
@@ -141,8 +146,8 @@ class _ExistingPart:
 
 
 @dataclass
-class _Tally:
-    """Running counts of one merge (rows written or not)."""
+class PartsTally:
+    """Running counts of one tokenization into parts (rows written or not)."""
 
     shards_read: int = 0
     completions_read: int = 0
@@ -153,6 +158,7 @@ class _Tally:
     def __post_init__(self) -> None:
         self.rows_by_dataset: Counter[str] = Counter()
         self.tokens_by_dataset: Counter[str] = Counter()
+        self.rows_by_file: Counter[str] = Counter()
         self.dropped: Counter[str] = Counter()
 
     def add(self, shard: ShardRows) -> None:
@@ -164,6 +170,7 @@ class _Tally:
         self.total_tokens += sum(shard.lengths)
         self.loss_tokens += sum(shard.loss_tokens)
         self.rows_by_dataset.update(shard.datasets)
+        self.rows_by_file[shard.key] += shard.rows
         for dataset, tokens in zip(shard.datasets, shard.lengths, strict=True):
             self.tokens_by_dataset[dataset] += tokens
 
@@ -188,56 +195,13 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         logger.info("merge already complete run_id=%s", layout.run_id)
         return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
     settings = config.tokenize
-    existing = _existing_parts(store, layout, settings.rows_per_part)
     base = read_base_version(store, settings.base_version) if settings.base_version else None
     shard_keys, incomplete = _finished_shards(store, layout)
-
-    tally = _Tally()
-    parts: list[TokenizedPartRef] = [
-        TokenizedPartRef(key=part.key, url=store.url(part.key), rows=part.rows, source=layout.run_id)
-        for part in existing
-    ]
-    skip_rows = sum(part.rows for part in existing)
-    boundaries = _cumulative_boundaries(existing)
-    writer = PartWriter(
-        store,
-        layout,
-        rows_per_part=settings.rows_per_part,
-        row_group_rows=settings.row_group_rows,
-        first_index=len(existing),
-        on_part=lambda key, url, rows: parts.append(
-            TokenizedPartRef(key=key, url=url, rows=rows, source=layout.run_id)
-        ),
-    )
-
-    def make_job() -> TokenizeJob:
-        return TokenizeJob(
-            spec=TokenizerSpec.from_tokenizer(shared_tokenizer(config.model.tokenizer)),
-            max_length_tokens=settings.max_length_tokens,
-            include_truncated=settings.include_truncated,
-            answer_render=settings.answer_render,
-        )
-
     workers = settings.workers or available_cores()
     logger.info("merging run_id=%s shards=%d workers=%d", layout.run_id, len(shard_keys), workers)
-    for shard in tokenize_shards(make_job, store, shard_keys, workers):
-        first_row = tally.rows
-        tally.add(shard)
-        sources = [f"{shard.key}#{line}" for line in shard.lines]
-        for end in boundaries:
-            if first_row < end <= tally.rows:
-                _check_resumed_boundary(boundaries, end, sources[end - first_row - 1])
-        skip = min(shard.rows, max(0, skip_rows - first_row))
-        if skip < shard.rows:
-            writer.add(shard_table(shard).slice(skip), sources[skip:])
-    if tally.rows < skip_rows:
-        raise TokenizeError(
-            f"Run {layout.run_id}: an earlier attempt wrote {skip_rows} tokenized rows but the completions "
-            f"now yield only {tally.rows}. The completions changed since; start a new run id.",
-            run_id=layout.run_id,
-        )
-    writer.close()
-
+    parts, tally, resumed = write_tokenized_parts(
+        store, layout, store, shard_keys, tokenizer=config.model.tokenizer, settings=settings
+    )
     version_key, version = _write_dataset_version(store, layout, config, parts, base)
     summary = TokenizeSummary(
         run_id=layout.run_id,
@@ -252,7 +216,7 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         tokens_by_dataset=dict(sorted(tally.tokens_by_dataset.items())),
         dropped_by_reason=dict(sorted(tally.dropped.items())),
         parts=parts,
-        resumed_parts=len(existing),
+        resumed_parts=resumed,
         dataset_name=settings.dataset_name,
         dataset_version=version_key,
         dataset_version_url=store.url(version_key),
@@ -277,6 +241,82 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         version_key,
     )
     return summary
+
+
+def write_tokenized_parts(
+    store: Store,
+    layout: RunLayout,
+    source: Store,
+    keys: list[str],
+    *,
+    tokenizer: str,
+    settings: TokenizeConfig,
+) -> tuple[list[TokenizedPartRef], PartsTally, int]:
+    """Tokenize completions files into the write-once Parquet parts of ``layout``, resuming an earlier attempt.
+
+    Parts an interrupted attempt left are kept (their rows are recomputed for the counts, not written again)
+    after checking that each still ends at the same completion.
+
+    Args:
+        store: Where the parts go.
+        layout: Whose ``tokenized/part-*.parquet`` keys they get.
+        source: Where the completions files are (read only).
+        keys: The completions files, in output order.
+        tokenizer: The target's tokenizer folder.
+        settings: Workers, part and row-group sizes, filters.
+
+    Returns:
+        Every part (kept and new, in order), the counts, and how many parts were kept.
+
+    Raises:
+        TokenizeError: Kept parts do not match the completions any more.
+
+    """
+    existing = _existing_parts(store, layout, settings.rows_per_part)
+    tally = PartsTally()
+    parts: list[TokenizedPartRef] = [
+        TokenizedPartRef(key=part.key, url=store.url(part.key), rows=part.rows, source=layout.run_id)
+        for part in existing
+    ]
+    skip_rows = sum(part.rows for part in existing)
+    boundaries = _cumulative_boundaries(existing)
+    writer = PartWriter(
+        store,
+        layout,
+        rows_per_part=settings.rows_per_part,
+        row_group_rows=settings.row_group_rows,
+        first_index=len(existing),
+        on_part=lambda key, url, rows: parts.append(
+            TokenizedPartRef(key=key, url=url, rows=rows, source=layout.run_id)
+        ),
+    )
+
+    def make_job() -> TokenizeJob:
+        return TokenizeJob(
+            spec=TokenizerSpec.load(tokenizer),
+            max_length_tokens=settings.max_length_tokens,
+            include_truncated=settings.include_truncated,
+            answer_render=settings.answer_render,
+        )
+
+    for shard in tokenize_shards(make_job, source, keys, settings.workers or available_cores()):
+        first_row = tally.rows
+        tally.add(shard)
+        sources = [f"{shard.key}#{line}" for line in shard.lines]
+        for end in boundaries:
+            if first_row < end <= tally.rows:
+                _check_resumed_boundary(boundaries, end, sources[end - first_row - 1])
+        skip = min(shard.rows, max(0, skip_rows - first_row))
+        if skip < shard.rows:
+            writer.add(shard_table(shard).slice(skip), sources[skip:])
+    if tally.rows < skip_rows:
+        raise TokenizeError(
+            f"Run {layout.run_id}: an earlier attempt wrote {skip_rows} tokenized rows but the completions "
+            f"now yield only {tally.rows}. The completions changed since; start a new run id.",
+            run_id=layout.run_id,
+        )
+    writer.close()
+    return parts, tally, len(existing)
 
 
 def _finished_shards(store: Store, layout: RunLayout) -> tuple[list[str], list[str]]:

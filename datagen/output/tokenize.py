@@ -17,9 +17,10 @@ its last added token ("head") followed by the ids of the rest of the prompt ("ta
 ``<think>``) plus the answer, tokenized together. Only that window is tokenized per row; the head's ids come
 from the prompt, tokenized once per prompt and shared by its samples. When the window's first ids equal the
 tail's own ids, the answer starts on a token boundary and the mask starts right after the tail; otherwise (BPE
-merged the tail with the answer's first characters) the window's character offsets, already computed by the
-tokenizer, decide by the overlap rule above. The mask ends at the last ``<|im_end|>`` id. Both cases equal the
-overlap rule on the full render; the tests check it against full-render offsets.
+merged the tail with the answer's first characters, rare) the window's character offsets from the Rust tokenizer
+decide by the overlap rule above. The mask ends at the last ``<|im_end|>`` id. Both cases equal the overlap rule
+on the full render; the tests check it against full-render offsets. The ids come from
+:class:`~datagen.output.tokenize_text.TextEncoder`: exactly the Rust tokenizer's ids, several times faster.
 
 Exact-ids path: when the engine returned the generated token ids, the row is the tokenized prompt render
 followed by those ids (plus ``<|im_end|>`` when generation stopped on it but the ids leave it out), and the
@@ -38,6 +39,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from datagen.errors import ConfigError, TokenizeError
+from datagen.output.tokenize_text import TextEncoder
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -355,10 +357,10 @@ def render_conversation(
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    """What tokenizing needs from a loaded tokenizer, small enough to send to worker processes.
+    """What tokenizing needs from the target's tokenizer, small enough to send to worker processes.
 
-    Workers rebuild the Rust tokenizer from its serialized form instead of importing ``AutoTokenizer``
-    (seconds per process), and render with transformers' own compiled chat template.
+    Workers rebuild the Rust tokenizer from its serialized form and render the chat template in transformers'
+    own sandboxed jinja environment (:mod:`datagen.output.tokenize_template`), without importing transformers.
 
     Attributes:
         backend_json: The Rust tokenizer, serialized (empty when only rendering is needed).
@@ -370,6 +372,26 @@ class TokenizerSpec:
     backend_json: str
     chat_template: str
     special_tokens: dict[str, str]
+
+    @classmethod
+    def load(cls, path: str) -> TokenizerSpec:
+        """The spec of the tokenizer at ``path``, read without transformers when its layout allows.
+
+        Read from its files when they are a layout known exactly
+        (:func:`~datagen.output.tokenize_template.read_tokenizer_files`), else loaded through transformers
+        (:func:`shared_tokenizer`: once per process).
+
+        Raises:
+            ConfigError: As :func:`load_tokenizer`.
+
+        """
+        from datagen.output.tokenize_template import read_tokenizer_files
+
+        files = read_tokenizer_files(path) if Path(path).is_dir() else None
+        if files is None:
+            return cls.from_tokenizer(shared_tokenizer(path))
+        logger.debug("tokenizer read from its files path=%s", path)
+        return cls(files.backend_json, files.chat_template, files.special_tokens)
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any, *, with_backend: bool = True) -> TokenizerSpec:
@@ -400,22 +422,18 @@ class TokenizerSpec:
             TokenizeError: The template failed to render these messages.
 
         """
-        from transformers.utils import chat_template_utils
+        from datagen.output.tokenize_template import render_chat_template
 
         variables: dict[str, Any] = dict(self.special_tokens)
         if enable_thinking is not None:
             variables["enable_thinking"] = enable_thinking
         try:
-            # apply_chat_template minus its per-call input conversion (a quarter of the render time, and
-            # needless for plain JSON): transformers' cached sandboxed template and its reasoning aliases.
-            # Releases before 5.2x do not alias reasoning fields; do exactly what the installed one does.
-            alias = getattr(chat_template_utils, "_alias_reasoning_fields", None)
-            text = chat_template_utils._compile_jinja_template(self.chat_template).render(
-                messages=alias(messages) if alias else messages,
+            text = render_chat_template(
+                self.chat_template,
+                messages,
                 tools=tools or None,
-                documents=None,
                 add_generation_prompt=add_generation_prompt,
-                **variables,
+                variables=variables,
             )
         except (
             Exception
@@ -460,6 +478,7 @@ class RowTokenizer:
     ) -> None:
         self.spec = spec
         self.backend = spec.backend()
+        self.text = TextEncoder(self.backend)
         self.max_length_tokens = max_length_tokens
         self.end_of_turn_id = _token_id(self.backend, END_OF_TURN_TOKEN)
         self._added_ids = frozenset(int(token_id) for token_id in self.backend.get_added_tokens_decoder())
@@ -495,11 +514,11 @@ class RowTokenizer:
             except TokenizeError as error:
                 results[position] = error
         if windows:
-            encodings = self.backend.encode_batch(windows, add_special_tokens=False)
-            for (position, prompt), encoding in zip(pending, encodings, strict=True):
+            encoded = self.text.encode_batch(windows)
+            for (position, prompt), window, ids in zip(pending, windows, encoded, strict=True):
                 record = records[position]
                 try:
-                    results[position] = self._finish(record, self._text_row(record, prompt, encoding))
+                    results[position] = self._finish(record, self._text_row(record, prompt, window, ids))
                 except TokenizeError as error:
                     results[position] = error
         return [result for result in results if result is not None]
@@ -514,12 +533,15 @@ class RowTokenizer:
             self._prompts.move_to_end(key)
             return cached
         text = render_prompt(self.spec, record.messages, record.tools, thinking)
-        encoding = self.backend.encode(text, add_special_tokens=False)
-        ids: list[int] = encoding.ids
+        ids = self.text.encode(text)
         split = len(ids)
         while split > 0 and ids[split - 1] not in self._added_ids:
             split -= 1
-        tail_start = encoding.offsets[split - 1][1] if split else 0
+        if self.text.fast:
+            tail_start = self.text.last_added_end(text)
+        else:
+            offsets = self.backend.encode(text, add_special_tokens=False).offsets
+            tail_start = offsets[split - 1][1] if split else 0
         prompt = _Prompt(
             record.messages, record.tools, text, ids, ids[:split], text[tail_start:], ids[split:]
         )
@@ -613,16 +635,16 @@ class RowTokenizer:
             )
         return full_text[len(prompt.text) :]
 
-    def _text_row(self, record: CompletionRecord, prompt: _Prompt, encoding: Any) -> EncodedRow:
-        ids: list[int] = encoding.ids
+    def _text_row(self, record: CompletionRecord, prompt: _Prompt, window: str, ids: list[int]) -> EncodedRow:
         tail_ids = prompt.tail_ids
         if ids[: len(tail_ids)] == tail_ids:
             first = len(tail_ids)
         else:
-            # BPE merged the end of the prompt with the answer: the first token reaching into the answer starts
-            # the loss (the overlap rule), found from the offsets the tokenizer computed anyway.
+            # BPE merged the end of the prompt with the answer (rare): the first token reaching into the answer
+            # starts the loss (the overlap rule), found from the Rust tokenizer's character offsets.
             boundary = len(prompt.tail_text)
-            first = next(index for index, (_, stop) in enumerate(encoding.offsets) if stop > boundary)
+            offsets = self.backend.encode(window, add_special_tokens=False).offsets
+            first = next(index for index, (_, stop) in enumerate(offsets) if stop > boundary)
         turn_end = _last_index(ids, self.end_of_turn_id, first)
         if turn_end < 0:
             raise TokenizeError(

@@ -19,6 +19,7 @@ from datagen.output.layout import RunLayout
 from datagen.output.merge import DatasetVersion, merge_and_tokenize
 from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store
+from datagen.output.tokenize import TokenizedRow, load_tokenizer, tokenize_completion
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -236,3 +237,76 @@ def test_a_part_whose_mask_and_ids_differ_in_length_is_refused(tmp_path: Path) -
     result = CliRunner().invoke(app, ["corpus", "adopt", str(corpus), "--output", str(tmp_path / "out")])
     assert result.exit_code == 1
     assert "differ in length" in result.output
+
+
+def test_adopt_with_the_tokenizer_makes_the_completions_training_parts_of_the_version(
+    bucket: str, s3_endpoint: str, tiny_model_dir: Path
+) -> None:
+    before = protected_versions(s3_endpoint, bucket)
+    command = [
+        "corpus",
+        "adopt",
+        f"s3://{bucket}/{CORPUS_PREFIX}",
+        "--output",
+        f"s3://{bucket}/expansion",
+        "--category-key-pattern",
+        "^(?P<category>[^/]+)/",
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--workers",
+        "1",
+    ]
+    result = CliRunner().invoke(app, command)
+    assert result.exit_code == 0, result.output
+    assert "3 rows, 3 tokenized into parts" in result.output
+    store = Store(f"s3://{bucket}/expansion", protected_prefixes=[f"s3://{bucket}/{CORPUS_PREFIX}"])
+    base = DatasetVersion.model_validate(store.read_json("datasets/existing-corpus/v0001.json"))
+
+    # The adopted parts where they are, then the completions tokenized into a part in the output store.
+    adopted_part_urls = [f"s3://{bucket}/{key}" for key in sorted(PARTS)]
+    assert [shard.url for shard in base.shards[:2]] == adopted_part_urls
+    (tokenized,) = base.shards[2:]
+    assert tokenized.key is not None and tokenized.key.startswith("runs/adopted-")
+    assert tokenized.url == f"s3://{bucket}/expansion/{tokenized.key}"
+    assert tokenized.rows == 3
+    assert base.rows == 3 + 3
+    (source,) = base.completion_sources
+    assert (source.rows, source.tokenized_rows) == (3, 3)
+
+    # Rows exactly as a run's merge makes them.
+    tokenizer = load_tokenizer(str(tiny_model_dir))
+    table = pq.read_table(io.BytesIO(store.read_bytes(tokenized.key)))
+    for index, row in enumerate(table.to_pylist()):
+        expected = tokenize_completion(tokenizer, completion("chat", index), max_length_tokens=None)
+        assert isinstance(expected, TokenizedRow)
+        assert (row["input_ids"], row["loss_mask"]) == (expected.input_ids, expected.loss_mask)
+        assert row["prompt_id"] == f"chat-{index:03d}"
+
+    # Adopting again reuses the version and its parts: nothing new is written.
+    objects = store.list("")
+    again = CliRunner().invoke(app, command)
+    assert again.exit_code == 0, again.output
+    assert store.list("") == objects
+
+    # A following run builds on it: one list of Parquet parts for the whole corpus and the new rows.
+    layout = RunLayout("after-tokenized-adopt")
+    write_finished_shard(store, layout, [completion("fresh", index) for index in range(2)])
+    config = RunConfig.model_validate(
+        {
+            "run_id": layout.run_id,
+            "model": {"path": str(tiny_model_dir)},
+            "datasets": [{"name": "fresh", "format": "openai_messages", "path": "unused"}],
+            "output": f"s3://{bucket}/expansion",
+            "protected_prefixes": [f"s3://{bucket}/{CORPUS_PREFIX}"],
+            "tokenize": {"base_version": f"s3://{bucket}/expansion/datasets/existing-corpus/v0001.json"},
+        }
+    )
+    summary = merge_and_tokenize(store, layout, config)
+    following = DatasetVersion.model_validate(store.read_json(summary.dataset_version))
+    assert following.parquet_urls() == [
+        *adopted_part_urls,
+        tokenized.url,
+        f"s3://{bucket}/expansion/{layout.tokenized_part(0)}",
+    ]
+    assert following.rows == 3 + 3 + 2
+    assert protected_versions(s3_endpoint, bucket) == before
