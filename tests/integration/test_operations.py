@@ -76,6 +76,21 @@ class Stack:
             text=True,
         )
 
+    def wait_for_log(self, text: str, timeout_s: float) -> bool:
+        """Poll the API's logs until one contains ``text``; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            response = httpx.post(
+                f"{self.prefect.api_url}/logs/filter",
+                json={"limit": 200, "sort": "TIMESTAMP_DESC"},
+                timeout=10,
+            )
+            response.raise_for_status()
+            if any(text in entry["message"] for entry in response.json()):
+                return True
+            time.sleep(1)
+        return False
+
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         """The flow run as the API returns it."""
         response = httpx.get(f"{self.prefect.api_url}/flow_runs/{flow_run_id}", timeout=10)
@@ -204,8 +219,17 @@ def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: S
             _write_prompts(tmp_path / f"{name}.jsonl", name, 12)
             config = _fake_config(stack, server.url, str(tmp_path / f"{name}.jsonl"), str(tmp_path / "out"))
             paths.append(_write_config(stack, f"ci-overlap-{name}", config))
+        # Hold every answer until a run has said it waits for the lock: whichever run generates first stays
+        # mid-generation, so the two runs overlap however slowly the workers pick them up.
+        server.answering.clear()
         manual = stack.start_run("expand/expand-manual", f"config_path={paths[0]}", "run_id=overlap-alpha")
         nightly = stack.start_run("expand/expand-nightly", f"config_path={paths[1]}", "run_id=overlap-beta")
+        waited = stack.wait_for_log("another run holds this host's GPUs", timeout_s=WATCH_TIMEOUT_S / 2)
+        deadline = time.monotonic() + WATCH_TIMEOUT_S / 2
+        while not server.chat_requests() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        held = len(server.chat_requests())
+        server.answering.set()
         outputs = [process.communicate(timeout=WATCH_TIMEOUT_S + 60)[0] for process in (manual, nightly)]
 
         for process, output in zip((manual, nightly), outputs, strict=True):
@@ -214,17 +238,11 @@ def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: S
         for request in server.chat_requests():
             content = str((request.body or {})["messages"][-1]["content"])
             arrivals[content.split()[0]].append(request.arrived_at)
+    assert waited, "neither run logged that it waited for the GPU lock"
+    assert held > 0, "no run sent a request while the other waited for the lock"
     assert len(arrivals["alpha"]) == 12 and len(arrivals["beta"]) == 12
     first, second = sorted(arrivals.values(), key=min)
     assert max(first) < min(second), "the two runs sent requests at the same time"
-
-    # Both flow runs were alive at once (one per worker): the lock, not the pool, kept them apart.
-    runs = [stack.flow_run(FLOW_RUN_ID.findall(output)[0]) for output in outputs]
-    starts = sorted(run["start_time"] for run in runs)
-    ends = sorted(run["end_time"] for run in runs)
-    assert starts[1] < ends[0], "the second run only started after the first ended: no overlap was tested"
-    # The run that waited said so (on a loaded machine the first run's short first try may say it too).
-    assert any("another run holds this host's GPUs" in output for output in outputs)
 
 
 def _tree_digest(folder: Path) -> dict[str, str]:

@@ -69,6 +69,9 @@ class FaultServer:
         self.plan = plan or FaultPlan()
         self.port = port
         self.healthy = True
+        # Answers wait until this is set; a test clears it to hold a run mid-generation, then sets it.
+        self.answering = threading.Event()
+        self.answering.set()
         self.requests: list[SeenRequest] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -224,6 +227,8 @@ class FaultServer:
             delay = self.plan.slow_s
         if delay:
             await asyncio.sleep(delay)
+        while not self.answering.is_set():  # a threading.Event: polled, so the server's loop stays free
+            await asyncio.sleep(0.05)
         if fault == "reset":
             _abort(writer)
             return False
