@@ -16,10 +16,14 @@ Exactness, by construction rather than by hope:
 * The split pattern is run only on ASCII text, translated to explicit ASCII classes (for ASCII, ``\p{L}`` is
   ``[A-Za-z]``, ``\p{N}`` is ``[0-9]``, ``\s`` is ``[ \t\n\v\f\r]``, and the case-insensitive contractions
   fold only ASCII letters), and ASCII text is already NFC. Text with other characters is cut where the pattern
-  always cuts (between a newline and a printable ASCII character other than space: no piece runs across a
-  newline into a non-whitespace character, and NFC never composes across a newline) into chunks; the ASCII
-  chunks take the fast path and the rest go through the Rust tokenizer, which sees exactly the pieces it would
-  have seen in context.
+  cuts whatever those characters' classes are: between a newline and a printable ASCII character other than
+  space (no piece runs across a newline into a non-whitespace character), and before a space followed by an
+  ASCII letter (every alternative stops at a space unless it starts with it, a whitespace run ends before a
+  space that precedes a letter, and the piece starting at the space depends on nothing before it). Lookaheads
+  at a cut see a space or a printable character in context and the end in isolation, which they treat alike;
+  NFC never composes across a newline or a space. Consecutive ASCII chunks take the fast path together; each
+  other chunk (typically one word) goes through the Rust tokenizer whole, which sees exactly the pieces it
+  would have seen in context, and is cached like a piece.
 * A piece missing from the cache goes through the tokenizer's own BPE model, as the pipeline's last step does:
   its bytes written as byte-level characters (GPT-2's map), merged by the same model.
 
@@ -48,10 +52,12 @@ _ASCII_SPLIT = re.compile(
     r"| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
     re.ASCII,
 )
-# Where the pattern always cuts, whatever the other characters' classes: between a newline and a printable,
-# non-space ASCII character (no piece runs across a newline into a non-whitespace character).
-_CHUNK_BOUNDARY = re.compile(r"(?<=[\r\n])(?=[!-~])")
-# Distinct pieces kept per process (~250 bytes each with their ids and the dict slot, so ~50 MB at most):
+# Where the pattern always cuts, whatever the other characters' classes (see the module docstring): between a
+# newline and a printable, non-space ASCII character, and before a space followed by an ASCII letter.
+_ASCII_LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+_NON_ASCII = re.compile(r"[^\x00-\x7f]+")
+# Distinct pieces (and non-ASCII chunks) kept per process (~250 bytes each with their ids and the dict slot, so
+# ~50 MB at most):
 # English prose and code need tens of thousands; the cache is emptied when full, so memory stays bounded
 # whatever the data.
 PIECE_CACHE_ENTRIES = 200_000
@@ -135,11 +141,7 @@ class TextEncoder:
             elif part.isascii():
                 self._extend_ascii(ids, part)
             elif part:
-                for chunk in _CHUNK_BOUNDARY.split(part):
-                    if chunk.isascii():
-                        self._extend_ascii(ids, chunk)
-                    else:
-                        ids += self.backend.encode(chunk, add_special_tokens=False).ids
+                self._extend_mixed(ids, part)
         return ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
@@ -159,24 +161,78 @@ class TextEncoder:
 
     def _extend_ascii(self, ids: list[int], text: str) -> None:
         pieces = _ASCII_SPLIT.findall(text)
-        lookup = self._cache.__getitem__
+        cache = self._cache
         try:
-            found = list(chain.from_iterable(map(lookup, pieces)))
+            found = list(chain.from_iterable(map(cache.__getitem__, pieces)))
         except KeyError:
-            self._learn(pieces)
-            found = list(chain.from_iterable(map(lookup, pieces)))
+            missing = set(pieces).difference(cache)
+            if len(cache) + len(missing) > PIECE_CACHE_ENTRIES:
+                cache.clear()
+                missing = set(pieces)
+            tokenize = self.backend.model.tokenize
+            for piece in missing:
+                # The pipeline's last step on a piece: BPE on its bytes, written as byte-level characters.
+                cache[piece] = [token.id for token in tokenize(piece.translate(_BYTE_LEVEL_ASCII))]
+            found = list(chain.from_iterable(map(cache.__getitem__, pieces)))
         ids += found
 
-    def _learn(self, pieces: list[str]) -> None:
-        cache = self._cache
-        missing = [piece for piece in dict.fromkeys(pieces) if piece not in cache]
-        if len(cache) + len(missing) > PIECE_CACHE_ENTRIES:
-            cache.clear()
-            missing = list(dict.fromkeys(pieces))
-        # The pipeline's last step on each piece: BPE on its bytes, written as byte-level characters.
-        tokenize = self.backend.model.tokenize
-        for piece in missing:
-            cache[piece] = [token.id for token in tokenize(piece.translate(_BYTE_LEVEL_ASCII))]
+    def _extend_mixed(self, ids: list[int], text: str) -> None:
+        """Text with non-ASCII characters: ASCII stretches as above, each chunk with others whole (cached).
+
+        A chunk is the text between two cut points (see the module docstring); the chunks holding non-ASCII
+        characters are found from those characters outwards, so the ASCII between them stays in long stretches.
+        """
+        done = 0
+        island_end = 0
+        island_start = 0
+        for match in _NON_ASCII.finditer(text):
+            start, end = match.span()
+            if start < island_end:  # the same chunk as the previous run
+                island_end = _next_cut(text, end)
+                continue
+            if island_end:
+                self._extend_chunk(ids, text[island_start:island_end])
+                done = island_end
+            island_start = _previous_cut(text, start)
+            if island_start > done:
+                self._extend_ascii(ids, text[done:island_start])
+            island_end = _next_cut(text, end)
+        if island_end:
+            self._extend_chunk(ids, text[island_start:island_end])
+            done = island_end
+        if done < len(text):
+            self._extend_ascii(ids, text[done:])
+
+    def _extend_chunk(self, ids: list[int], chunk: str) -> None:
+        """A chunk with non-ASCII characters: the Rust tokenizer's ids for it alone, cached like a piece."""
+        cached = self._cache.get(chunk)
+        if cached is None:
+            if len(self._cache) >= PIECE_CACHE_ENTRIES:
+                self._cache.clear()
+            cached = self._cache[chunk] = self.backend.encode(chunk, add_special_tokens=False).ids
+        ids += cached
+
+
+def _is_cut(text: str, index: int) -> bool:
+    """Tell whether the split pattern cuts ``text`` before ``index``, whatever the non-ASCII classes are."""
+    character = text[index]
+    if character == " ":
+        return index + 1 < len(text) and text[index + 1] in _ASCII_LETTERS
+    return "!" <= character <= "~" and index > 0 and text[index - 1] in "\r\n"
+
+
+def _previous_cut(text: str, index: int) -> int:
+    """The last cut at or before ``index`` (the start of the text is one)."""
+    while index > 0 and not _is_cut(text, index):
+        index -= 1
+    return index
+
+
+def _next_cut(text: str, index: int) -> int:
+    """The first cut at or after ``index`` (the end of the text is one)."""
+    while index < len(text) and not _is_cut(text, index):
+        index += 1
+    return index
 
 
 def _structure(backend: Any) -> dict[str, Any]:
