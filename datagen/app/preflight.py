@@ -226,7 +226,7 @@ def _check_model(config: RunConfig, store: Store) -> str:
             f"model directory {model_path} has no config.json; set `model.path` to a local model directory "
             "(download it before the run: GPU hosts may not reach the hub)"
         )
-    from datagen.output.tokenize import shared_tokenizer
+    from datagen.output.tokenize import shared_spec
 
     location = Path(config.model.tokenizer)
     if location.is_dir() and not any((location / name).is_file() for name in TOKENIZER_FILES):
@@ -236,13 +236,21 @@ def _check_model(config: RunConfig, store: Store) -> str:
             f"{setting} {location} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); copy the "
             "target's tokenizer there, or point `model.tokenizer_path` at a directory that has it"
         )
-    # Loaded once for the flow process: exact-token generation and the merge reuse it.
-    tokenizer = shared_tokenizer(config.model.tokenizer)
-    if not getattr(tokenizer, "chat_template", None):
+    # Read once for the flow process (exact-token generation and the merge reuse it); the Rust tokenizer is
+    # built here so a corrupt tokenizer.json is refused before training is stopped.
+    spec = shared_spec(config.model.tokenizer)
+    if not spec.chat_template.strip():
         raise DatagenError(
             f"tokenizer {config.model.tokenizer} has no chat template; the training data must be rendered with "
             "the target's own template: point `model.tokenizer_path` at the target tokenizer"
         )
+    try:
+        spec.backend()
+    except Exception as error:  # the Rust tokenizer's parse errors have no common type
+        raise DatagenError(
+            f"tokenizer {config.model.tokenizer}: its tokenizer.json does not load ({error}); copy the target's "
+            "tokenizer files there again"
+        ) from None
     return f"model {config.model.path}; tokenizer with chat template"
 
 

@@ -27,7 +27,7 @@ from datagen.generation.markup import (
     strip_end_of_text,
 )
 from datagen.generation.wire import GenerationRequest, PromptTokens, UnusableResponseError, excerpt
-from datagen.output.tokenize import TokenizerSpec, render_prompt, shared_tokenizer
+from datagen.output.tokenize import TokenizerSpec, render_prompt, shared_spec
 from datagen.records import AssistantCompletion, FailureRecord, FinishReason, PromptRecord, TokenUsage
 
 GENERATE_PATH = "/generate"
@@ -103,11 +103,11 @@ class PromptEncoder:
 
 
 _encoder_lock = threading.Lock()
-_encoders: dict[str, tuple[Any, PromptEncoder]] = {}
+_encoders: dict[str, tuple[TokenizerSpec, PromptEncoder]] = {}
 
 
 def prompt_encoder(tokenizer_path: str) -> PromptEncoder:
-    """The process's encoder for the tokenizer at ``tokenizer_path``, built once from the shared tokenizer.
+    """The process's encoder for the tokenizer at ``tokenizer_path``, built once from the shared spec.
 
     Args:
         tokenizer_path: ``model.tokenizer`` of the run.
@@ -119,11 +119,11 @@ def prompt_encoder(tokenizer_path: str) -> PromptEncoder:
         ConfigError: The tokenizer cannot be loaded (preflight checked it already).
 
     """
-    tokenizer = shared_tokenizer(tokenizer_path)
+    spec = shared_spec(tokenizer_path)
     with _encoder_lock:
         cached = _encoders.get(tokenizer_path)
-        if cached is None or cached[0] is not tokenizer:
-            cached = (tokenizer, PromptEncoder.from_tokenizer(tokenizer))
+        if cached is None or cached[0] is not spec:
+            cached = (spec, PromptEncoder(spec))
             _encoders[tokenizer_path] = cached
         return cached[1]
 

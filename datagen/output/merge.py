@@ -29,7 +29,7 @@ from datagen.errors import ConfigError, OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
 from datagen.output.store import Store
-from datagen.output.tokenize import TokenizerSpec
+from datagen.output.tokenize import shared_spec
 from datagen.output.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
 from datagen.records import utc_now
 
@@ -293,7 +293,7 @@ def write_tokenized_parts(
 
     def make_job() -> TokenizeJob:
         return TokenizeJob(
-            spec=TokenizerSpec.load(tokenizer),
+            spec=shared_spec(tokenizer),
             max_length_tokens=settings.max_length_tokens,
             include_truncated=settings.include_truncated,
             answer_render=settings.answer_render,

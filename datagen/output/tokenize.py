@@ -280,6 +280,36 @@ def shared_tokenizer(path: str) -> Any:
         return tokenizer
 
 
+_spec_lock = threading.Lock()
+_specs: dict[str, tuple[tuple[tuple[str, int, int], ...], TokenizerSpec]] = {}
+
+
+def shared_spec(path: str) -> TokenizerSpec:
+    """:meth:`TokenizerSpec.load`, once per process while the tokenizer's files stay unchanged.
+
+    Preflight, the exact-token prompt renders of every shard task and the merge run in the flow process; a
+    tokenizer folder of a known layout is read without importing transformers (seconds of CPU per process).
+
+    Args:
+        path: As for :func:`load_tokenizer`.
+
+    Returns:
+        The spec, the same object for every caller until a tokenizer file changes.
+
+    Raises:
+        ConfigError: As for :func:`load_tokenizer`.
+
+    """
+    signature = _tokenizer_files_signature(path)
+    with _spec_lock:
+        cached = _specs.get(path)
+        if cached is not None and cached[0] == signature:
+            return cached[1]
+        spec = TokenizerSpec.load(path)
+        _specs[path] = (signature, spec)
+        return spec
+
+
 def _tokenizer_files_signature(path: str) -> tuple[tuple[str, int, int], ...]:
     """Name, mtime and size of the tokenizer files under ``path`` (empty for a hub id)."""
     folder = Path(path)
