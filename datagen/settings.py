@@ -53,3 +53,9 @@ class Settings(BaseSettings):
 def get_settings() -> Settings:
     """The process's settings, read once from the environment."""
     return Settings()
+
+
+def server_api_key() -> str | None:
+    """``DATAGEN_SERVER_API_KEY`` in clear: for the servers datagen launches and the requests it sends."""
+    key = get_settings().server_api_key
+    return key.get_secret_value() if key else None

@@ -45,7 +45,7 @@ from datagen.output.manifest import read_manifest
 from datagen.output.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
-from datagen.settings import get_settings
+from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from tasks.credentials import configure_s3_credentials
 from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
@@ -520,10 +520,10 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 state_dir,
                 ready_timeout_s=config.fleet.ready_timeout_s,
                 max_restarts_per_server=config.fleet.max_restarts_per_server,
+                api_key=server_api_key(),
             )
             urls = start_fleet(fleet, _fleets_root())
             fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
-            api_key = get_settings().server_api_key
             with Dispatcher(
                 urls,
                 model=plan.served_model_name,
@@ -533,7 +533,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 ),
                 generation=config.generation,
                 liveness=fleet.is_alive,
-                api_key=api_key.get_secret_value() if api_key else None,
+                api_key=server_api_key(),
                 exact_tokens=datagen.engines.exact_tokens_enabled(config),
             ) as dispatcher:
                 generation_started = time.monotonic()

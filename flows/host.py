@@ -42,6 +42,7 @@ from datagen.output.hosts import (
 from datagen.output.layout import RunLayout
 from datagen.output.runs import open_store
 from datagen.output.store import Store
+from datagen.settings import server_api_key
 from flows.expand import FLEET_MONITOR_INTERVAL_S, _fleet_state_dir, _fleets_root, _stop_servers_hook
 from tasks.credentials import configure_s3_credentials
 from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
@@ -146,6 +147,7 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
                 state_dir,
                 ready_timeout_s=local.fleet.ready_timeout_s,
                 max_restarts_per_server=local.fleet.max_restarts_per_server,
+                api_key=server_api_key(),
             )
             urls = start_fleet(fleet, _fleets_root())
             fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)

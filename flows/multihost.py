@@ -40,7 +40,7 @@ from datagen.output.hosts import (
 )
 from datagen.output.layout import RunLayout
 from datagen.output.runs import open_store
-from datagen.settings import get_settings
+from datagen.settings import server_api_key
 from tasks.hosts import check_hosts, ended_flow_runs, start_host_parts
 
 T = TypeVar("T")
@@ -84,14 +84,13 @@ def run_on_hosts(
         waiting = dict(started)
         ready = _await_fleets(config, layout, attempt_id, waiting, outcome)
         first = ready[0]
-        api_key = get_settings().server_api_key
         with Dispatcher(
             first.urls,
             model=first.served_model_name,
             engine=config.fleet.engine,
             max_inflight_per_server=first.max_inflight_per_server,
             generation=config.generation,
-            api_key=api_key.get_secret_value() if api_key else None,
+            api_key=server_api_key(),
             exact_tokens=datagen.engines.exact_tokens_enabled(config),
         ) as dispatcher:
             watch = HostWatch(dispatcher, lost_after_s=config.multi_host.host_lost_after_s)

@@ -264,6 +264,56 @@ def _check_engine(config: RunConfig, store: Store) -> str:
     return f"engine {config.fleet.engine} available"
 
 
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname: it may resolve to any interface
+        return False
+
+
+def _check_server_access(config: RunConfig, store: Store) -> str:
+    """Servers other machines can reach must require the API key, and the engine must be able to."""
+    from datagen.engines import get_engine
+    from datagen.settings import server_api_key
+
+    engine = get_engine(config.fleet.engine)
+    key = server_api_key()
+    if not engine.launches_processes:
+        return "requests carry DATAGEN_SERVER_API_KEY" if key else "no API key sent (none set)"
+    host = config.fleet.host
+    if key is None:
+        if not _is_loopback(host):
+            raise DatagenError(
+                f"fleet.host {host!r} lets other machines reach the servers, and no API key is set: set "
+                "DATAGEN_SERVER_API_KEY (the same on every box and on the parent), or bind the servers to "
+                "127.0.0.1"
+            )
+        return "servers listen on the loopback address only"
+    if engine.api_key_args("key-file") is None:
+        if not _is_loopback(host):
+            raise DatagenError(
+                f"fleet.engine {engine.name} cannot require an API key and fleet.host {host!r} lets other "
+                "machines reach its servers: bind them to 127.0.0.1, or serve with fleet.engine: sglang"
+            )
+        return f"servers listen on the loopback address only ({engine.name} does not check API keys)"
+    if "--config" in config.fleet.extra_args:
+        raise DatagenError(
+            "fleet.extra_args passes --config, and datagen gives sglang its API key in a --config file of its "
+            "own (sglang takes one): move those options into fleet.sglang or fleet.extra_args, or unset "
+            "DATAGEN_SERVER_API_KEY"
+        )
+    if config.fleet.router:
+        raise DatagenError(
+            "fleet.router is on and DATAGEN_SERVER_API_KEY is set: the router does not send the key to its "
+            "workers; turn the router off (the dispatcher spreads requests itself) or unset the key"
+        )
+    return "servers require DATAGEN_SERVER_API_KEY (given to each in an owner-only file)"
+
+
 def _check_generation_mode(config: RunConfig, store: Store) -> str:
     from datagen.engines import exact_tokens_enabled
 
@@ -368,6 +418,7 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("datasets readable", _check_datasets, False),
     ("model and tokenizer", _check_model, False),
     ("engine", _check_engine, False),
+    ("server access", _check_server_access, False),
     ("generation mode", _check_generation_mode, False),
     ("external servers", _check_external_servers, False),
     ("base dataset version", _check_base_version, True),
@@ -376,11 +427,13 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
 
 
 # Checks of the box that generates. In a multi-host run each host part runs them on its own box (with its
-# fleet and training job); the parent, which serves nothing and halts nothing, skips the last three.
+# fleet and training job); the parent, which serves nothing and halts nothing, skips the serving-only ones.
 HOST_CHECKS: frozenset[str] = frozenset(
-    {"model and tokenizer", "engine", "generation mode", "external servers", "training job"}
+    {"model and tokenizer", "engine", "server access", "generation mode", "external servers", "training job"}
 )
-SERVING_ONLY_CHECKS: frozenset[str] = frozenset({"engine", "external servers", "training job"})
+SERVING_ONLY_CHECKS: frozenset[str] = frozenset(
+    {"engine", "server access", "external servers", "training job"}
+)
 
 
 def run_host_preflight(config: RunConfig) -> PreflightReport:

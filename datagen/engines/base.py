@@ -154,6 +154,17 @@ class Engine(Protocol):
         """The model name clients must send in requests to a server of this engine."""
         ...
 
+    def api_key_args(self, key_file: str) -> list[str] | None:
+        """Arguments that make a launched server require the API key stored in ``key_file``.
+
+        The key itself never goes on the command line (``ps`` and the plan artifact show argvs).
+
+        Returns:
+            Arguments appended to the launch argv, or None when the engine cannot require a key.
+
+        """
+        ...
+
     def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
         """Size one GPU server (memory share, concurrency, batch sizes) and the dispatcher's cap for it."""
         ...

@@ -48,6 +48,10 @@ class ExternalEngine:
         """The configured served name, else the model path."""
         return model.served_name or model.path
 
+    def api_key_args(self, key_file: str) -> None:
+        """Servers someone else runs: their own configuration decides whether they require the key."""
+        return None
+
     def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
         """Someone else sized the servers: the dispatcher keeps ``fleet.max_inflight_per_server``."""
         return CapacityPlan(

@@ -269,6 +269,13 @@ class SGLangEngine:
         """The configured served name, else the model path."""
         return model.served_name or model.path
 
+    def api_key_args(self, key_file: str) -> list[str]:
+        """``--config KEY_FILE``: sglang reads ``api-key`` from that YAML file (0.5.14 and later).
+
+        sglang merges a config file's options under the command line's, so the key stays out of the argv.
+        """
+        return ["--config", key_file]
+
 
 def speculative_args(options: dict[str, Any]) -> list[str]:
     """Turn ``{algorithm: EAGLE, num_steps: 3}`` into ``--speculative-algorithm EAGLE ...``.

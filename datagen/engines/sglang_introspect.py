@@ -228,6 +228,10 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
     answer["server_argvs"] = [
         _parse_error(lambda argv: parser.parse_args(argv), argv) for argv in request.get("server_argvs", [])
     ]
+    if request.get("keyed_argvs"):
+        answer["api_keys"] = [_api_key_of(parser, argv) for argv in request["keyed_argvs"]]
+    if request.get("auth_checks"):
+        answer["auth_checks"] = [_auth_allowed(**check) for check in request["auth_checks"]]
     if request.get("router_argvs"):
         from sglang_router.launch_router import parse_router_args
 
@@ -247,6 +251,33 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
             for body in request["generate_bodies"]
         ]
     return answer
+
+
+def _api_key_of(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The API key a server launched with ``argv`` requires, read as ``prepare_server_args`` does."""
+    try:  # sglang >= 0.5.2x moved the module under utils
+        from sglang.srt.utils.server_args_config_parser import ConfigArgumentMerger
+    except ImportError:
+        from sglang.srt.server_args_config_parser import ConfigArgumentMerger
+    if "--config" in argv:
+        argv = ConfigArgumentMerger(parser).merge_config_with_args(argv)
+    key: str | None = parser.parse_args(argv).api_key
+    return key
+
+
+def _auth_allowed(path: str, authorization: str | None, api_key: str | None) -> bool:
+    """Whether sglang's API-key middleware lets a request to ``path`` with this header through."""
+    from sglang.srt.utils.auth import AuthLevel, decide_request_auth
+
+    decision = decide_request_auth(
+        method="POST" if path in {"/generate", "/v1/chat/completions"} else "GET",
+        path=path,
+        authorization_header=authorization,
+        api_key=api_key,
+        admin_api_key=None,
+        auth_level=AuthLevel.NORMAL,
+    )
+    return bool(decision.allowed)
 
 
 def _generate_request(cls: Any, body: dict[str, Any]) -> Any:

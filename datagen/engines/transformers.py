@@ -105,6 +105,10 @@ class TransformersEngine:
         """The name ``transformers serve`` gives the preloaded model: the path it was given."""
         return model.path
 
+    def api_key_args(self, key_file: str) -> None:
+        """`transformers serve` has no API key option: its servers must stay on the loopback address."""
+        return None
+
     def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
         """Continuous batching sizes itself from free memory: the dispatcher keeps the configured cap.
 

@@ -12,6 +12,7 @@ a crashed server is noticed at once, never after the whole timeout. When the pla
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -28,6 +29,7 @@ from typing import IO
 import httpx
 
 from datagen.engines import get_engine
+from datagen.engines.base import LaunchCommand
 from datagen.errors import ServerStartError
 from datagen.host import processes
 from datagen.host.fleet_registry import (
@@ -63,6 +65,9 @@ class _Server:
     ready: bool = False
     gave_up: bool = False
     history: list[str] = field(default_factory=list)
+    argv: list[str] = field(
+        default_factory=list
+    )  # as launched: the plan's argv plus the key file's arguments
 
     @property
     def pgid(self) -> int | None:
@@ -80,6 +85,9 @@ class Fleet:
         max_restarts_per_server: Restarts :meth:`ensure_running` may spend on each server.
         health_path: Readiness path; the plan's (from the engine) when None.
         stop_grace_s: Time between SIGTERM and SIGKILL when stopping.
+        api_key: Key every launched server requires (bearer token); given to each server in a file only this
+            user can read (the engine's :meth:`~datagen.engines.base.Engine.api_key_args`), never on its
+            command line, and replaced by ``***`` in every server log line datagen quotes.
 
     """
 
@@ -92,6 +100,7 @@ class Fleet:
         max_restarts_per_server: int = 3,
         health_path: str | None = None,
         stop_grace_s: float = STOP_GRACE_S,
+        api_key: str | None = None,
     ) -> None:
         self.plan = plan
         self.state_dir = Path(state_dir)
@@ -99,6 +108,7 @@ class Fleet:
         self.max_restarts_per_server = max_restarts_per_server
         self.health_path = health_path or plan.health_path
         self.stop_grace_s = stop_grace_s
+        self._api_key = api_key or None
         self._servers = [_Server(spec=spec) for spec in plan.servers]
         self._router = _Server(spec=plan.router) if plan.router is not None else None
         # Every owned process: the servers, then the router (started last, stopped with the rest).
@@ -158,7 +168,8 @@ class Fleet:
             if failures:
                 self.stop()
                 raise ServerStartError(
-                    _failure_message(failures), urls=[server.spec.url for server, _ in failures]
+                    redact(_failure_message(failures), self._api_key),
+                    urls=[server.spec.url for server, _ in failures],
                 )
             logger.info("fleet ready servers=%d urls=%s", len(self._servers), ",".join(self.urls))
 
@@ -182,6 +193,9 @@ class Fleet:
             if self._launches:
                 with suppress(FileNotFoundError):
                     self.pidfile_path.unlink()
+            for server in self._owned:
+                with suppress(FileNotFoundError):
+                    self._key_file(server.spec).unlink()
             self._started = False
             mark_stopped(self.pidfile_path)
             if groups:
@@ -303,14 +317,16 @@ class Fleet:
         self._close_log(server)
         # Append so a restarted server's earlier output (why it died) stays in the same file.
         server.log_file = log_path.open("ab")
-        banner = f"\n=== datagen: starting server {server.spec.index} at {_now()}: {launch.shell_line()}\n"
+        argv = server.argv = self.launch_argv(server.spec)
+        shown = LaunchCommand(argv=argv, env=launch.env).shell_line()
+        banner = f"\n=== datagen: starting server {server.spec.index} at {_now()}: {shown}\n"
         server.log_file.write(banner.encode())
         server.log_file.flush()
         server.log_offset = server.log_file.tell()
         server.ready = False
         try:
             server.process = subprocess.Popen(
-                launch.argv,
+                argv,
                 env={**os.environ, **launch.env},
                 stdin=subprocess.DEVNULL,
                 stdout=server.log_file,
@@ -405,8 +421,42 @@ class Fleet:
             return f"fatal line in log: {fatal!r}"
         return None
 
+    def launch_argv(self, spec: ServerSpec) -> list[str]:
+        """The argv a planned server is launched with: its plan's, plus the engine's key-file arguments.
+
+        With an API key, the key file is (re)written first, readable by this user only.
+
+        Args:
+            spec: A launched server of this fleet's plan.
+
+        Returns:
+            The argv.
+
+        """
+        assert spec.launch is not None
+        return [*spec.launch.argv, *self._key_args(spec)]
+
+    def _key_file(self, spec: ServerSpec) -> Path:
+        return self.state_dir / "secrets" / f"server-{spec.index:02d}-key.yaml"
+
+    def _key_args(self, spec: ServerSpec) -> list[str]:
+        if self._api_key is None:
+            return []
+        key_file = self._key_file(spec)
+        args = get_engine(self.plan.engine).api_key_args(str(key_file))
+        if args is None:
+            # Preflight refuses a key with such an engine off the loopback address; on it the key is moot.
+            return []
+        key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with suppress(FileNotFoundError):
+            key_file.unlink()
+        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(f"api-key: {json.dumps(self._api_key)}\n")  # a JSON string is a YAML scalar
+        return args
+
     def _fatal_line(self, server: _Server) -> str | None:
-        text = _read_log(server.spec.log_path, server.log_offset)
+        text = redact(_read_log(server.spec.log_path, server.log_offset), self._api_key)
         for pattern in self._fatal_patterns:
             match = pattern.search(text)
             if match is not None:
@@ -439,7 +489,7 @@ class Fleet:
                 pgid=server.process.pid,
                 port=server.spec.port,
                 url=server.spec.url,
-                cmd=list(server.spec.launch.argv) if server.spec.launch else [],
+                cmd=list(server.argv),
                 log_path=server.spec.log_path,
                 started_at=server.started_at,
             )
@@ -459,6 +509,11 @@ class Fleet:
 
 
 # --- logs and messages ------------------------------------------------------------------------
+
+
+def redact(text: str, secret: str | None) -> str:
+    """``text`` with every occurrence of ``secret`` replaced by ``***`` (sglang logs its API key at start)."""
+    return text.replace(secret, "***") if secret else text
 
 
 def _read_log(log_path: str | None, offset: int) -> str:

@@ -13,6 +13,7 @@ they must come out as SGLang's own ``qwen3`` / ``qwen25`` / ``qwen3_coder`` pars
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from datagen.generation.wire import (
     build_chat_payload,
     parse_chat_completion,
 )
+from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan, plan_servers, router_launch
 from datagen.host.probe import EnvReport, probe_from_dir
 from datagen.records import Message, PromptRecord
@@ -337,3 +339,31 @@ def test_exact_token_records_split_reasoning_and_tool_calls_as_sglangs_chat_api_
         if ours != theirs:
             mismatches.append((text, ours, theirs))
     assert mismatches == []
+
+
+def test_the_api_key_reaches_the_real_sglang_through_its_config_file_and_guards_what_datagen_sends(
+    sglang_python: str, tmp_path: Path
+) -> None:
+    flags = sglang_flags(sglang_python, use_cache=False)
+    plan = _plans(flags, tmp_path)[0]
+    key = f"dg-{secrets.token_hex(16)}"
+    fleet = Fleet(plan, tmp_path / "state", api_key=key)
+    argvs = [fleet.launch_argv(server)[3:] for server in plan.servers]
+    bearer = f"Bearer {key}"  # what the dispatcher sends (tests/integration/test_server_api_key.py)
+    checks = [
+        {"path": path, "authorization": authorization, "api_key": key}
+        for path, authorization in (
+            ("/health", None),  # the fleet's readiness probe and the dispatcher's health pool send no key
+            ("/metrics", None),
+            ("/v1/chat/completions", bearer),
+            ("/generate", bearer),
+            ("/v1/chat/completions", None),
+            ("/generate", "Bearer wrong"),
+        )
+    ]
+
+    answer = run_introspection(sglang_python, "check", {"keyed_argvs": argvs, "auth_checks": checks})
+
+    assert answer["api_keys"] == [key] * len(argvs), f"sglang {answer['sglang_version']}"
+    assert answer["auth_checks"] == [True, True, True, True, False, False]
+    assert all(key not in " ".join(argv) for argv in argvs)

@@ -72,6 +72,8 @@ class FaultServer:
         # Answers wait until this is set; a test clears it to hold a run mid-generation, then sets it.
         self.answering = threading.Event()
         self.answering.set()
+        # When set, every path but /health and /metrics needs "Authorization: Bearer <key>" (SGLang's rule).
+        self.api_key: str | None = None
         self.requests: list[SeenRequest] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -166,6 +168,10 @@ class FaultServer:
                 }
                 length = int(headers.get("content-length", "0"))
                 raw = await reader.readexactly(length) if length else b""
+                open_path = path.startswith(("/health", "/metrics"))
+                if self.api_key and not open_path and headers.get("authorization") != f"Bearer {self.api_key}":
+                    await send_json(writer, 401, {"error": "Unauthorized"})
+                    continue
                 keep_open = await self._respond(method, path, raw, writer)
                 if not keep_open:
                     return
@@ -291,6 +297,7 @@ async def send_json(writer: asyncio.StreamWriter, status: int, payload: dict[str
     reason = {
         200: "OK",
         400: "Bad Request",
+        401: "Unauthorized",
         404: "Not Found",
         405: "Method Not Allowed",
         429: "Too Many Requests",

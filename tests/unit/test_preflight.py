@@ -230,3 +230,63 @@ def test_exact_tokens_against_external_servers_without_generate_are_refused_befo
     assert "generation.exact_tokens: false" in problem
     (mode,) = [check for check in report.checks if check.name == "generation mode"]
     assert mode.ok and "exact tokens" in mode.detail
+
+
+@pytest.mark.parametrize(
+    ("fleet", "key", "said"),
+    [
+        ({"host": "0.0.0.0"}, None, "no API key is set: set DATAGEN_SERVER_API_KEY"),
+        ({"host": "10.0.0.5"}, "k-1", "transformers cannot require an API key"),
+        ({"engine": "sglang", "router": True}, "k-1", "the router does not send the key"),
+        ({"engine": "sglang", "extra_args": ["--config", "mine.yaml"]}, "k-1", "passes --config"),
+    ],
+)
+def test_servers_other_machines_can_reach_must_require_the_api_key(
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fleet: dict[str, object],
+    key: str | None,
+    said: str,
+) -> None:
+    from datagen.settings import get_settings
+
+    if key is not None:
+        monkeypatch.setenv("DATAGEN_SERVER_API_KEY", key)
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(PreflightError) as raised:
+            run_preflight(_config(tmp_path, tiny_model_dir, fleet=fleet))
+    finally:
+        get_settings.cache_clear()
+    access = [problem for problem in raised.value.problems if problem.startswith("server access:")]
+    assert len(access) == 1 and said in access[0], raised.value.problems
+
+
+def test_a_key_with_loopback_servers_passes_and_says_what_guards_them(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datagen.settings import get_settings
+
+    monkeypatch.setenv("DATAGEN_SERVER_API_KEY", "k-1")
+    get_settings.cache_clear()
+    try:
+        report = run_preflight(_config(tmp_path, tiny_model_dir))
+    finally:
+        get_settings.cache_clear()
+    (access,) = [check for check in report.checks if check.name == "server access"]
+    assert (
+        access.ok and "loopback address only" in access.detail and "does not check API keys" in access.detail
+    )
+
+
+def test_a_corrupt_tokenizer_json_is_refused_before_anything_stops(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    broken = tmp_path / "broken-model"
+    shutil.copytree(tiny_model_dir, broken)
+    (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "BPE"')
+    with pytest.raises(PreflightError) as raised:
+        run_preflight(_config(tmp_path, broken))
+    (problem,) = raised.value.problems
+    assert problem.startswith("model and tokenizer:") and "tokenizer" in problem, problem
