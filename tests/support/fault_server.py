@@ -169,7 +169,11 @@ class FaultServer:
                 length = int(headers.get("content-length", "0"))
                 raw = await reader.readexactly(length) if length else b""
                 open_path = path.startswith(("/health", "/metrics"))
-                if self.api_key and not open_path and headers.get("authorization") != f"Bearer {self.api_key}":
+                if (
+                    self.api_key
+                    and not open_path
+                    and headers.get("authorization") != f"Bearer {self.api_key}"
+                ):
                     await send_json(writer, 401, {"error": "Unauthorized"})
                     continue
                 keep_open = await self._respond(method, path, raw, writer)
