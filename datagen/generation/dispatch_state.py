@@ -125,6 +125,8 @@ class ServerState:
     """One server as the dispatcher sees it; lives on the loop thread only."""
 
     url: str
+    # Requests kept in flight here: the run's default, or what the server's host planned (multi-host).
+    cap: int = 1
     up: bool = False
     # A reset or a connect timeout: no new request until /health answers (or SUSPECT_MAX_S passes).
     suspect_since: float | None = None

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import sys
@@ -190,7 +191,11 @@ class Dispatcher:
         self._fixed_admission_limit = admission_limit
         self._servers: dict[str, ServerState] = {}
         for url in servers:
-            self._servers.setdefault(_normalise(url), ServerState(_normalise(url)))
+            self._servers.setdefault(
+                _normalise(url), ServerState(_normalise(url), cap=max_inflight_per_server)
+            )
+        # Sum of the servers' caps, kept as servers come and go (read from any thread).
+        self._slots = sum(server.cap for server in self._servers.values())
         self._streams: deque[RequestStream] = deque()
         self._queue: deque[Job] = deque()
         # Jobs waiting out a retry delay (their timer holds them otherwise).
@@ -229,8 +234,7 @@ class Dispatcher:
         """Requests admitted at once (queued, in flight or backing off), across every stream."""
         if self._fixed_admission_limit is not None:
             return self._fixed_admission_limit
-        slots = len(self._servers) * self.max_inflight_per_server
-        return max(ADMISSION_MIN_REQUESTS, ADMISSION_SLOTS_FACTOR * slots)
+        return max(ADMISSION_MIN_REQUESTS, ADMISSION_SLOTS_FACTOR * self._slots)
 
     # --- lifecycle (any thread) -------------------------------------------------------------------
 
@@ -351,9 +355,16 @@ class Dispatcher:
         future.add_done_callback(lambda done: stream.cancel() if done.cancelled() else None)
         return future
 
-    def add_server(self, url: str) -> None:
-        """Add a server; it takes requests once its ``/health`` answers 200."""
-        self._call_on_loop(self._add_server, _normalise(url))
+    def add_server(self, url: str, max_inflight: int | None = None) -> None:
+        """Add a server; it takes requests once its ``/health`` answers 200.
+
+        Args:
+            url: The server's base URL.
+            max_inflight: Requests kept in flight on it (its host's plan); ``max_inflight_per_server`` if None.
+
+        """
+        cap = max_inflight or self.max_inflight_per_server
+        self._call_on_loop(functools.partial(self._add_server, cap=cap), _normalise(url))
 
     def remove_server(self, url: str) -> None:
         """Stop routing to a server; its in-flight requests go back to the queue without losing an attempt."""
@@ -394,7 +405,7 @@ class Dispatcher:
         # never queues a request, and every slot keeps its own warm connection.
         server.pool = HttpPool(
             server.url,
-            limit=self.max_inflight_per_server,
+            limit=server.cap,
             keepalive_idle_s=KEEPALIVE_IDLE_S,
             connect_timeout_s=min(CONNECT_TIMEOUT_S, self.generation.request_timeout_s),
             headers=self._headers(),
@@ -524,7 +535,7 @@ class Dispatcher:
                 queue.popleft()
                 self._admitted -= 1
                 continue
-            usable = freed.usable and len(freed.in_flight) < self.max_inflight_per_server
+            usable = freed.usable and len(freed.in_flight) < freed.cap
             if usable and (job.last_server != freed.url or len(self._servers) == 1):
                 queue.popleft()
                 self._start(job, freed)
@@ -542,20 +553,21 @@ class Dispatcher:
         job.task = self._loop.create_task(self._run(job, server))
 
     def _pick_server(self, job: Job) -> ServerState | None:
-        """The usable server with a free slot and the fewest outstanding requests, not the last one tried."""
-        cap = self.max_inflight_per_server
+        """The usable server with a free slot and the smallest share of its cap in use, not the last one tried."""
         best: ServerState | None = None
         fallback: ServerState | None = None
         for server in self._servers.values():
-            if not server.usable or len(server.in_flight) >= cap:
+            if not server.usable or len(server.in_flight) >= server.cap:
                 continue
             if server.url == job.last_server:
                 fallback = server
                 continue
-            if best is None or (len(server.in_flight), server.dispatched) < (
-                len(best.in_flight),
-                best.dispatched,
-            ):
+            if best is None:
+                best = server
+                continue
+            # in_flight / cap, compared by cross-multiplying: with equal caps, the in-flight counts.
+            load, best_load = len(server.in_flight) * best.cap, len(best.in_flight) * server.cap
+            if (load, server.dispatched) < (best_load, best.dispatched):
                 best = server
         return best or fallback
 
@@ -803,12 +815,13 @@ class Dispatcher:
         if not any(other.up for other in self._servers.values()) and self._all_down_since is None:
             self._all_down_since = time.monotonic()
 
-    def _add_server(self, url: str) -> None:
+    def _add_server(self, url: str, cap: int | None = None) -> None:
         if url in self._servers:
             return
-        server = ServerState(url)
+        server = ServerState(url, cap=cap or self.max_inflight_per_server)
         self._servers[url] = server
-        logger.info("server added url=%s", url)
+        self._slots += server.cap
+        logger.info("server added url=%s max_inflight=%d", url, server.cap)
         if self._loop is not None and self._loop.is_running():
             self._open_pools(server)
             self._probe_soon(server, mark_up=True)
@@ -819,6 +832,7 @@ class Dispatcher:
             return
         self._mark_down(server, "removed", refund=True)
         del self._servers[url]
+        self._slots -= server.cap
         logger.info("server removed url=%s", url)
         self._close_pools(server)
 

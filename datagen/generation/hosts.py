@@ -64,20 +64,14 @@ class HostWatch:
             if fleet.host in self.members or any(lost.name == fleet.host for lost in self.lost):
                 return False
             self.members[fleet.host] = _Member(fleet)
-        if fleet.max_inflight_per_server != self.dispatcher.max_inflight_per_server:
-            logger.warning(
-                "host plans another in-flight cap than the dispatcher keeps host=%s planned=%d kept=%d",
-                fleet.host,
-                fleet.max_inflight_per_server,
-                self.dispatcher.max_inflight_per_server,
-            )
         for url in fleet.urls:
-            self.dispatcher.add_server(url)
+            self.dispatcher.add_server(url, max_inflight=fleet.max_inflight_per_server)
         logger.info(
-            "host joined host=%s hostname=%s servers=%d urls=%s",
+            "host joined host=%s hostname=%s servers=%d max_inflight_per_server=%d urls=%s",
             fleet.host,
             fleet.hostname,
             len(fleet.urls),
+            fleet.max_inflight_per_server,
             ",".join(fleet.urls),
         )
         return True

@@ -360,3 +360,17 @@ def test_a_cancelled_stream_sends_none_of_its_waiting_requests(server: FaultServ
         "after",
     ]
     assert results_seen == []
+
+
+def test_a_server_added_with_its_own_cap_is_kept_at_that_cap_beside_the_others() -> None:
+    # Multi-host: each box plans its own in-flight cap (its GPUs); the dispatcher keeps each server at its own.
+    plan = FaultPlan(base_delay_s=0.2)
+    with FaultServer(plan) as small, FaultServer(plan) as large:
+        with dispatcher_for([small.url], cap=2) as dispatcher:
+            dispatcher.add_server(large.url, max_inflight=6)
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            records = results([dispatcher.submit(make_request(f"q{index}")) for index in range(48)])
+        assert all(isinstance(record, CompletionRecord) for record in records)
+        assert small.max_in_flight == 2 and large.max_in_flight == 6
+        # Shares follow the caps: the large server answered about three times as many.
+        assert len(large.chat_requests()) > 2 * len(small.chat_requests())
