@@ -522,6 +522,13 @@ class MultiHostConfig(StrictModel):
     poll_interval_s: float = Field(
         default=1.0, gt=0, description="How often hosts and the parent look for each other's markers."
     )
+    parent_lease_s: float = Field(
+        default=60.0,
+        ge=60,
+        description="Duration of the Prefect concurrency lease the parent holds (Prefect's minimum: 60 s); a "
+        "parent killed outright stops renewing it, Prefect revokes it (its repossessor runs every 15 s), and "
+        "the hosts stop serving.",
+    )
     start_with_hosts: int = Field(
         default=1,
         gt=0,

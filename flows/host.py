@@ -46,7 +46,7 @@ from datagen.settings import server_api_key
 from flows.expand import FLEET_MONITOR_INTERVAL_S, _fleet_state_dir, _fleets_root, _stop_servers_hook
 from tasks.credentials import configure_s3_credentials
 from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
-from tasks.hosts import flow_run_ended
+from tasks.hosts import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
 
@@ -114,7 +114,11 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
 
     def parent_ended() -> str | None:
         state = flow_run_ended(parent)
-        return f"the parent flow run ended ({state})" if state else None
+        if state:
+            return f"the parent flow run ended ({state})"
+        if parent is not None and config.run_id is not None and parent_lease_lapsed(config.run_id):
+            return "the parent's lease lapsed: its process died without ending its flow run"
+        return None
 
     go = wait_for_host_object(
         store,

@@ -41,7 +41,7 @@ from datagen.output.hosts import (
 from datagen.output.layout import RunLayout
 from datagen.output.runs import open_store
 from datagen.settings import server_api_key
-from tasks.hosts import check_hosts, ended_flow_runs, start_host_parts
+from tasks.hosts import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
 
 T = TypeVar("T")
 # After the release, how long the parent waits to see every host part end (to log how each ended).
@@ -73,10 +73,24 @@ def run_on_hosts(
         PreflightError: A host is misconfigured or its own checks failed; nothing was halted on any host.
         HostsUnavailableError: No host's servers came up.
     """
+    check_hosts(config)
+    assert config.run_id is not None
+    # Held until every host part has stopped: a parent killed outright lets it lapse, and the hosts stop.
+    with hold_parent_lease(config.run_id, config.multi_host.parent_lease_s):
+        return _run_with_hosts(config, layout, attempt_id, parent_flow_run_id, generate, outcome)
+
+
+def _run_with_hosts(
+    config: RunConfig,
+    layout: RunLayout,
+    attempt_id: str,
+    parent_flow_run_id: str | None,
+    generate: Callable[[Dispatcher], T],
+    outcome: HostsOutcome,
+) -> T:
     logger = get_run_logger()
     store = open_store(config)
     poll_s = config.multi_host.poll_interval_s
-    check_hosts(config)
     started = start_host_parts(config, attempt_id, parent_flow_run_id)
     release = "generation over"
     try:

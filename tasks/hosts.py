@@ -7,8 +7,10 @@ and never waits on it: the hosts and the parent meet in the run's store (:mod:`d
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import datetime as dt
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from uuid import UUID
 
@@ -17,11 +19,13 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.client.schemas.objects import FlowRun
+from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 
 from datagen.config import RunConfig
-from datagen.errors import PreflightError
+from datagen.errors import DatagenError, PreflightError
+from tasks.runtime import ensure_limit
 
 # A worker polls its queue every 10 s by default (PREFECT_WORKER_QUERY_SECONDS): a queue not polled for six
 # times that has no worker behind it.
@@ -174,3 +178,60 @@ def flow_run_ended(flow_run_id: str | None) -> str | None:
         return ended_flow_runs({"run": flow_run_id}).get("run")
     except Exception:  # the API being briefly unreachable is no reason to stop serving
         return None
+
+
+def parent_lease_name(run_id: str) -> str:
+    """The Prefect global concurrency limit the parent of run ``run_id`` holds a slot of."""
+    return f"datagen-parent-{run_id}"
+
+
+@contextlib.contextmanager
+def hold_parent_lease(run_id: str, lease_s: float) -> Iterator[str]:
+    """Hold the run's parent lease for the block: the hosts serve while it is held.
+
+    Prefect renews the lease in the background; a parent killed outright (SIGKILL, a lost box) stops
+    renewing it, Prefect's repossessor revokes it, and the hosts see the slot free and stop serving. Its
+    flow run, which nothing can end, stays "Running" in the UI. The limit is deleted when the block ends.
+
+    Args:
+        run_id: The run.
+        lease_s: Lease duration (``multi_host.parent_lease_s``).
+
+    Yields:
+        The limit's name.
+
+    Raises:
+        DatagenError: Another parent of this run holds the lease (still running, or killed less than a lease
+            ago) for longer than four leases.
+
+    """
+    name = parent_lease_name(run_id)
+    ensure_limit(name)
+    acquired = False
+    try:
+        with concurrency(name, occupy=1, timeout_seconds=4 * lease_s + 30, lease_duration=lease_s, strict=True):
+            acquired = True
+            yield name
+    except TimeoutError:
+        if acquired:
+            raise
+        raise DatagenError(
+            f"Another parent of run {run_id} holds its lease ({name!r}): it is still running. Cancel it in the "
+            "Prefect UI, or resume this run when it has ended."
+        ) from None
+    finally:
+        if acquired:
+            with contextlib.suppress(Exception), get_client(sync_client=True) as client:
+                client.delete_global_concurrency_limit_by_name(name)
+
+
+def parent_lease_lapsed(run_id: str) -> bool:
+    """Whether the run's parent lease is no longer held (its parent ended or was killed); False if unknown."""
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(parent_lease_name(run_id))
+    except ObjectNotFound:
+        return True  # deleted by its parent on the way out (the hosts are released by then)
+    except Exception:  # the API being briefly unreachable is no reason to stop serving
+        return False
+    return limit.active_slots == 0

@@ -41,7 +41,7 @@ def gpu_lock_name() -> str:
     return f"datagen-gpus-{host}"
 
 
-def _ensure_limit(name: str) -> None:
+def ensure_limit(name: str) -> None:
     """Create the limit (1 slot) when missing; another run creating it at the same time is fine."""
     with get_client(sync_client=True) as client:
         try:
@@ -66,7 +66,7 @@ def hold_host_gpus() -> Iterator[str]:
     name = gpu_lock_name()
     timeout_s = get_settings().gpu_lock_timeout_s
     logger = get_run_logger()
-    _ensure_limit(name)
+    ensure_limit(name)
     acquired = False  # a TimeoutError raised by the run itself must not look like a wait for the lock
     try:
         with concurrency(

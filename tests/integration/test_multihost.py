@@ -298,3 +298,47 @@ def test_a_host_on_an_unknown_work_queue_refuses_the_run_before_any_host_starts(
         -4000:
     ]
     assert not (tmp_path / "out" / "runs" / "unknown-queue" / "hosts").exists()
+
+
+HOLD_PARENT_LEASE = """
+import sys, time
+from tasks.hosts import hold_parent_lease
+with hold_parent_lease(sys.argv[1], 60.0):
+    print("held", flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving(stack: Stack) -> None:
+    # A host part stops serving when parent_lease_lapsed() says so (flows/host.py). Prefect revokes expired
+    # leases in `prefect server start` (its repossessor, every 15 s), not in its ephemeral test server.
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.hosts import hold_parent_lease, parent_lease_lapsed
+
+    killed, ended = f"killed-{os.getpid()}", f"ended-{os.getpid()}"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_PARENT_LEASE, killed],
+        env=stack.prefect.env(PYTHONPATH=str(stack.clone)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    with temporary_settings({PREFECT_API_URL: stack.prefect.api_url}):
+        try:
+            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+            assert not parent_lease_lapsed(killed)
+            os.kill(holder.pid, signal.SIGKILL)
+            holder.wait()
+            killed_at = time.monotonic()
+            # The lease (60 s, Prefect's minimum), the repossessor's period, slack for a loaded machine.
+            while not parent_lease_lapsed(killed):
+                assert time.monotonic() - killed_at < 60 + 15 + 45, "the killed parent's lease never lapsed"
+                time.sleep(1)
+            print(f"parent lease lapsed {time.monotonic() - killed_at:.0f} s after the SIGKILL")
+        finally:
+            if holder.poll() is None:
+                holder.kill()
+                holder.wait()
+        with hold_parent_lease(ended, 60.0):
+            assert not parent_lease_lapsed(ended)
+        assert parent_lease_lapsed(ended), "a parent that ends deletes its lease's limit"
