@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import logging
 import os
 import signal
@@ -84,29 +85,36 @@ class LocalApiServer:
         """The API URL clients use."""
         return f"http://127.0.0.1:{self.port}/api"
 
-    def start(self) -> str:
-        """Start the server and wait until it answers; return its API URL.
+    def spawn(self, *, with_settings: bool = True) -> None:
+        """Start the server process without waiting for it (idempotent).
 
-        Raises:
-            RuntimeError: The server exited or did not answer within ``start_timeout_s``.
+        Args:
+            with_settings: Pass this process's Prefect settings on (imports Prefect). Without, the server
+                reads the same environment and profile itself: what :func:`spawn_early` does before this
+                process has imported Prefect, so the two boot at once.
+
         """
-        import prefect
-        from prefect.settings import get_current_settings
-
+        if self.process is not None:
+            return
         env = {
             **os.environ,
             # What Prefect's own temporary server runs with: no UI, ephemeral-server behaviour.
             "PREFECT_UI_ENABLED": "0",
             "PREFECT__SERVER_EPHEMERAL": "1",
             "PREFECT__SERVER_FINAL": "1",
-            **get_current_settings().to_environment_variables(exclude_unset=True),
         }
+        if with_settings:
+            from prefect.settings import get_current_settings
+
+            env.update(get_current_settings().to_environment_variables(exclude_unset=True))
+        spec = importlib.util.find_spec("prefect")
+        assert spec is not None and spec.submodule_search_locations
         argv = [
             sys.executable,
             "-m",
             "uvicorn",
             "--app-dir",
-            str(prefect.__module_path__.parent),
+            str(Path(next(iter(spec.submodule_search_locations))).parent),
             "--factory",
             "prefect.server.api.server:create_app",
             "--host",
@@ -130,6 +138,15 @@ class LocalApiServer:
                 preexec_fn=_die_with_parent if _PRCTL is not None else None,
             )
         logger.info("prefect api server starting pid=%d url=%s", self.process.pid, self.api_url)
+
+    def start(self) -> str:
+        """Start the server (unless :meth:`spawn` did) and wait until it answers; return its API URL.
+
+        Raises:
+            RuntimeError: The server exited or did not answer within ``start_timeout_s``.
+        """
+        self.spawn()
+        assert self.process is not None
         deadline = time.monotonic() + self.start_timeout_s
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -175,8 +192,22 @@ def drain_prefect_workers() -> None:
             logger.debug("prefect worker drain failed worker=%s error=%s", worker.__name__, error)
 
 
+def spawn_early(log_dir: Path) -> LocalApiServer | None:
+    """Start booting a temporary API server now, before Prefect is imported here, unless the environment names one.
+
+    Booting the server (its imports and database) takes seconds, and so does importing Prefect in this
+    process: started first, the two overlap. :func:`prefect_api` then uses it, or stops it when Prefect's
+    settings name an API after all (a profile's URL).
+    """
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    server = LocalApiServer(log_dir / f"prefect-api-{os.getpid()}.log")
+    server.spawn(with_settings=False)
+    return server
+
+
 @contextlib.contextmanager
-def prefect_api(log_dir: Path) -> Iterator[str | None]:
+def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[str | None]:
     """Use the configured Prefect API, or own a temporary one for the duration of the block.
 
     With ``PREFECT_API_URL`` set (environment or profile) nothing is started and the URL is yielded. Else a
@@ -185,6 +216,7 @@ def prefect_api(log_dir: Path) -> Iterator[str | None]:
 
     Args:
         log_dir: Folder for the temporary server's log.
+        early: A server :func:`spawn_early` started; used instead of a new one (stopped if an API is set).
 
     Yields:
         The API URL in use (None only if Prefect is left to its own ephemeral mode).
@@ -194,12 +226,14 @@ def prefect_api(log_dir: Path) -> Iterator[str | None]:
 
     configured = get_current_settings().api.url
     if configured:
+        if early is not None:
+            early.stop()
         try:
             yield configured
         finally:
             drain_prefect_workers()
         return
-    server = LocalApiServer(log_dir / f"prefect-api-{os.getpid()}.log")
+    server = early or LocalApiServer(log_dir / f"prefect-api-{os.getpid()}.log")
     previous = os.environ.get("PREFECT_API_URL")
     try:
         os.environ["PREFECT_API_URL"] = server.start()

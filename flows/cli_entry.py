@@ -27,11 +27,20 @@ def load_expand_flow() -> ExpandFlow:
     (see :mod:`flows.api_server`).
     """
     from datagen.settings import get_settings
-    from flows.api_server import prefect_api
-    from flows.expand import expand
+    from flows.api_server import prefect_api, spawn_early
+
+    log_dir = Path(get_settings().state_dir).expanduser() / "logs"
+    # The temporary API server boots while this process imports Prefect and the flow (seconds each).
+    early = spawn_early(log_dir)
+    try:
+        from flows.expand import expand
+    except BaseException:
+        if early is not None:
+            early.stop()
+        raise
 
     def run_expand(config: RunConfig) -> RunSummary:
-        with prefect_api(Path(get_settings().state_dir).expanduser() / "logs"):
+        with prefect_api(log_dir, early=early):
             # `config` is the flow's advanced parameter (config_path, run_id... come first): by name.
             return expand(config=config)
 
