@@ -47,6 +47,7 @@ class Stack:
         self.workers: dict[str, subprocess.Popen[bytes]] = {}
         self.simulators: dict[str, subprocess.Popen[bytes]] = {}
         self.urls: dict[str, list[str]] = {}
+        self.killed_parent_at = 0.0  # when the fixture SIGKILLed a parent lease holder (monotonic)
 
     def start_host(self, host: str) -> None:
         """A worker polling only the host's queue, and the host's servers."""
@@ -134,6 +135,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             timeout=600,
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        # A parent killed outright: its lease takes over a minute to lapse, so it is killed here and the
+        # lapse is awaited by its test, while the others run.
+        stack.killed_parent_at = _kill_a_lease_holder(stack, KILLED_PARENT_RUN)
         for host in HOSTS:
             created = prefect.prefect("work-queue", "create", host, "--pool", POOL, cwd=root)
             assert created.returncode == 0, created.stdout + created.stderr
@@ -307,6 +311,29 @@ with hold_parent_lease(sys.argv[1], 60.0):
     print("held", flush=True)
     time.sleep(3600)
 """
+KILLED_PARENT_RUN = f"killed-parent-{os.getpid()}"
+
+
+def _kill_a_lease_holder(stack: Stack, run_id: str) -> float:
+    """Start a process holding ``run_id``'s parent lease, SIGKILL it once it holds it; return when."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD_PARENT_LEASE, run_id],
+        env=stack.prefect.env(PYTHONPATH=str(stack.clone)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from tasks.hosts import parent_lease_lapsed
+
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        with temporary_settings({PREFECT_API_URL: stack.prefect.api_url}):
+            assert not parent_lease_lapsed(run_id)
+    finally:
+        holder.kill()
+        holder.wait()
+    return time.monotonic()
 
 
 def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving(stack: Stack) -> None:
@@ -316,29 +343,18 @@ def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving
 
     from tasks.hosts import hold_parent_lease, parent_lease_lapsed
 
-    killed, ended = f"killed-{os.getpid()}", f"ended-{os.getpid()}"
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLD_PARENT_LEASE, killed],
-        env=stack.prefect.env(PYTHONPATH=str(stack.clone)),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    ended = f"ended-parent-{os.getpid()}"
     with temporary_settings({PREFECT_API_URL: stack.prefect.api_url}):
-        try:
-            assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-            assert not parent_lease_lapsed(killed)
-            os.kill(holder.pid, signal.SIGKILL)
-            holder.wait()
-            killed_at = time.monotonic()
-            # The lease (60 s, Prefect's minimum), the repossessor's period, slack for a loaded machine.
-            while not parent_lease_lapsed(killed):
-                assert time.monotonic() - killed_at < 60 + 15 + 45, "the killed parent's lease never lapsed"
-                time.sleep(1)
-            print(f"parent lease lapsed {time.monotonic() - killed_at:.0f} s after the SIGKILL")
-        finally:
-            if holder.poll() is None:
-                holder.kill()
-                holder.wait()
+        # The lease (60 s, Prefect's minimum), the repossessor's period, slack for a loaded machine.
+        while not parent_lease_lapsed(KILLED_PARENT_RUN):
+            assert time.monotonic() - stack.killed_parent_at < 60 + 15 + 45, (
+                "the killed parent's lease held on"
+            )
+            time.sleep(1)
+        lapsed_after_s = time.monotonic() - stack.killed_parent_at
         with hold_parent_lease(ended, 60.0):
             assert not parent_lease_lapsed(ended)
         assert parent_lease_lapsed(ended), "a parent that ends deletes its lease's limit"
+    # Not sooner than the lease: the lease was held (and renewed) until the kill.
+    assert lapsed_after_s >= 55, f"lapsed {lapsed_after_s:.0f} s after the kill: it was never held"
+    print(f"parent lease lapsed {lapsed_after_s:.0f} s after the SIGKILL")

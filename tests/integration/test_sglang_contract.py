@@ -148,6 +148,24 @@ def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(
         for index, request in enumerate(requests)
     ]
 
+    # DATAGEN_SERVER_API_KEY: the argv a fleet launches a planned server with, read as sglang's
+    # prepare_server_args reads it (the --config file), and sglang's auth rule on what datagen sends.
+    key = f"dg-{secrets.token_hex(16)}"
+    fleet = Fleet(plans[0], tmp_path / "state", api_key=key)
+    keyed_argvs = [fleet.launch_argv(server)[3:] for server in plans[0].servers]
+    bearer = f"Bearer {key}"  # what the dispatcher sends (tests/integration/test_server_api_key.py)
+    auth_checks = [
+        {"path": path, "authorization": authorization, "api_key": key}
+        for path, authorization in (
+            ("/health", None),  # the fleet's readiness probe and the dispatcher's health pool send no key
+            ("/metrics", None),
+            ("/v1/chat/completions", bearer),
+            ("/generate", bearer),
+            ("/v1/chat/completions", None),
+            ("/generate", "Bearer wrong"),
+        )
+    ]
+
     answer = run_introspection(
         sglang_python,
         "check",
@@ -156,6 +174,8 @@ def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(
             "router_argvs": router_argvs,
             "chat_bodies": chat_bodies,
             "generate_bodies": generate_bodies,
+            "keyed_argvs": keyed_argvs,
+            "auth_checks": auth_checks,
         },
     )
 
@@ -175,6 +195,9 @@ def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(
     assert any("--speculative-algorithm" in argv for argv in hybrid_argvs)
     assert any("--disable-overlap-schedule" in argv for argv in hybrid_argvs)
     assert len(server_argvs) >= 90  # 2 hosts x 2 models x 4-5 variants x DP/TP, 2-8 servers each
+    assert answer["api_keys"] == [key] * len(keyed_argvs), "sglang reads the key from datagen's --config file"
+    assert answer["auth_checks"] == [True, True, True, True, False, False]
+    assert all(key not in " ".join(argv) for argv in keyed_argvs)
 
 
 def test_a_misspelt_flag_and_a_misspelt_sampling_field_are_caught_by_the_real_models(
@@ -339,31 +362,3 @@ def test_exact_token_records_split_reasoning_and_tool_calls_as_sglangs_chat_api_
         if ours != theirs:
             mismatches.append((text, ours, theirs))
     assert mismatches == []
-
-
-def test_the_api_key_reaches_the_real_sglang_through_its_config_file_and_guards_what_datagen_sends(
-    sglang_python: str, tmp_path: Path
-) -> None:
-    flags = sglang_flags(sglang_python, use_cache=False)
-    plan = _plans(flags, tmp_path)[0]
-    key = f"dg-{secrets.token_hex(16)}"
-    fleet = Fleet(plan, tmp_path / "state", api_key=key)
-    argvs = [fleet.launch_argv(server)[3:] for server in plan.servers]
-    bearer = f"Bearer {key}"  # what the dispatcher sends (tests/integration/test_server_api_key.py)
-    checks = [
-        {"path": path, "authorization": authorization, "api_key": key}
-        for path, authorization in (
-            ("/health", None),  # the fleet's readiness probe and the dispatcher's health pool send no key
-            ("/metrics", None),
-            ("/v1/chat/completions", bearer),
-            ("/generate", bearer),
-            ("/v1/chat/completions", None),
-            ("/generate", "Bearer wrong"),
-        )
-    ]
-
-    answer = run_introspection(sglang_python, "check", {"keyed_argvs": argvs, "auth_checks": checks})
-
-    assert answer["api_keys"] == [key] * len(argvs), f"sglang {answer['sglang_version']}"
-    assert answer["auth_checks"] == [True, True, True, True, False, False]
-    assert all(key not in " ".join(argv) for argv in argvs)
