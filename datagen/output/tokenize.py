@@ -23,7 +23,7 @@ on the full render; the tests check it against full-render offsets. The ids come
 :class:`~datagen.output.tokenize_text.TextEncoder`: exactly the Rust tokenizer's ids, several times faster.
 
 Exact-ids path: when the engine returned the generated token ids, the row is the tokenized prompt render
-followed by those ids (plus ``<|im_end|>`` when generation stopped on it but the ids leave it out), and the
+followed by those ids (plus ``<|im_end|>`` when generation stopped but the ids end on no stop token), and the
 mask is 1 exactly on the generated ids. Each row records which path made it (``text`` or ``ids``).
 """
 
@@ -53,6 +53,7 @@ from datagen.records import (
 logger = logging.getLogger(__name__)
 
 END_OF_TURN_TOKEN = "<|im_end|>"
+END_OF_TEXT_TOKEN = "<|endoftext|>"
 # Finish reasons meaning the model emitted its end-of-turn token itself.
 ENDED_TURN_REASONS = frozenset({"stop", "tool_calls"})
 REJECT_TOO_LONG = "too_long"
@@ -511,6 +512,12 @@ class RowTokenizer:
         self.text = TextEncoder(self.backend)
         self.max_length_tokens = max_length_tokens
         self.end_of_turn_id = _token_id(self.backend, END_OF_TURN_TOKEN)
+        # Tokens an exact-token answer may end on when the model stopped by itself: the end of turn, or the
+        # end-of-text / EOS token the server also stops on. None of them is followed by an invented <|im_end|>.
+        stop_tokens = {END_OF_TURN_TOKEN, END_OF_TEXT_TOKEN, spec.special_tokens.get("eos_token", "")}
+        self.stop_ids = frozenset(
+            token_id for token_id in map(self.backend.token_to_id, stop_tokens - {""}) if token_id is not None
+        )
         self._added_ids = frozenset(int(token_id) for token_id in self.backend.get_added_tokens_decoder())
         self._prompts: OrderedDict[tuple[str, str, bool | None], _Prompt] = OrderedDict()
         self._turns: dict[bool | None, tuple[str, str] | None] = {}
@@ -694,8 +701,9 @@ class RowTokenizer:
     def _ids_row(self, record: CompletionRecord, prompt: _Prompt, output_ids: list[int]) -> EncodedRow:
         generated = list(output_ids)
         if record.finish_reason in ENDED_TURN_REASONS and (
-            not generated or generated[-1] != self.end_of_turn_id
+            not generated or generated[-1] not in self.stop_ids
         ):
+            # The server left the stop token out of its ids (SGLang keeps it; other engines may not).
             generated.append(self.end_of_turn_id)
         ids = prompt.ids + generated
         return EncodedRow(ids, len(prompt.ids), len(ids), TOKENIZED_FROM_IDS)

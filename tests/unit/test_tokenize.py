@@ -188,6 +188,16 @@ def test_exact_output_ids_ending_on_end_of_turn_are_not_extended(tokenizer: Any)
     assert row.num_loss_tokens == len(output_ids)
 
 
+def test_exact_output_ids_ending_on_end_of_text_get_no_invented_end_of_turn(tokenizer: Any) -> None:
+    # The model stopped on <|endoftext|> (a stop token too): the row ends where the model did.
+    end_of_text = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    output_ids = [*tokenizer("Paris", add_special_tokens=False)["input_ids"], end_of_text]
+    record = make_record(USER, AssistantCompletion(content="Paris", output_token_ids=output_ids))
+    row = tokenized(tokenizer, record)
+    assert row.input_ids[-len(output_ids) :] == output_ids
+    assert row.num_loss_tokens == len(output_ids)
+
+
 def test_truncated_completion_does_not_train_on_an_end_of_turn_it_never_produced(tokenizer: Any) -> None:
     record = make_record(
         USER, AssistantCompletion(content="Paris is the"), thinking=False, finish_reason="length"
