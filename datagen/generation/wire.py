@@ -128,7 +128,7 @@ def parse_chat_completion(data: Any) -> tuple[AssistantCompletion, FinishReason,
         The assistant's completion, the finish reason (mapped onto datagen's literals) and the usage.
 
     Raises:
-        UnusableResponseError: The body has no usable first choice.
+        UnusableResponseError: The body has no usable first choice, or the server aborted the generation.
         BadToolArgumentsError: A tool call's arguments are not a JSON object.
 
     """
@@ -148,6 +148,9 @@ def parse_chat_completion(data: Any) -> tuple[AssistantCompletion, FinishReason,
         tool_calls=tool_calls or None,
     )
     finish_reason = FINISH_REASONS.get(str(choice.get("finish_reason")), "unknown")
+    if finish_reason == "abort":
+        # A 200 that carries no finished answer (SGLang: evicted, overloaded): retried like a reset, never kept.
+        raise UnusableResponseError(f"the server aborted the generation: {excerpt(json.dumps(choice))}")
     raw_usage = data.get("usage") or {}
     details = raw_usage.get("completion_tokens_details") or {}
     usage = TokenUsage(

@@ -251,6 +251,12 @@ class FaultServer:
         if fault == "400":
             await send_json(writer, 400, {"detail": "injected: bad request"})
             return True
+        if fault == "abort":
+            # SGLang answers an aborted generation (server overloaded, request evicted) with HTTP 200.
+            aborted = _completion(body or {}, content)
+            aborted["choices"][0]["finish_reason"] = "abort"
+            await send_json(writer, 200, aborted)
+            return True
         if fault == "empty":
             writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 0\r\n\r\n")
             await writer.drain()

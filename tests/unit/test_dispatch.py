@@ -86,6 +86,14 @@ def test_transient_faults_are_retried_until_a_completion(server: FaultServer) ->
     assert dispatcher.stats().retries == 4
 
 
+def test_a_chat_answer_the_server_aborted_is_retried_not_kept(server: FaultServer) -> None:
+    with dispatcher_for([server.url]) as dispatcher:
+        [record] = results([dispatcher.submit(make_request("[[abort]] hello"))])
+    assert isinstance(record, CompletionRecord)
+    assert record.finish_reason == "stop" and record.attempts == 2
+    assert [r.fault for r in server.chat_requests()] == ["abort", "ok"]
+
+
 def test_bad_request_is_a_failure_record_without_retry(server: FaultServer) -> None:
     with dispatcher_for([server.url]) as dispatcher:
         [record] = results([dispatcher.submit(make_request("[[400]] nope"))])
