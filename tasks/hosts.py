@@ -209,7 +209,9 @@ def hold_parent_lease(run_id: str, lease_s: float) -> Iterator[str]:
     ensure_limit(name)
     acquired = False
     try:
-        with concurrency(name, occupy=1, timeout_seconds=4 * lease_s + 30, lease_duration=lease_s, strict=True):
+        with concurrency(
+            name, occupy=1, timeout_seconds=4 * lease_s + 30, lease_duration=lease_s, strict=True
+        ):
             acquired = True
             yield name
     except TimeoutError:
