@@ -77,70 +77,59 @@ def run_on_hosts(
     assert config.run_id is not None
     # Held until every host part has stopped: a parent killed outright lets it lapse, and the hosts stop.
     with hold_parent_lease(config.run_id, config.multi_host.parent_lease_s):
-        return _run_with_hosts(config, layout, attempt_id, parent_flow_run_id, generate, outcome)
-
-
-def _run_with_hosts(
-    config: RunConfig,
-    layout: RunLayout,
-    attempt_id: str,
-    parent_flow_run_id: str | None,
-    generate: Callable[[Dispatcher], T],
-    outcome: HostsOutcome,
-) -> T:
-    logger = get_run_logger()
-    store = open_store(config)
-    poll_s = config.multi_host.poll_interval_s
-    started = start_host_parts(config, attempt_id, parent_flow_run_id)
-    release = "generation over"
-    try:
-        _await_preflights(config, layout, attempt_id, started)
-        waiting = dict(started)
-        ready = _await_fleets(config, layout, attempt_id, waiting, outcome)
-        first = ready[0]
-        with Dispatcher(
-            first.urls,
-            model=first.served_model_name,
-            engine=config.fleet.engine,
-            max_inflight_per_server=first.max_inflight_per_server,
-            generation=config.generation,
-            api_key=server_api_key(),
-            exact_tokens=datagen.engines.exact_tokens_enabled(config),
-        ) as dispatcher:
-            watch = HostWatch(dispatcher, lost_after_s=config.multi_host.host_lost_after_s)
-            for fleet in ready:
-                _join(watch, fleet, outcome)
-            stop = threading.Event()
-            watcher = threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(_watch_hosts, config, layout, attempt_id, started, waiting, watch, outcome, stop),
-                name="datagen-host-watch",
-                daemon=True,
+        logger = get_run_logger()
+        store = open_store(config)
+        poll_s = config.multi_host.poll_interval_s
+        started = start_host_parts(config, attempt_id, parent_flow_run_id)
+        release = "generation over"
+        try:
+            _await_preflights(config, layout, attempt_id, started)
+            waiting = dict(started)
+            ready = _await_fleets(config, layout, attempt_id, waiting, outcome)
+            first = ready[0]
+            with Dispatcher(
+                first.urls,
+                model=first.served_model_name,
+                engine=config.fleet.engine,
+                max_inflight_per_server=first.max_inflight_per_server,
+                generation=config.generation,
+                api_key=server_api_key(),
+                exact_tokens=datagen.engines.exact_tokens_enabled(config),
+            ) as dispatcher:
+                watch = HostWatch(dispatcher, lost_after_s=config.multi_host.host_lost_after_s)
+                for fleet in ready:
+                    _join(watch, fleet, outcome)
+                stop = threading.Event()
+                watcher = threading.Thread(
+                    target=contextvars.copy_context().run,
+                    args=(_watch_hosts, config, layout, attempt_id, started, waiting, watch, outcome, stop),
+                    name="datagen-host-watch",
+                    daemon=True,
+                )
+                watcher.start()
+                try:
+                    return generate(dispatcher)
+                except BaseException as error:
+                    release = f"generation ended early: {type(error).__name__}"
+                    raise
+                finally:
+                    stop.set()
+                    watcher.join(poll_s * 5 + 30)
+        finally:
+            with contextlib.suppress(OutputExistsError):
+                write_host_object(
+                    store,
+                    layout,
+                    attempt_id,
+                    RELEASE,
+                    HostsRelease(reason=release, lost_hosts=sorted(outcome.lost)),
+                )
+            _await_hosts_stopped(started, outcome)
+            logger.info(
+                "hosts released served=%s lost=%s",
+                ",".join(outcome.served) or "none",
+                ",".join(outcome.lost) or "none",
             )
-            watcher.start()
-            try:
-                return generate(dispatcher)
-            except BaseException as error:
-                release = f"generation ended early: {type(error).__name__}"
-                raise
-            finally:
-                stop.set()
-                watcher.join(poll_s * 5 + 30)
-    finally:
-        with contextlib.suppress(OutputExistsError):
-            write_host_object(
-                store,
-                layout,
-                attempt_id,
-                RELEASE,
-                HostsRelease(reason=release, lost_hosts=sorted(outcome.lost)),
-            )
-        _await_hosts_stopped(started, outcome)
-        logger.info(
-            "hosts released served=%s lost=%s",
-            ",".join(outcome.served) or "none",
-            ",".join(outcome.lost) or "none",
-        )
 
 
 def _join(watch: HostWatch, fleet: HostFleet, outcome: HostsOutcome) -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -251,8 +252,25 @@ def load_tokenizer(path: str) -> Any:
     return tokenizer
 
 
-_shared_lock = threading.Lock()
-_shared: dict[str, tuple[tuple[tuple[str, int, int], ...], Any]] = {}
+class _FilesCache:
+    """One loaded object per tokenizer folder and process, reloaded when a tokenizer file changes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loaded: dict[str, tuple[tuple[tuple[str, int, int], ...], Any]] = {}
+
+    def get(self, path: str, load: Callable[[str], Any]) -> Any:
+        signature = _tokenizer_files_signature(path)
+        with self._lock:
+            cached = self._loaded.get(path)
+            if cached is None or cached[0] != signature:
+                cached = (signature, load(path))
+                self._loaded[path] = cached
+            return cached[1]
+
+
+_loaded_tokenizers = _FilesCache()
+_loaded_specs = _FilesCache()
 
 
 def shared_tokenizer(path: str) -> Any:
@@ -271,18 +289,7 @@ def shared_tokenizer(path: str) -> Any:
         ConfigError: As for :func:`load_tokenizer`.
 
     """
-    signature = _tokenizer_files_signature(path)
-    with _shared_lock:
-        cached = _shared.get(path)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-        tokenizer = load_tokenizer(path)
-        _shared[path] = (signature, tokenizer)
-        return tokenizer
-
-
-_spec_lock = threading.Lock()
-_specs: dict[str, tuple[tuple[tuple[str, int, int], ...], TokenizerSpec]] = {}
+    return _loaded_tokenizers.get(path, load_tokenizer)
 
 
 def shared_spec(path: str) -> TokenizerSpec:
@@ -301,14 +308,8 @@ def shared_spec(path: str) -> TokenizerSpec:
         ConfigError: As for :func:`load_tokenizer`.
 
     """
-    signature = _tokenizer_files_signature(path)
-    with _spec_lock:
-        cached = _specs.get(path)
-        if cached is not None and cached[0] == signature:
-            return cached[1]
-        spec = TokenizerSpec.load(path)
-        _specs[path] = (signature, spec)
-        return spec
+    spec: TokenizerSpec = _loaded_specs.get(path, TokenizerSpec.load)
+    return spec
 
 
 def _tokenizer_files_signature(path: str) -> tuple[tuple[str, int, int], ...]:

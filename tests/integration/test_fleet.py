@@ -21,8 +21,9 @@ from datagen.engines import LaunchCommand
 from datagen.errors import ServerStartError
 from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import PIDFILE_NAME, FleetRegistry, cleanup_orphans
-from datagen.host.plan import ServerPlan, ServerSpec, plan_servers, port_is_free
+from datagen.host.plan import ServerPlan, plan_servers, port_is_free
 from datagen.host.probe import probe_environment
+from tests.support.plans import local_plan
 
 READY_TIMEOUT_S = 120.0
 CHAT_TIMEOUT_S = 60.0
@@ -91,20 +92,10 @@ def _chat(url: str, model: str) -> httpx.Response:
 
 
 def _health_plan(tmp_path: Path, count: int, *, stubborn: bool = False) -> ServerPlan:
-    servers = []
-    for index, port in enumerate(_free_ports(count)):
-        argv = [sys.executable, "-c", HEALTH_SERVER, str(port), "stubborn" if stubborn else "polite"]
-        servers.append(
-            ServerSpec(
-                index=index,
-                host="127.0.0.1",
-                port=port,
-                url=f"http://127.0.0.1:{port}",
-                log_path=str(tmp_path / "logs" / f"server-{index:02d}.log"),
-                launch=LaunchCommand(argv=argv),
-            )
-        )
-    return ServerPlan(engine="transformers", mode="cpu", servers=servers, served_model_name="none")
+    mode = "stubborn" if stubborn else "polite"
+    return local_plan(
+        tmp_path, _free_ports(count), lambda port: [sys.executable, "-c", HEALTH_SERVER, str(port), mode]
+    )
 
 
 def _tiny_config(model_dir: Path, base_port: int) -> RunConfig:

@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from datagen.config import GenerationConfig
-from datagen.engines.base import LaunchCommand
 from datagen.errors import ServerStartError
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet import Fleet
-from datagen.host.plan import ServerPlan, ServerSpec
+from datagen.host.plan import ServerPlan
 from datagen.records import CompletionRecord, FailureRecord
+from tests.support.plans import local_plan
 from tests.support.prefect_stack import free_port
 from tests.unit.test_dispatch import make_request
 
@@ -32,29 +32,11 @@ GENERATION = GenerationConfig(
 
 
 def _plan(tmp_path: Path, *extra: str) -> ServerPlan:
-    servers = []
-    for index in range(2):
-        port = free_port()
-        argv = [
-            sys.executable,
-            "-m",
-            "tests.support.keyed_server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-        ]
-        servers.append(
-            ServerSpec(
-                index=index,
-                host="127.0.0.1",
-                port=port,
-                url=f"http://127.0.0.1:{port}",
-                log_path=str(tmp_path / "logs" / f"server-{index}.log"),
-                launch=LaunchCommand(argv=[*argv, *extra], env={"PYTHONPATH": str(REPO)}),
-            )
-        )
-    return ServerPlan(engine="sglang", mode="dp", servers=servers, served_model_name="target")
+    def argv(port: int) -> list[str]:
+        return [sys.executable, "-m", "tests.support.keyed_server", "--port", str(port), *extra]
+
+    ports = [free_port(), free_port()]
+    return local_plan(tmp_path, ports, argv, engine="sglang", mode="dp", env={"PYTHONPATH": str(REPO)})
 
 
 def _answers(urls: list[str], api_key: str | None) -> list[object]:
