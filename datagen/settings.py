@@ -38,9 +38,9 @@ class Settings(BaseSettings):
     log_server_output: bool = Field(default=False, description="Echo server logs into the run log.")
     gpu_lock: str | None = Field(
         default=None,
-        description="Name of the Prefect global concurrency limit every run on this host's GPUs holds "
-        "(one run at a time, whatever the deployment); `datagen-gpus-<hostname>` when unset. Give boxes "
-        "that share GPUs the same name.",
+        description="Name of this host's GPU lock, a file lock every run on the host's GPUs holds "
+        "(`<state_dir>/locks/<name>.lock`; one run at a time, whatever the deployment); "
+        "`datagen-gpus-<hostname>` when unset. Runs that share GPUs must share the name and the state dir.",
     )
     gpu_lock_timeout_s: float = Field(
         default=24 * 3600.0,

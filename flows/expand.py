@@ -31,7 +31,6 @@ from prefect.runtime import flow_run as runtime_flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
 import datagen.engines
-import datagen.host.handback
 from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.errors import ShardsFailedError
@@ -39,7 +38,6 @@ from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
-from datagen.host.handback import record_halt
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.report import GenerationWindow, RunReport, RunSummary, record_generation_window
@@ -65,7 +63,13 @@ from tasks.run import (
     write_attempt_record,
     write_report,
 )
-from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
+from tasks.runtime import (
+    explain_failure,
+    forward_thread_logs,
+    hand_back_if_gpus_free,
+    hold_host_gpus,
+    verify_code_version,
+)
 from tasks.series import open_series_entry, write_ledger
 
 # Threads for concurrently running tasks: prepare tasks plus shard tasks. A shard task mostly waits for
@@ -136,7 +140,7 @@ def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
     logger = flow_run_logger(flow_run, flow)
     stopped = stop_fleet_from_pidfile(fleet_pidfile(state_dir))
     logger.warning("stopped servers after %s count=%d", state.type.value, stopped)
-    restarted = datagen.host.handback.hand_back_gpus(state_dir)
+    restarted = hand_back_if_gpus_free()
     if restarted is not None:
         logger.warning("training restarted after %s pid=%d", state.type.value, restarted.pid)
 
@@ -504,12 +508,12 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
             config, run, prepared_futures, attempt_id, flow_run_id
         )
     else:
-        gpu_lock.enter_context(hold_host_gpus())
-        halt = halt_training(config.training)
-        record_halt(state_dir, config.training)
-        write_attempt_record(config, run, attempt_id, "training", halt)
+        gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
         fleet: Fleet | None = None
         try:
+            # Inside the try: a signal mid-halt still hands training back (once it has stopped).
+            halt = halt_training(config.training, gpus.halt_record, run.run_id)
+            write_attempt_record(config, run, attempt_id, "training", halt)
             env = probe_environment()
             write_attempt_record(config, run, attempt_id, "env", env)
             plan = plan_servers(env, config, state_dir)
@@ -553,7 +557,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
             if fleet is not None:
                 stop_fleet(fleet)
             # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
-            restarted = hand_back_gpus(state_dir)
+            restarted = hand_back_gpus(gpus.halt_record)
             if restarted is not None:
                 write_attempt_record(config, run, attempt_id, "training-restart", restarted)
     if errors:

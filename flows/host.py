@@ -26,7 +26,6 @@ import datagen.app.preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
 from datagen.host.fleet import Fleet
-from datagen.host.handback import record_halt
 from datagen.output.hosts import (
     FLEET,
     GO,
@@ -136,12 +135,11 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         return f"host {host}: nothing halted ({reason})"
 
     state_dir = _fleet_state_dir(flow_run_id)
-    with hold_host_gpus():
-        halt = halt_training(local.training)
-        record_halt(state_dir, local.training)
-        _record(store, layout, attempt_id, f"host-{host}-training", halt)
+    with hold_host_gpus(layout.run_id) as gpus:
         fleet: Fleet | None = None
         try:
+            halt = halt_training(local.training, gpus.halt_record, layout.run_id)
+            _record(store, layout, attempt_id, f"host-{host}-training", halt)
             env = probe_environment()
             _record(store, layout, attempt_id, f"host-{host}-env", env)
             plan = plan_servers(env, local, state_dir)
@@ -177,7 +175,7 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         finally:
             if fleet is not None:
                 stop_fleet(fleet)
-            restarted = hand_back_gpus(state_dir)
+            restarted = hand_back_gpus(gpus.halt_record)
             if restarted is not None:
                 with contextlib.suppress(Exception):
                     _record(store, layout, attempt_id, f"host-{host}-training-restart", restarted)

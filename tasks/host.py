@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from uuid import UUID
 
@@ -27,8 +28,10 @@ import datagen.host.training
 from datagen.config import RunConfig, TrainingJobConfig
 from datagen.host.env_report import EnvReport
 from datagen.host.fleet import Fleet
+from datagen.host.handback import HaltedTraining, record_halt
 from datagen.host.plan import ServerPlan
 from datagen.host.training import HaltRecord, RestartRecord
+from datagen.host.training_jobs import JobTarget
 
 # A flow run in one of these states has not started executing: cancelling it needs no worker.
 NOT_STARTED_STATES = {StateType.SCHEDULED, StateType.PENDING, StateType.PAUSED}
@@ -73,12 +76,37 @@ class PrefectFlowRunControl:
 
 
 @task(name="halt-training", task_run_name="halt-training-{training.kind}", cache_policy=NO_CACHE)
-def halt_training(training: TrainingJobConfig) -> HaltRecord:
-    """Stop the training job gracefully and record what was stopped (idempotent)."""
-    flow_runs = PrefectFlowRunControl() if training.kind == "prefect" else None
-    record = datagen.host.training.halt_training(training, flow_runs=flow_runs)
+def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | None) -> HaltRecord:
+    """Stop the training job gracefully and record what was stopped (idempotent; call with the GPU lock).
+
+    A halt left on the host by a run that died holding the GPUs is adopted: training is not signalled a
+    second time, only waited for, and this run hands it back at its end (see :mod:`datagen.host.handback`).
+    """
     logger = get_run_logger()
-    if record.already_gone and record.kind != "none":
+    flow_runs = PrefectFlowRunControl() if training.kind == "prefect" else None
+    adopted = datagen.host.handback.adopt_halt(halt_record, run_id)
+    if adopted is not None:
+        halted = adopted
+        record = datagen.host.training.halt_training(
+            adopted.training,
+            flow_runs=flow_runs,
+            signalled_before_s=adopted.signalled_at_s if adopted.signalled_at_s is not None else 0.0,
+        )
+    else:
+        halted = HaltedTraining(training=training, run_id=run_id)
+        # Recorded before the signal, so a run killed mid-halt leaves a record the next run adopts.
+        record_halt(halt_record, halted)
+
+        def signalled(target: JobTarget) -> None:
+            nonlocal halted
+            halted = halted.model_copy(
+                update={"signalled": True, "pids": target.pids, "signalled_at_s": time.time()}
+            )
+            record_halt(halt_record, halted)
+
+        record = datagen.host.training.halt_training(training, flow_runs=flow_runs, on_signalled=signalled)
+    record_halt(halt_record, halted.model_copy(update={"done": True}))
+    if record.already_gone and record.kind != "none" and adopted is None:
         logger.warning(
             "training was not running: nothing halted kind=%s target=%s (if training holds the GPUs, fix "
             "`training` in the config)",
@@ -100,9 +128,9 @@ def halt_training(training: TrainingJobConfig) -> HaltRecord:
 
 
 @task(name="hand-back-gpus", cache_policy=NO_CACHE)
-def hand_back_gpus(state_dir: Path) -> RestartRecord | None:
-    """Restart training once the fleet is down, if this run halted it and ``restart_after_run`` is on."""
-    record = datagen.host.handback.hand_back_gpus(state_dir)
+def hand_back_gpus(halt_record: Path) -> RestartRecord | None:
+    """Restart training once the fleet is down, if it was halted and ``restart_after_run`` is on."""
+    record = datagen.host.handback.hand_back_gpus(halt_record)
     if record is not None:
         get_run_logger().info(
             "training restarted pid=%d argv=%s log=%s", record.pid, record.argv, record.log_path

@@ -4,41 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
-import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-from prefect.concurrency.sync import concurrency
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment as runtime_deployment
 
 from datagen.app.codeversion import check_code_version
 from datagen.app.terminal import RUN_FAILED_LOG_PREFIX
-from datagen.errors import DatagenError, GpuLockTimeoutError
+from datagen.errors import DatagenError
+from datagen.host.gpu_lock import (
+    GpuLockHolder,
+    HostGpuLock,
+    current_holder,
+    gpu_lock_name,
+    hold_gpu_lock,
+    lock_path,
+)
+from datagen.host.handback import halt_record_path, hand_back_gpus
+from datagen.host.training import RestartRecord
 from datagen.settings import get_settings
 
-# A first, short try at the GPU lock: when it fails another run holds the GPUs, and the run says so.
-GPU_LOCK_PROBE_S = 5.0
-# The slot is leased and renewed in the background (every 3/4 of the lease); a run killed with SIGKILL
-# cannot release it, so its lease expiring is what frees the box: the shortest lease Prefect's API accepts
-# (60 s), so the next run waits at most a minute, not Prefect's default 5 min.
-GPU_LOCK_LEASE_S = 60.0
 # The package whose loggers (fleet monitor, dispatcher thread, storage retries) belong in the run log.
 DATAGEN_LOGGER = "datagen"
-
-
-def gpu_lock_name() -> str:
-    """The global concurrency limit guarding this host's GPUs: the setting, or one per hostname."""
-    configured = get_settings().gpu_lock
-    if configured:
-        return configured
-    host = re.sub(r"[^a-z0-9-]+", "-", socket.gethostname().lower()).strip("-") or "localhost"
-    return f"datagen-gpus-{host}"
 
 
 def ensure_limit(name: str) -> None:
@@ -53,54 +47,100 @@ def ensure_limit(name: str) -> None:
             client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
 
 
+def release_stale_prefect_slot(name: str) -> None:
+    """Free a slot of the Prefect limit ``name`` that an earlier datagen version or a crash left taken.
+
+    Up to datagen 0.1 of 1 Dec 2026 the GPU lock was this global concurrency limit, leased through the
+    Prefect server; a run killed with its temporary server left the slot taken for good. Called with the OS
+    lock held, so any slot still taken belongs to nobody. A Prefect API that cannot be read is no reason to
+    keep the GPUs idle: the OS lock is the lock.
+    """
+    try:
+        with get_client(sync_client=True) as client:
+            limit = client.read_global_concurrency_limit_by_name(name)
+            if limit.active_slots <= 0:
+                return
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+    except ObjectNotFound:
+        return
+    except Exception as error:
+        get_run_logger().debug("stale GPU lock slot not checked name=%s error=%s", name, error)
+        return
+    get_run_logger().warning(
+        "released %d slot(s) of the Prefect global concurrency limit %s left taken by an earlier datagen "
+        "version or a crashed run; this host's GPU lock is now a file lock, freed when its holder dies",
+        limit.active_slots,
+        name,
+    )
+
+
+@dataclass(frozen=True)
+class HostGpus:
+    """A run's hold on the host's GPUs: the lock file, and where the training halt is recorded."""
+
+    lock_file: Path
+    halt_record: Path
+
+
+def _flow_run_id() -> str | None:
+    context = FlowRunContext.get()
+    return str(context.flow_run.id) if context and context.flow_run else None
+
+
 @contextlib.contextmanager
-def hold_host_gpus() -> Iterator[str]:
-    """Hold this host's GPU lock for the whole run: a second run on the host waits here, never beside it.
+def hold_host_gpus(run_id: str | None) -> Iterator[HostGpus]:
+    """Hold this host's GPU lock for the block: a second run on the host waits here, never beside it.
+
+    The lock is an OS file lock (:mod:`datagen.host.gpu_lock`): the kernel releases it when this process
+    dies, however it dies. Waiting for it obeys SIGINT/SIGTERM at once.
+
+    Args:
+        run_id: The run taking the GPUs (named in the lock file for whoever waits).
 
     Yields:
-        The lock's name.
+        The held GPUs.
 
     Raises:
         GpuLockTimeoutError: Another run held the GPUs for longer than ``gpu_lock_timeout_s``.
     """
+    settings = get_settings()
     name = gpu_lock_name()
-    timeout_s = get_settings().gpu_lock_timeout_s
+    path = lock_path(settings.state_dir, name)
     logger = get_run_logger()
-    ensure_limit(name)
-    acquired = False  # a TimeoutError raised by the run itself must not look like a wait for the lock
-    try:
-        with concurrency(
-            name, occupy=1, timeout_seconds=GPU_LOCK_PROBE_S, lease_duration=GPU_LOCK_LEASE_S, strict=True
-        ):
-            acquired = True
-            logger.info("holding this host's GPUs lock=%s", name)
-            yield name
-            return
-    except TimeoutError:
-        if acquired:
-            raise
+
+    def say_waiting(holder: GpuLockHolder | None) -> None:
         logger.warning(
-            "another run holds this host's GPUs (global concurrency limit %s): waiting for it to finish, "
-            "at most %.0f s; this run starts nothing until then",
-            name,
-            timeout_s,
+            "another run holds this host's GPUs (lock file %s, held by %s): waiting for it to finish, at most "
+            "%.0f s; this run starts nothing until then",
+            path,
+            holder.describe() if holder else "a process that has not named itself yet",
+            settings.gpu_lock_timeout_s,
         )
+
+    holder = current_holder(run_id, _flow_run_id())
+    with hold_gpu_lock(
+        path, holder, timeout_s=settings.gpu_lock_timeout_s, on_wait=say_waiting, name=name
+    ) as lock:
+        logger.info("holding this host's GPUs lock=%s file=%s", name, lock.path)
+        release_stale_prefect_slot(name)
+        yield HostGpus(lock_file=path, halt_record=halt_record_path(path))
+
+
+def hand_back_if_gpus_free() -> RestartRecord | None:
+    """Hand training back for a run that ended without doing so, unless another run holds the GPUs now.
+
+    For the cancellation/crash hook, which may run in the worker process after the flow process died: the
+    kernel freed the dead run's lock, so the hook takes it (never waiting) while it restarts training. A run
+    that took the GPUs meanwhile has adopted the halt and hands training back itself.
+    """
+    path = lock_path(get_settings().state_dir, gpu_lock_name())
+    lock = HostGpuLock(path)
+    if not lock.try_acquire(current_holder(None, _flow_run_id())):
+        return None
     try:
-        with concurrency(
-            name, occupy=1, timeout_seconds=timeout_s, lease_duration=GPU_LOCK_LEASE_S, strict=True
-        ):
-            acquired = True
-            logger.info("holding this host's GPUs lock=%s", name)
-            yield name
-    except TimeoutError:
-        if acquired:
-            raise
-        raise GpuLockTimeoutError(
-            f"Another run held this host's GPUs (global concurrency limit {name!r}) for more than "
-            f"{timeout_s:.0f} s. See the running flow runs in the Prefect UI; start this run again when "
-            "that one is done (or raise DATAGEN_GPU_LOCK_TIMEOUT_S).",
-            lock=name,
-        ) from None
+        return hand_back_gpus(halt_record_path(path))
+    finally:
+        lock.release()
 
 
 class _StampRunId(logging.Handler):

@@ -404,6 +404,25 @@ def deploy(
         _fail(f"prefect deploy failed (exit {code}); its output is above.", EXIT_RUN_FAILED)
 
 
+@app.command("gpu-lock")
+def gpu_lock() -> None:
+    """Show this host's GPU lock: free, or held by which run (pid, flow run, since when).
+
+    Exit code 0 when the lock is free, 1 when a run holds it (scripts can wait on it).
+    """
+    from datagen.host.gpu_lock import host_lock_path, is_held, read_holder
+
+    path = host_lock_path()
+    holder = read_holder(path)
+    if is_held(path):
+        typer.echo(f"held: {holder.describe() if holder else 'by a process that has not named itself yet'}")
+        typer.echo(f"lock file: {path}")
+        raise typer.Exit(EXIT_RUN_FAILED)
+    last = f" (last held by {holder.describe()})" if holder else ""
+    typer.echo(f"free{last}")
+    typer.echo(f"lock file: {path}")
+
+
 def main(load_flow: FlowLoader) -> None:
     """Run the command line (called by the console script's entry module, ``flows/cli_entry.py``).
 

@@ -1,57 +1,160 @@
-"""Handing the GPUs back to training as soon as the fleet is down, exactly once per halt.
+"""Handing the GPUs back to training as soon as the fleet is down, exactly once per halt, crashes included.
 
-After the training job is halted the flow records it here (``<state_dir>/training-halted.json``, on the
-host). Whoever stops the fleet first (the flow's ``finally`` after success or failure, or the
-cancellation/crash hook that runs in the worker process) calls :func:`hand_back_gpus`: it claims the
-record by renaming it (atomic, so a restart happens once) and restarts training when
-``training.restart_after_run`` is on. No record means preflight refused to halt, or nothing was halted:
-nothing is restarted.
+The halt is recorded on the host next to the GPU lock (``<state_dir>/locks/<lock>.training-halted.json``),
+so it belongs to the box, not to one flow run, and only the lock's holder writes it:
+
+1. before the stop signal goes out the holder records that it is *halting* (``signalled: false``);
+2. the moment the signal (or the flow-run cancel) went out, it records ``signalled: true`` and the pids;
+3. once the job is gone it records the halt as *done*.
+
+Whoever stops the fleet first (the flow's ``finally`` after success, failure or a signal, or the
+cancellation/crash hook from the worker process) calls :func:`hand_back_gpus`: it claims the record by
+renaming it (atomic, so a restart happens once) and restarts training when ``training.restart_after_run``
+is on. A run killed outright (SIGKILL, OOM killer) claims nothing: the next holder of the lock finds the
+record and *adopts* the halt (:func:`adopt_halt`): it never signals training a second time, waits for the
+job to be gone if it was still stopping, and hands it back at its own end, once.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import time
+from datetime import UTC, datetime
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from datagen.config import TrainingJobConfig
+from datagen.host.processes import is_running
 from datagen.host.training import RestartRecord, restart_training
 
 logger = logging.getLogger(__name__)
 
-HALT_RECORD = "training-halted.json"
+HALT_RECORD_SUFFIX = ".training-halted.json"
 CLAIMED_SUFFIX = ".handed-back"
-RESTART_LOG = "training-restart.log"
+RESTART_LOG_SUFFIX = ".training-restart.log"
+# A job signalled by an interrupted run may still be writing its checkpoint when the run hands back: wait
+# this long for it to exit before starting it again (a second trainer beside the first is never right).
+# Short, so a signalled run still exits within its 30 s budget; a job slower than this is left for the
+# next run on the host to adopt.
+STOPPING_JOB_WAIT_S = 15.0
+POLL_S = 0.2
 
 
-def record_halt(state_dir: Path, training: TrainingJobConfig) -> Path:
-    """Remember (on this host) that training was halted and how to restart it."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / HALT_RECORD
-    path.write_text(training.model_dump_json())
+class HaltedTraining(BaseModel):
+    """The host's record of a training halt in progress or done (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    training: TrainingJobConfig
+    run_id: str | None = Field(default=None, description="The run that halted (or adopted) training.")
+    signalled: bool = Field(default=False, description="The stop signal or cancel went out.")
+    done: bool = Field(default=False, description="The halt finished: the job is gone (or was never there).")
+    pids: list[int] = Field(default_factory=list, description="The job's processes that were signalled.")
+    signalled_at_s: float | None = Field(default=None, description="Epoch time the stop signal went out.")
+    recorded_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+
+def halt_record_path(lock_file: Path) -> Path:
+    """Where the halt is recorded for the GPU lock at ``lock_file``."""
+    return lock_file.with_name(lock_file.stem + HALT_RECORD_SUFFIX)
+
+
+def read_halt(path: Path) -> HaltedTraining | None:
+    """The recorded halt, if any (a record that cannot be read is logged and treated as none)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    try:
+        return HaltedTraining.model_validate_json(text)
+    except ValidationError as error:
+        logger.warning("unreadable training halt record ignored path=%s error=%s", path, error)
+        return None
+
+
+def record_halt(path: Path, halt: HaltedTraining) -> Path:
+    """Write the halt record atomically (a crash mid-write leaves the previous one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(halt.model_dump_json(), encoding="utf-8")
+    os.replace(partial, path)
     return path
 
 
-def hand_back_gpus(state_dir: Path) -> RestartRecord | None:
-    """Restart training if this run halted it and ``restart_after_run`` is on; at most once per halt.
-
-    Args:
-        state_dir: The run's host-local folder (where :func:`record_halt` wrote).
+def adopt_halt(path: Path, run_id: str | None) -> HaltedTraining | None:
+    """A halt left by a run that died holding the GPUs, taken over by ``run_id`` (call with the lock held).
 
     Returns:
-        The restart record; None when nothing was halted, someone else handed back first, or restarting
-        is off.
+        The adopted record (now naming ``run_id``) when the earlier run had signalled training; None when
+        there is nothing to adopt (no record, or the earlier run died before its stop signal went out, in
+        which case training was never touched and the record is dropped).
+    """
+    halt = read_halt(path)
+    if halt is None:
+        return None
+    if not halt.signalled and not halt.done:
+        path.unlink(missing_ok=True)
+        logger.info("earlier run %s died before it signalled training: nothing to adopt", halt.run_id)
+        return None
+    logger.warning(
+        "training was halted by run %s, which ended without handing it back: run %s adopts that halt "
+        "(training is not signalled again and is restarted once, when this run hands the GPUs back)",
+        halt.run_id,
+        run_id,
+    )
+    adopted = halt.model_copy(update={"run_id": run_id})
+    record_halt(path, adopted)
+    return adopted
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(is_running(pid) for pid in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(POLL_S)
+    return True
+
+
+def hand_back_gpus(path: Path) -> RestartRecord | None:
+    """Restart training if it was halted and ``restart_after_run`` is on; at most once per halt.
+
+    Args:
+        path: The halt record (:func:`halt_record_path` of the host's GPU lock).
+
+    Returns:
+        The restart record; None when nothing was halted, someone else handed back first, restarting is
+        off, or the job is still stopping (then the record stays for the next run to adopt).
 
     Raises:
         TrainingHaltError: The restart command could not be started.
     """
-    record = state_dir / HALT_RECORD
-    claimed = record.with_name(record.name + CLAIMED_SUFFIX)
+    halt = read_halt(path)
+    if halt is None:
+        return None
+    if not halt.signalled and not halt.done:
+        # Interrupted before the stop signal: training was never touched.
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        return None
+    if not halt.done and not _wait_gone(halt.pids, STOPPING_JOB_WAIT_S):
+        logger.warning(
+            "training is still stopping pids=%s: not restarted now; the next run on this host adopts the "
+            "halt and restarts it at its end (or restart it by hand once it has exited)",
+            halt.pids,
+        )
+        return None
+    claimed = path.with_name(path.name + CLAIMED_SUFFIX)
     try:
-        record.rename(claimed)
+        path.rename(claimed)
     except FileNotFoundError:
         return None
-    training = TrainingJobConfig.model_validate_json(claimed.read_text())
-    restarted = restart_training(training, state_dir / RESTART_LOG)
+    restarted = restart_training(
+        halt.training, path.with_name(path.name.removesuffix(HALT_RECORD_SUFFIX) + RESTART_LOG_SUFFIX)
+    )
     if restarted is None:
         logger.info("training restart is off (training.restart_after_run): the GPUs stay idle")
     else:

@@ -127,6 +127,8 @@ def halt_training(
     job: TrainingJob | None = None,
     flow_runs: FlowRunControl | None = None,
     gpu: GpuQueries | None = None,
+    signalled_before_s: float | None = None,
+    on_signalled: Callable[[JobTarget], None] | None = None,
 ) -> HaltRecord:
     """Stop the training job gracefully and report what happened.
 
@@ -135,6 +137,10 @@ def halt_training(
         job: The handle; built from ``cfg`` (:func:`datagen.host.training_jobs.job_for`) when None.
         flow_runs: Prefect API calls for ``kind: prefect``.
         gpu: nvidia-smi queries for the release check; the real ones when None.
+        signalled_before_s: When an earlier run (killed since) already asked the job to stop: the epoch
+            time of that signal. The stop signal is never sent again; the halt only waits for the exit
+            (and escalates after the timeout, if configured).
+        on_signalled: Called with the target right after the stop signal went out (to record it).
 
     Returns:
         The record. ``already_gone`` when the job no longer runs (a second call after a successful halt
@@ -168,14 +174,27 @@ def halt_training(
     signum = signal.Signals[cfg.signal]
     started = time.monotonic()
     signalled_at = time.time()
-    handle.request_stop(target, signum)
-    logger.info(
-        "asked training to stop kind=%s target=%s signal=%s timeout_s=%.0f",
-        cfg.kind,
-        target.description,
-        signum.name,
-        cfg.stop_timeout_s,
-    )
+    if signalled_before_s is not None:
+        # The checkpoint marker may have been written before this run started: since the earlier signal.
+        signalled_at = signalled_before_s
+        logger.info(
+            "training was asked to stop by an earlier run; waiting for it to exit kind=%s target=%s "
+            "timeout_s=%.0f",
+            cfg.kind,
+            target.description,
+            cfg.stop_timeout_s,
+        )
+    else:
+        handle.request_stop(target, signum)
+        if on_signalled is not None:
+            on_signalled(target)
+        logger.info(
+            "asked training to stop kind=%s target=%s signal=%s timeout_s=%.0f",
+            cfg.kind,
+            target.description,
+            signum.name,
+            cfg.stop_timeout_s,
+        )
     exited, marker = _wait_stopped(handle, target, cfg, signalled_at)
     escalated = False
     if not exited:

@@ -1,12 +1,16 @@
-"""The GPUs go back to training once per halt, and only when this run halted it."""
+"""The GPUs go back to training once per halt, crashes included, and only when training was halted."""
 
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+import datagen.host.handback
 from datagen.config import TrainingJobConfig
-from datagen.host.handback import hand_back_gpus, record_halt
+from datagen.host.handback import HaltedTraining, adopt_halt, hand_back_gpus, read_halt, record_halt
 
 
 def _wait_for(path: Path, timeout_s: float = 20.0) -> str:
@@ -16,23 +20,76 @@ def _wait_for(path: Path, timeout_s: float = 20.0) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def test_training_restarts_once_after_a_halt_and_never_without_one(tmp_path: Path) -> None:
-    marker = tmp_path / "restarted.txt"
-    training = TrainingJobConfig(
+def _training(marker: Path) -> TrainingJobConfig:
+    return TrainingJobConfig(
         kind="none", restart_after_run=True, restart_command=["sh", "-c", f"echo up >> {marker}"]
     )
-    state = tmp_path / "state"
-    assert hand_back_gpus(state) is None  # nothing halted (e.g. preflight refused): nothing restarted
 
-    record_halt(state, training)
-    first = hand_back_gpus(state)
-    second = hand_back_gpus(state)  # the flow's finally and the cancellation hook both try
+
+def test_training_restarts_once_after_a_halt_and_never_without_one(tmp_path: Path) -> None:
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "locks" / "gpus.training-halted.json"
+    assert hand_back_gpus(record) is None  # nothing halted (e.g. preflight refused): nothing restarted
+
+    record_halt(record, HaltedTraining(training=_training(marker), run_id="r1", done=True))
+    first = hand_back_gpus(record)
+    second = hand_back_gpus(record)  # the flow's finally and the cancellation hook both try
 
     assert first is not None and second is None
     assert _wait_for(marker).split() == ["up"]
+    assert Path(first.log_path).name == "gpus.training-restart.log"
 
 
 def test_restart_off_hands_back_nothing(tmp_path: Path) -> None:
-    state = tmp_path / "state"
-    record_halt(state, TrainingJobConfig(kind="none"))
-    assert hand_back_gpus(state) is None
+    record = tmp_path / "gpus.training-halted.json"
+    record_halt(record, HaltedTraining(training=TrainingJobConfig(kind="none"), done=True))
+    assert hand_back_gpus(record) is None
+
+
+def test_a_run_interrupted_before_its_stop_signal_restarts_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "gpus.training-halted.json"
+    record_halt(record, HaltedTraining(training=_training(marker), run_id="r1"))
+    assert hand_back_gpus(record) is None
+    assert not record.exists() and not marker.exists()
+    # The next holder likewise finds nothing to adopt.
+    record_halt(record, HaltedTraining(training=_training(marker), run_id="r1"))
+    assert adopt_halt(record, "r2") is None and not record.exists()
+
+
+def test_a_halt_left_by_a_killed_run_is_adopted_and_handed_back_once(tmp_path: Path) -> None:
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "gpus.training-halted.json"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    record_halt(
+        record,
+        HaltedTraining(
+            training=_training(marker), run_id="killed", signalled=True, pids=[gone.pid], signalled_at_s=1.0
+        ),
+    )
+    adopted = adopt_halt(record, "resume")
+    assert adopted is not None and adopted.signalled and adopted.run_id == "resume"
+    assert read_halt(record) == adopted
+    assert hand_back_gpus(record) is not None
+    assert hand_back_gpus(record) is None
+    assert _wait_for(marker).split() == ["up"]
+
+
+def test_a_job_still_stopping_is_not_started_beside_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(datagen.host.handback, "STOPPING_JOB_WAIT_S", 0.3)
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "gpus.training-halted.json"
+    stopping = subprocess.Popen(["sleep", "30"])
+    try:
+        halt = HaltedTraining(training=_training(marker), run_id="r1", signalled=True, pids=[stopping.pid])
+        record_halt(record, halt)
+        assert hand_back_gpus(record) is None
+        assert read_halt(record) == halt, "the record stays for the next run to adopt"
+    finally:
+        stopping.kill()
+        stopping.wait()
+    assert hand_back_gpus(record) is not None
+    assert _wait_for(marker).split() == ["up"]
