@@ -532,9 +532,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 urls,
                 model=plan.served_model_name,
                 engine=config.fleet.engine,
-                max_inflight_per_server=plan.inflight_per_client_url(
-                    plan.max_inflight_per_server(config.fleet.max_inflight_per_server)
-                ),
+                max_inflight_per_server=plan.dispatcher_inflight,
                 generation=config.generation,
                 liveness=fleet.is_alive,
                 api_key=server_api_key(),

@@ -159,9 +159,7 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
                 hostname=hostname,
                 pid=os.getpid(),
                 urls=urls,
-                max_inflight_per_server=plan.inflight_per_client_url(
-                    plan.max_inflight_per_server(local.fleet.max_inflight_per_server)
-                ),
+                max_inflight_per_server=plan.dispatcher_inflight,
                 served_model_name=plan.served_model_name,
             )
             write_host_object(store, layout, attempt_id, FLEET, published, host=host)

@@ -256,7 +256,7 @@ def _check_model(config: RunConfig, store: Store) -> str:
 
 def _check_engine(config: RunConfig, store: Store) -> str:
     from datagen.engines import get_engine
-    from datagen.host.plan import router_problems
+    from datagen.engines.router import router_problems
 
     problems = get_engine(config.fleet.engine).check_available() + router_problems(config.fleet)
     if problems:

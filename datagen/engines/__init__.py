@@ -2,7 +2,9 @@
 
 ``get_engine(kind)`` returns the recipe for ``fleet.engine``; :mod:`model_size` reads a model's size and
 per-request state from its ``config.json``; :mod:`sglang_flags` asks the installed sglang's own parser for
-its flags; :mod:`sglang_tuning` sizes SGLang servers. Nothing here imports an engine package:
+its flags; :mod:`sglang_tuning` sizes SGLang servers, :mod:`cpu_sizing` CPU servers; :mod:`router` is
+sglang-router's argv; :mod:`capacity` decides the dispatcher's in-flight cap per server, once, for every
+engine (tuned, explicit config, the engine's sizing). Nothing here imports an engine package:
 availability is checked with ``importlib.util.find_spec`` so the orchestrator stays light.
 """
 

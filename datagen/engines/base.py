@@ -114,7 +114,10 @@ class CapacityPlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     slot_fields: dict[str, Any] = Field(default_factory=dict, description="ServerSlot fields to set.")
-    max_inflight: int = Field(gt=0, description="Requests the dispatcher keeps in flight on the server.")
+    max_inflight: int = Field(
+        gt=0, description="The engine's in-flight cap; datagen.engines.capacity decides the one used."
+    )
+    inflight_reason: str = Field(default="", description="Why the engine's cap is what it is (one line).")
     reasons: list[str] = Field(default_factory=list)
 
 

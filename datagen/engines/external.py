@@ -56,7 +56,7 @@ class ExternalEngine:
         """Someone else sized the servers: the dispatcher keeps ``fleet.max_inflight_per_server``."""
         return CapacityPlan(
             max_inflight=request.configured_inflight,
-            reasons=[f"in flight per server: {request.configured_inflight} (fleet.max_inflight_per_server)"],
+            inflight_reason=f"in flight per server: {request.configured_inflight} (fleet.max_inflight_per_server)",
         )
 
     def host_problems(

@@ -145,6 +145,7 @@ def plan_sglang_capacity(
         return CapacityPlan(
             slot_fields=fields,
             max_inflight=inflight_with_margin(fields["max_running_requests"]),
+            inflight_reason=_inflight_reason(fields["max_running_requests"]),
             reasons=reasons,
         )
 
@@ -205,12 +206,20 @@ def plan_sglang_capacity(
         )
     if shape.hybrid:
         reasons += _hybrid_cache_reasons(fleet, fields)
+    return CapacityPlan(
+        slot_fields=fields,
+        max_inflight=inflight_with_margin(running),
+        inflight_reason=_inflight_reason(running),
+        reasons=reasons,
+    )
+
+
+def _inflight_reason(running: int) -> str:
     max_inflight = inflight_with_margin(running)
-    reasons.append(
+    return (
         f"dispatcher in flight per server: {max_inflight} ({running} running + a margin of "
         f"{max_inflight - running} so a finished request is replaced at once)"
     )
-    return CapacityPlan(slot_fields=fields, max_inflight=max_inflight, reasons=reasons)
 
 
 def _hybrid_cache_reasons(fleet: FleetConfig, fields: dict[str, Any]) -> list[str]:

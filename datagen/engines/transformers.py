@@ -116,10 +116,10 @@ class TransformersEngine:
         """
         return CapacityPlan(
             max_inflight=request.configured_inflight,
-            reasons=[
+            inflight_reason=(
                 f"in flight per server: {request.configured_inflight} (fleet.max_inflight_per_server; "
                 "`datagen tune` measures the best value)"
-            ],
+            ),
         )
 
     def host_problems(

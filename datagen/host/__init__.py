@@ -2,7 +2,8 @@
 
 Owns probing the environment (:mod:`probe`; ``nvidia-smi`` run and parsed in :mod:`nvidia_smi`, CUDA and
 torch in :mod:`cuda_env`, the report model in :mod:`env_report`, its problems and fixes in :mod:`diagnose`),
-the server plan (:mod:`plan`; model sizes come from :mod:`datagen.engines.model_size`), the result of
+the server plan (:mod:`plan`: GPU groups in :mod:`gpu_groups`, ports and URLs in :mod:`ports`; model sizes,
+server sizing and the in-flight cap come from :mod:`datagen.engines`), the result of
 ``datagen tune`` it can take (:mod:`tune_result`), the one owner of server processes (:mod:`fleet`) and its
 pidfile registry (:mod:`fleet_registry`), halting and restarting the training job (:mod:`training`,
 :mod:`training_jobs`), the demo's stand-in trainer (:mod:`standin_trainer`) and ``/proc`` process inspection
@@ -17,8 +18,10 @@ __all__ = [
     "env_report",
     "fleet",
     "fleet_registry",
+    "gpu_groups",
     "nvidia_smi",
     "plan",
+    "ports",
     "probe",
     "processes",
     "standin_trainer",

@@ -10,66 +10,41 @@ the fleet looks the way it does:
   (:mod:`datagen.engines.model_size`).
 - Engine sizing (``Engine.plan_capacity``): for SGLang the attention backend by compute capability and model
   type, memory fraction, max running requests and CUDA-graph batch from the KV/state budget, the hybrid
-  cache mode, MTP, and only flags the target sglang accepts; the dispatcher's in-flight cap per server
-  (``ServerSpec.max_inflight``) follows. See docs/engines.md.
-- CPU servers: threads and a KV cache sized by tokens, so several fit on a small CI box.
-- Optionally an sglang-router in front of the servers.
+  cache mode, MTP, and only flags the target sglang accepts. See docs/engines.md.
+- The dispatcher's in-flight cap per server: decided by :func:`datagen.engines.capacity.decide_inflight_cap`
+  (tuned, explicit config, the engine's sizing) and carried by the plan (``ServerPlan.dispatcher_inflight``).
+- CPU servers: threads and a KV cache sized by tokens, so several fit on a small CI box
+  (:mod:`datagen.engines.cpu_sizing`).
+- Optionally an sglang-router in front of the servers (:mod:`datagen.engines.router`).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import math
-import os
-import socket
-import sys
 from pathlib import Path
-from typing import Literal
-from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import EngineKind, FleetConfig, RunConfig
 from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
 from datagen.engines.base import CapacityRequest
-from datagen.engines.model_size import BYTES_PER_GIB, BYTES_PER_MIB, ModelShape, read_model_shape
-from datagen.engines.sglang_tuning import CUDA_GRAPH_MAX_BS_CAP
+from datagen.engines.capacity import TunedInflight, decide_inflight_cap, per_client_url, tuned_slot_fields
+from datagen.engines.cpu_sizing import cpu_slot_fields
+from datagen.engines.model_size import BYTES_PER_GIB, ModelShape, read_model_shape
+from datagen.engines.router import router_launch, router_problems
 from datagen.errors import PlanError
-from datagen.host.env_report import EnvReport
-from datagen.host.tune_result import TuneResult, load_tune_result
+from datagen.host.env_report import IDLE_GPU_MEMORY_MIB, EnvReport
+from datagen.host.gpu_groups import PlanMode, gpu_groups
+from datagen.host.ports import choose_ports, client_url, url_host, url_port
+from datagen.host.tune_result import load_tune_result
 
 logger = logging.getLogger(__name__)
 
-PlanMode = Literal["dp", "tp", "cpu", "external"]
 LOG_DIR_NAME = "logs"
-# How far past a busy port the planner looks for a free one before giving up.
-MAX_PORT_PROBES = 200
-# Share of the host's free RAM that all CPU servers' KV caches may take together (the rest is for the
-# models, the flow, and everything else on a laptop or CI box).
-CPU_CACHE_MEMORY_FRACTION = 0.3
-# Addresses that mean "every interface" are not connectable; clients use loopback instead.
-WILDCARD_HOSTS = {"0.0.0.0", "::", ""}
-# Share of each GPU's memory assumed for weights plus cache when deciding whether a model fits one GPU
-# (the engine then sizes the real share from the probed memory, see Engine.plan_capacity).
-PLANNED_MEM_FRACTION_STATIC = 0.85
-# Memory a GPU shows as used with nothing on it (driver context, monitoring agents): not subtracted.
-IDLE_GPU_MEMORY_MIB = 1024
-# A model "fits" a GPU only if this share of the GPU's memory is left for the KV cache after its weights.
-MIN_KV_CACHE_SHARE = 0.10
-TP_SIZES = (2, 4, 8, 16)
-# `transformers serve` continuous batching: tokens per cache page (its default page_size).
-CB_PAGE_TOKENS = 256
-# Tokens per forward step of a CPU server. The attention masks it allocates grow with this times the
-# cache size; 512 keeps one tiny-model server's masks at a few hundred MiB.
-CPU_MAX_BATCH_TOKENS = 512
-# Bytes per element of the CPU attention masks (float32 activations).
-CPU_MASK_BYTES = 4
 # Prompt length assumed for sizing when no dataset caps its prompts.
 DEFAULT_PROMPT_BUDGET_TOKENS = 1024
 CONTEXT_ROUND_TOKENS = 256
-ROUTER_MODULE = "sglang_router"
-ROUTER_INSTALL_HINT = "pip install sglang-router (the `gpu` extra installs it with sglang)"
 
 
 class ServerSpec(BaseModel):
@@ -116,14 +91,18 @@ class ServerPlan(BaseModel):
         """Where the dispatcher sends requests: the router when there is one, else every server."""
         return [self.router.url] if self.router is not None else self.urls
 
-    def max_inflight_per_server(self, default: int) -> int:
-        """The planned in-flight cap per server (the smallest of the servers'), ``default`` when unplanned."""
-        planned = [server.max_inflight for server in self.servers if server.max_inflight is not None]
-        return min(planned) if planned else default
+    @property
+    def dispatcher_inflight(self) -> int:
+        """The dispatcher's in-flight cap per client URL, as planned (:func:`per_client_url`).
 
-    def inflight_per_client_url(self, per_server: int) -> int:
-        """The dispatcher's in-flight cap per client URL: the router carries every server's share."""
-        return per_server * len(self.servers) if self.router is not None else per_server
+        Raises:
+            ValueError: A server has no planned cap (a plan not made by :func:`plan_servers`).
+
+        """
+        caps = [server.max_inflight for server in self.servers]
+        if any(cap is None for cap in caps):
+            raise ValueError("a server has no planned in-flight cap: plan the fleet with plan_servers")
+        return per_client_url([cap for cap in caps if cap is not None], router=self.router is not None)
 
     def to_markdown(self) -> str:
         """The plan as an artifact: mode, reasons, and the exact command of every server."""
@@ -154,100 +133,11 @@ class ServerPlan(BaseModel):
         return "\n".join(lines)
 
 
-def port_is_free(host: str, port: int) -> bool:
-    """Tell whether a server could bind ``host:port`` now.
-
-    Args:
-        host: Interface address.
-        port: TCP port.
-
-    Returns:
-        True when a bind succeeds (the socket is closed again at once).
-
-    """
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        # Servers set SO_REUSEADDR too, so a port in TIME_WAIT counts as free, as it is for them.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def choose_ports(host: str, base_port: int, count: int, reasons: list[str]) -> list[int]:
-    """Pick ``count`` free ports from ``base_port`` upwards, recording every skipped port in ``reasons``.
-
-    Raises:
-        PlanError: Not enough free ports within :data:`MAX_PORT_PROBES` of ``base_port``.
-
-    """
-    ports: list[int] = []
-    candidate = base_port
-    while len(ports) < count:
-        if candidate >= base_port + MAX_PORT_PROBES or candidate > 65535:
-            raise PlanError(
-                f"found only {len(ports)} of {count} free ports on {host} in "
-                f"{base_port}-{candidate - 1}; free some ports or set fleet.base_port elsewhere",
-                host=host,
-                base_port=base_port,
-            )
-        if port_is_free(host, candidate):
-            ports.append(candidate)
-        else:
-            reasons.append(f"port {candidate} on {host} is in use: skipped")
-        candidate += 1
-    return ports
-
-
-def client_url(host: str, port: int) -> str:
-    """The base URL clients use for a server bound to ``host:port``."""
-    connect_host = "127.0.0.1" if host in WILDCARD_HOSTS else host
-    if ":" in connect_host:
-        connect_host = f"[{connect_host}]"
-    return f"http://{connect_host}:{port}"
-
-
 def engine_for_env(kind: EngineKind, env: EnvReport) -> Engine:
     """The launch recipe of ``kind``; for sglang, with the flags the probed sglang accepts."""
     if kind == "sglang" and env.sglang_flags is not None:
         return SGLangEngine.for_flags(env.sglang_flags)
     return get_engine(kind)
-
-
-def router_problems(fleet: FleetConfig) -> list[str]:
-    """Why ``fleet.router`` cannot work here (for preflight); empty when it can or is off."""
-    if not fleet.router:
-        return []
-    try:
-        found = importlib.util.find_spec(ROUTER_MODULE) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
-        return [
-            f"fleet.router is on but sglang-router is not installed in {sys.executable}: {ROUTER_INSTALL_HINT}"
-        ]
-    return []
-
-
-def router_launch(worker_urls: list[str], host: str, port: int, policy: str) -> LaunchCommand:
-    """The argv of ``python -m sglang_router.launch_router`` in front of ``worker_urls``."""
-    return LaunchCommand(
-        argv=[
-            sys.executable,
-            "-m",
-            f"{ROUTER_MODULE}.launch_router",
-            "--worker-urls",
-            *worker_urls,
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--policy",
-            policy,
-        ]
-    )
 
 
 def plan_servers(
@@ -283,12 +173,26 @@ def plan_servers(
     if problems:
         raise PlanError(problems[0])
     log_dir = Path(state_dir) / LOG_DIR_NAME
+    explicit_inflight = "max_inflight_per_server" in fleet.model_fields_set
     if not recipe.launches_processes:
+        reasons.append(
+            f"engine {recipe.name}: {len(fleet.external_urls)} server(s) already running, nothing to start"
+        )
+        # Someone else sized these servers: the engine sizes nothing, a tune result or the config decides.
+        cap = decide_inflight_cap(
+            None, configured=fleet.max_inflight_per_server, explicit=explicit_inflight, tuned=_tuned(fleet)
+        )
+        reasons.extend(cap.reasons)
         servers = [
-            ServerSpec(index=index, host=_url_host(url), port=_url_port(url), url=url.rstrip("/"))
+            ServerSpec(
+                index=index,
+                host=url_host(url),
+                port=url_port(url),
+                url=url.rstrip("/"),
+                max_inflight=cap.per_server,
+            )
             for index, url in enumerate(fleet.external_urls)
         ]
-        reasons.append(f"engine {recipe.name}: {len(servers)} server(s) already running, nothing to start")
         plan = ServerPlan(
             engine=fleet.engine,
             mode="external",
@@ -300,7 +204,7 @@ def plan_servers(
         return _with_router(plan, fleet, fleet.base_port, log_dir, reasons)
 
     shape = _model_shape(config, reasons)
-    groups, mode = _gpu_groups(env, config, recipe, shape, reasons)
+    groups, mode = gpu_groups(env, config, recipe, shape, reasons)
     gpus = {gpu.index: gpu for gpu in env.gpus}
     if mode == "cpu":
         count = fleet.num_servers or fleet.cpu_servers
@@ -309,8 +213,13 @@ def plan_servers(
             raise PlanError("fleet.speculative needs GPU servers (sglang); set it to off for CPU servers")
     ports = choose_ports(fleet.host, fleet.base_port, len(groups), reasons)
     context = _context_length(config, shape, reasons)
-    base = _cpu_slot_fields(config, shape, context, len(groups), reasons) if mode == "cpu" else {}
-    if mode != "cpu":
+    base: dict[str, object] = {}
+    if mode == "cpu":
+        base, why = cpu_slot_fields(
+            shape, _sampling_budget_tokens(config, context, shape), fleet.max_inflight_per_server, len(groups)
+        )
+        reasons.append(why)
+    else:
         base["context_length_tokens"] = context
     if mode != "cpu" and fleet.fix_jit_env:
         jit_env = env.jit_env()
@@ -322,37 +231,25 @@ def plan_servers(
                 or "nothing (none needed)"
             )
         )
-    tuned = _tuned_inflight(fleet, reasons)
-    if tuned is None and "max_inflight_per_server" in fleet.model_fields_set:
-        reasons.append(
-            f"in flight per server: {fleet.max_inflight_per_server} (fleet.max_inflight_per_server is set, so it "
-            "wins over the engine's derived cap)"
-        )
-    told: set[str] = set()
+    tuned = _tuned(fleet)
+    told = set(reasons)
     servers = []
     for index, (gpu_ids, port) in enumerate(zip(groups, ports, strict=True)):
         capability = gpus[gpu_ids[0]].compute_capability if gpu_ids else None
         fields = dict(base)
-        max_inflight = fleet.max_inflight_per_server
+        capacity = None
         if mode != "cpu":
             capacity = recipe.plan_capacity(
                 _capacity_request(env, config, shape, context, gpu_ids, capability), fleet
             )
-            fields |= capacity.slot_fields
-            max_inflight = capacity.max_inflight
-            for reason in capacity.reasons:
-                if reason not in told:
-                    told.add(reason)
-                    reasons.append(reason)
-        if tuned is not None:
-            max_inflight = tuned.best_inflight_per_server
-            if tuned.setting_flag == "--max-running-requests" and tuned.best_setting and mode != "cpu":
-                fields["max_running_requests"] = tuned.best_setting
-                if fields.get("cuda_graph_max_bs"):
-                    fields["cuda_graph_max_bs"] = min(tuned.best_setting, CUDA_GRAPH_MAX_BS_CAP)
-        elif "max_inflight_per_server" in fleet.model_fields_set:
-            # Set explicitly in the config: the operator's number wins over the derived one.
-            max_inflight = fleet.max_inflight_per_server
+            fields |= tuned_slot_fields(capacity.slot_fields, tuned)
+        cap = decide_inflight_cap(
+            capacity, configured=fleet.max_inflight_per_server, explicit=explicit_inflight, tuned=tuned
+        )
+        for reason in [*(capacity.reasons if capacity else []), *cap.reasons]:
+            if reason not in told:
+                told.add(reason)
+                reasons.append(reason)
         slot = ServerSlot(
             index=index,
             host=fleet.host,
@@ -375,7 +272,7 @@ def plan_servers(
                 url=client_url(fleet.host, port),
                 log_path=str(log_dir / f"server-{index:02d}.log"),
                 launch=launch,
-                max_inflight=max_inflight,
+                max_inflight=cap.per_server,
             )
         )
     plan = ServerPlan(
@@ -430,140 +327,6 @@ def _model_shape(config: RunConfig, reasons: list[str]) -> ModelShape | None:
     return shape
 
 
-def _weight_budget_mib(memory_total_mib: int, fleet: FleetConfig) -> float:
-    fraction = fleet.sglang.mem_fraction_static or PLANNED_MEM_FRACTION_STATIC
-    return memory_total_mib * max(0.0, fraction - MIN_KV_CACHE_SHARE)
-
-
-def _fits(shape: ModelShape, tp: int, budget_mib: float) -> bool:
-    return shape.weight_bytes / tp / BYTES_PER_MIB <= budget_mib
-
-
-def _gpu_groups(
-    env: EnvReport, config: RunConfig, recipe: Engine, shape: ModelShape | None, reasons: list[str]
-) -> tuple[list[list[int]], PlanMode]:
-    """GPU groups (one per server) and the mode; ``cpu`` mode returns no groups."""
-    fleet = config.fleet
-    gpu_ids = [gpu.index for gpu in env.gpus]
-    if fleet.device == "cpu" or (fleet.device == "auto" and not gpu_ids):
-        why = "fleet.device is cpu" if fleet.device == "cpu" else "no GPUs found"
-        reasons.append(f"{why}: CPU servers")
-        return [], "cpu"
-    if not gpu_ids:
-        raise PlanError(
-            "fleet.device is cuda but no GPU was found on this host (nvidia-smi lists none); "
-            "run on a GPU host or set fleet.device: auto",
-        )
-    tp = fleet.tensor_parallel or _auto_tensor_parallel(env, config, recipe, shape, reasons)
-    if tp > 1 and not recipe.supports_tensor_parallel:
-        raise PlanError(
-            f"fleet.tensor_parallel={tp} but engine {recipe.name} serves one GPU per server; "
-            "use engine sglang or unset fleet.tensor_parallel",
-        )
-    if tp > len(gpu_ids):
-        raise PlanError(f"fleet.tensor_parallel={tp} exceeds the {len(gpu_ids)} GPU(s) of this host")
-    if fleet.tensor_parallel and shape is not None:
-        budget = _weight_budget_mib(_min_memory_mib(env), fleet)
-        if budget and not _fits(shape, tp, budget):
-            raise PlanError(
-                f"the model's ~{shape.weight_bytes / BYTES_PER_GIB:.0f} GiB of weights do not fit "
-                f"fleet.tensor_parallel={tp} GPUs ({budget / 1024:.0f} GiB for weights each); raise "
-                "fleet.tensor_parallel or unset it to let the planner choose",
-            )
-    if tp == 1:
-        groups = [[gpu] for gpu in gpu_ids]
-        reasons.append(f"{len(gpu_ids)} GPU(s): one server per GPU (data parallel)")
-        mode: PlanMode = "dp"
-    else:
-        groups = _tp_groups(env, gpu_ids, tp, reasons)
-        mode = "tp"
-    if fleet.num_servers is not None and fleet.num_servers != len(groups):
-        if fleet.num_servers < len(groups):
-            reasons.append(
-                f"fleet.num_servers={fleet.num_servers}: using the first {fleet.num_servers} group(s)"
-            )
-            groups = groups[: fleet.num_servers]
-        else:
-            reasons.append(
-                f"fleet.num_servers={fleet.num_servers} but only {len(groups)} GPU group(s): "
-                f"starting {len(groups)}"
-            )
-    return groups, mode
-
-
-def _min_memory_mib(env: EnvReport) -> int:
-    sizes = [gpu.memory_total_mib for gpu in env.gpus if gpu.memory_total_mib]
-    return min(sizes) if sizes else 0
-
-
-def _auto_tensor_parallel(
-    env: EnvReport, config: RunConfig, recipe: Engine, shape: ModelShape | None, reasons: list[str]
-) -> int:
-    """1 when the model fits one GPU (or its size is unknown), else the smallest TP inside an NVLink island."""
-    memory_mib = _min_memory_mib(env)
-    if shape is None or not memory_mib:
-        return 1
-    budget = _weight_budget_mib(memory_mib, config.fleet)
-    weights_gib = shape.weight_bytes / BYTES_PER_GIB
-    if _fits(shape, 1, budget):
-        reasons.append(
-            f"~{weights_gib:.1f} GiB of weights fit one GPU ({budget / 1024:.0f} GiB for weights of "
-            f"{memory_mib / 1024:.0f} GiB, leaving {MIN_KV_CACHE_SHARE:.0%} for the KV cache): no tensor parallel"
-        )
-        return 1
-    islands = env.interconnect.nvlink_islands or [[gpu.index] for gpu in env.gpus]
-    largest = max(len(island) for island in islands)
-    if not recipe.supports_tensor_parallel:
-        raise PlanError(
-            f"the model's ~{weights_gib:.0f} GiB of weights do not fit one GPU ({budget / 1024:.0f} GiB for "
-            f"weights) and engine {recipe.name} cannot split a model across GPUs: use engine sglang "
-            "(tensor parallel), a smaller or quantized model, or bigger GPUs",
-        )
-    for tp in TP_SIZES:
-        if tp > largest:
-            break
-        if shape.num_attention_heads % tp == 0 and _fits(shape, tp, budget):
-            reasons.append(
-                f"~{weights_gib:.1f} GiB of weights do not fit one GPU ({budget / 1024:.0f} GiB for weights): "
-                f"tensor parallel {tp} inside NVLink islands"
-            )
-            return tp
-    raise PlanError(
-        f"the model's ~{weights_gib:.0f} GiB of weights fit no GPU group here: one GPU offers "
-        f"{budget / 1024:.0f} GiB for weights and the largest NVLink island has {largest} GPU(s) "
-        f"({env.interconnect.summary}). Use a smaller or quantized model or a host with more GPU memory; "
-        "set fleet.tensor_parallel to split it across PCIe GPUs anyway (slow)",
-        weights_gib=round(weights_gib, 1),
-        largest_island=largest,
-    )
-
-
-def _tp_groups(env: EnvReport, gpu_ids: list[int], tp: int, reasons: list[str]) -> list[list[int]]:
-    islands = env.interconnect.nvlink_islands
-    if env.interconnect.kind in {"nvlink", "mixed"} and islands:
-        groups = [
-            island[start : start + tp] for island in islands for start in range(0, len(island) - tp + 1, tp)
-        ]
-        unused = sorted(set(gpu_ids) - {gpu for group in groups for gpu in group})
-        reasons.append(f"tensor parallel {tp} inside NVLink islands {islands}: {len(groups)} server(s)")
-        if unused:
-            reasons.append(f"GPUs {unused} fit no NVLink group of {tp}: left idle")
-        if not groups:
-            raise PlanError(
-                f"no NVLink island holds {tp} GPUs (islands: {islands}); lower fleet.tensor_parallel",
-            )
-        return groups
-    groups = [gpu_ids[start : start + tp] for start in range(0, len(gpu_ids) - tp + 1, tp)]
-    reasons.append(
-        f"tensor parallel {tp} over {env.interconnect.kind} interconnect (no NVLink islands known): "
-        f"{len(groups)} server(s); data parallel is usually faster without NVLink"
-    )
-    unused = gpu_ids[len(groups) * tp :]
-    if unused:
-        reasons.append(f"GPUs {unused} fit no group of {tp}: left idle")
-    return groups
-
-
 def _context_length(config: RunConfig, shape: ModelShape | None, reasons: list[str]) -> int | None:
     """Planned context: prompt cap + max_tokens when every dataset caps its prompts, else None."""
     if config.model.max_model_len_tokens:
@@ -594,8 +357,8 @@ def _sampling_budget_tokens(config: RunConfig, context: int | None, shape: Model
     return budget
 
 
-def _tuned_inflight(fleet: FleetConfig, reasons: list[str]) -> TuneResult | None:
-    """The in-flight cap measured by ``datagen tune`` (``fleet.tune_result``), None when not given."""
+def _tuned(fleet: FleetConfig) -> TunedInflight | None:
+    """What ``datagen tune`` measured (``fleet.tune_result``), None when not given."""
     if fleet.tune_result is None:
         return None
     try:
@@ -610,12 +373,12 @@ def _tuned_inflight(fleet: FleetConfig, reasons: list[str]) -> TuneResult | None
             f"fleet.tune_result was measured with engine {result.engine}, this run uses {fleet.engine}: "
             "tune this engine or unset fleet.tune_result"
         )
-    reasons.append(
-        f"in flight per server: {result.best_inflight_per_server}, measured by datagen tune "
-        f"({result.best_output_tokens_per_s:.0f} output tok/s, fleet.tune_result)"
-        + (f"; {result.setting_flag} {result.best_setting}" if result.setting_flag else "")
+    return TunedInflight(
+        per_server=result.best_inflight_per_server,
+        output_tokens_per_s=result.best_output_tokens_per_s,
+        setting_flag=result.setting_flag,
+        setting=result.best_setting,
     )
-    return result
 
 
 def _capacity_request(
@@ -640,56 +403,3 @@ def _capacity_request(
         configured_inflight=config.fleet.max_inflight_per_server,
         speculative=config.fleet.speculative,
     )
-
-
-def _cpu_slot_fields(
-    config: RunConfig, shape: ModelShape | None, context: int | None, servers: int, reasons: list[str]
-) -> dict[str, object]:
-    fleet = config.fleet
-    threads = max(1, (os.cpu_count() or 1) // servers)
-    fields: dict[str, object] = {"cpu_threads": threads}
-    if shape is None:
-        fraction = round(CPU_CACHE_MEMORY_FRACTION / servers, 4)
-        fields["cache_memory_fraction"] = fraction
-        reasons.append(
-            f"{servers} CPU server(s) share {os.cpu_count()} cores and {CPU_CACHE_MEMORY_FRACTION:.0%} of free "
-            f"RAM for KV caches: {threads} thread(s) and {fraction:.1%} of free RAM each (model size unknown)"
-        )
-        return fields
-    request_tokens = _sampling_budget_tokens(config, context, shape)
-    cache_tokens = fleet.max_inflight_per_server * request_tokens
-    per_token = shape.kv_bytes_per_token(shape.dtype_bytes) + CPU_MAX_BATCH_TOKENS * CPU_MASK_BYTES
-    available = _available_ram_bytes()
-    if available is not None:
-        share = CPU_CACHE_MEMORY_FRACTION * available / servers
-        cache_tokens = max(CB_PAGE_TOKENS, min(cache_tokens, int(share // per_token)))
-    blocks = math.ceil(cache_tokens / CB_PAGE_TOKENS)
-    fields |= {"cache_num_blocks": blocks, "max_batch_tokens": CPU_MAX_BATCH_TOKENS}
-    reasons.append(
-        f"{servers} CPU server(s) share {os.cpu_count()} cores: {threads} thread(s) each; KV cache sized by "
-        f"tokens: {blocks} blocks of {CB_PAGE_TOKENS} ({fleet.max_inflight_per_server} requests x "
-        f"{request_tokens} tokens, ~{blocks * CB_PAGE_TOKENS * per_token / BYTES_PER_MIB:.0f} MiB with masks), "
-        f"{CPU_MAX_BATCH_TOKENS} tokens per step"
-    )
-    return fields
-
-
-def _available_ram_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
-def _url_host(url: str) -> str:
-    return urlsplit(url).hostname or "127.0.0.1"
-
-
-def _url_port(url: str) -> int:
-    parts = urlsplit(url)
-    if parts.port is not None:
-        return parts.port
-    return 443 if parts.scheme == "https" else 80

@@ -21,7 +21,8 @@ from datagen.engines import LaunchCommand
 from datagen.errors import ServerStartError
 from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import PIDFILE_NAME, FleetRegistry, cleanup_orphans
-from datagen.host.plan import ServerPlan, plan_servers, port_is_free
+from datagen.host.plan import ServerPlan, plan_servers
+from datagen.host.ports import port_is_free
 from datagen.host.probe import probe_environment
 from tests.support.plans import local_plan
 

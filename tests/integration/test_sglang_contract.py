@@ -22,6 +22,7 @@ import pytest
 
 import datagen.engines.sglang_introspect
 from datagen.config import RunConfig, SamplingParams
+from datagen.engines.router import router_launch
 from datagen.engines.sglang_flags import run_introspection, sglang_flags
 from datagen.generation.generate_api import build_generate_payload, parse_generate_completion
 from datagen.generation.wire import (
@@ -32,7 +33,7 @@ from datagen.generation.wire import (
     parse_chat_completion,
 )
 from datagen.host.fleet import Fleet
-from datagen.host.plan import ServerPlan, plan_servers, router_launch
+from datagen.host.plan import ServerPlan, plan_servers
 from datagen.host.probe import EnvReport, probe_from_dir
 from datagen.records import Message, PromptRecord
 from tests.support import sglang_parsers

@@ -65,7 +65,7 @@ def test_tune_sweeps_live_cpu_servers_and_the_plan_takes_its_result(
     )
     env = build_report(query_gpu=None, topo=None, smi=None, apps=None, nvcc=None, packages={}, hostname="cpu")
     plan = plan_servers(env, config, tmp_path)
-    assert plan.max_inflight_per_server(64) == tuned.best_inflight_per_server
+    assert plan.dispatcher_inflight == tuned.best_inflight_per_server
     assert any("datagen tune" in reason for reason in plan.reasons)
 
 

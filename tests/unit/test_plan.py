@@ -13,10 +13,12 @@ import pytest
 from datagen.config import RunConfig
 from datagen.engines import SGLangEngine
 from datagen.engines.model_size import shape_from_config
+from datagen.engines.router import router_launch
 from datagen.engines.sglang import MAMBA_FLAG_OLD
 from datagen.errors import PlanError
 from datagen.host.env_report import EnvReport
-from datagen.host.plan import ServerPlan, ServerSpec, client_url, plan_servers, port_is_free, router_launch
+from datagen.host.plan import ServerPlan, ServerSpec, plan_servers
+from datagen.host.ports import client_url, port_is_free
 from datagen.host.probe import build_report, probe_from_dir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
@@ -509,7 +511,7 @@ def test_qwen36_on_eight_sm120_pcie_gpus_plans_eight_flashinfer_servers_above_th
         assert running >= SEED_RUNNING_REQUESTS
         assert int(_flag(argv, "--cuda-graph-max-bs-decode")) == running
         assert server.max_inflight is not None and server.max_inflight > running
-    assert plan.max_inflight_per_server(1) == plan.servers[0].max_inflight
+    assert plan.dispatcher_inflight == plan.servers[0].max_inflight
     assert any("recurrent state" in reason for reason in plan.reasons)
 
 
