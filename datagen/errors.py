@@ -188,6 +188,17 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(f"interrupted by {self.signal_name}")
 
 
+# HTTP answers a retry can cure, for every client datagen has (the dispatcher's servers, S3): 5xx, and the
+# 4xx that say "not now" (408 request timeout, 409 a conflicting request still in progress, 429 slow down).
+RETRYABLE_HTTP_4XX = frozenset({408, 409, 429})
+HTTP_SERVER_ERROR = 500
+
+
+def is_transient_http_status(status: int) -> bool:
+    """Tell whether an HTTP answer with ``status`` is worth retrying (5xx, 408, 409, 429)."""
+    return status >= HTTP_SERVER_ERROR or status in RETRYABLE_HTTP_4XX
+
+
 def is_transient(error: BaseException) -> bool:
     """Tell whether retrying the operation that raised ``error`` may succeed.
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
+from datagen.errors import is_transient_http_status
+
 logger = logging.getLogger(__name__)
 
 # Attempts per S3 request in botocore's standard retry mode (exponential backoff with jitter, at most
@@ -25,10 +27,7 @@ S3_BODY_READ_ATTEMPTS = 3
 # Read buffer of S3 object streams (JSON-lines iteration reads through it).
 S3_READ_BUFFER_BYTES = 1024 * 1024
 HTTP_NOT_FOUND = 404
-HTTP_CONFLICT = 409
 HTTP_PRECONDITION_FAILED = 412
-HTTP_TOO_MANY_REQUESTS = 429
-HTTP_SERVER_ERROR = 500
 THROTTLE_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
 )
@@ -45,12 +44,8 @@ def error_facts(error: Exception) -> tuple[str, int]:
 
 
 def is_transient_status(code: str, status: int) -> bool:
-    """Whether an S3 answer is worth retrying: 5xx, a create in progress (409), throttling."""
-    return (
-        status >= HTTP_SERVER_ERROR
-        or status in {HTTP_CONFLICT, HTTP_TOO_MANY_REQUESTS}
-        or code in THROTTLE_CODES
-    )
+    """Whether an S3 answer is worth retrying: the HTTP rule every client shares, or a throttling code."""
+    return is_transient_http_status(status) or code in THROTTLE_CODES
 
 
 class S3Credentials(BaseModel):

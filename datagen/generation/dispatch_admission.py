@@ -1,0 +1,229 @@
+"""Admission and server choice: which request goes next, and to which server.
+
+Registered streams are backlogs the dispatcher pulls from, oldest stream first. Only
+:attr:`Admission.limit` requests (a few times the fleet's slots) are admitted at once, whichever shards they
+come from; a request is admitted the moment another one resolves. Admitted requests wait in one FIFO queue
+(retries go to its head); each server holds at most its cap, and the next request goes to the usable server
+with the smallest share of its cap in use, preferring another server than the request's last one. When a
+request finishes while others wait, its own slot is refilled at once, in O(1). Loop thread only; the
+counters are plain ints that stats read from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+
+from datagen.generation.dispatch_health import ServerHealth
+from datagen.generation.dispatch_state import GenerationResult, Job, RequestStream, ServerState
+
+logger = logging.getLogger(__name__)
+
+# Requests admitted at once (queued + in flight + backing off), as a multiple of the fleet's slots:
+# enough queued work to refill every slot of a lockstep wave twice over, small enough that a shard's
+# requests are not all pulled into memory-resident jobs at once.
+ADMISSION_SLOTS_FACTOR = 3
+# ...and never fewer than this, so a small fleet still has a queue to refill from.
+ADMISSION_MIN_REQUESTS = 256
+# Requests pulled from streams per admission pass, so one huge backlog cannot hold the loop for long.
+ADMIT_BATCH = 512
+
+Fail = Callable[[Job, str, str, int | None], None]
+
+
+class Admission:
+    """The streams, the queue of admitted requests, and the choice of a server for each.
+
+    Args:
+        health: The server table (its slots size the admission limit).
+        start: Starts one try of a job on a server (the dispatcher's).
+        fail: Resolves a job as a failure ``fail(job, reason, error_type, status)``.
+        fixed_limit: Requests admitted at once; None: ``ADMISSION_SLOTS_FACTOR`` x the fleet's slots.
+
+    """
+
+    def __init__(
+        self,
+        health: ServerHealth,
+        *,
+        start: Callable[[Job, ServerState], None],
+        fail: Fail,
+        fixed_limit: int | None,
+    ) -> None:
+        self.health = health
+        self.servers = health.servers
+        self._start = start
+        self._fail = fail
+        self.fixed_limit = fixed_limit
+        self.streams: deque[RequestStream] = deque()
+        self.queue: deque[Job] = deque()
+        # Jobs waiting out a retry delay (their timer holds them otherwise).
+        self.retry_jobs: set[Job] = set()
+        self.admitted = 0
+        self.backlog = 0
+        self.backing_off = 0
+        self.closing = False
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    @property
+    def limit(self) -> int:
+        """Requests admitted at once (queued, in flight or backing off), across every stream."""
+        if self.fixed_limit is not None:
+            return self.fixed_limit
+        return max(ADMISSION_MIN_REQUESTS, ADMISSION_SLOTS_FACTOR * self.health.slots)
+
+    def add_stream(self, stream: RequestStream) -> None:
+        """Register a stream; its requests are admitted as the limit allows."""
+        self.streams.append(stream)
+        if self.closing:
+            self.fail_backlog("dispatcher closed before the request was sent", "dispatcher_closed")
+            return
+        self.backlog += stream.pending
+        self.admit()
+        self.pump()
+
+    def fail_backlog(self, reason: str, error_type: str) -> None:
+        """Fail every request of every stream that was not admitted yet."""
+        while self.streams:
+            stream = self.streams.popleft()
+            while (request := stream.take()) is not None:
+                self.admitted += 1  # resolving a job gives its admission back
+                self._fail(Job(request, stream), reason, error_type, None)
+        self.backlog = 0
+
+    def has_waiting(self) -> bool:
+        """Whether requests wait for a server (admitted or not)."""
+        return bool(self.queue or self.streams)
+
+    def fail_waiting(self, reason: str) -> None:
+        """Fail everything waiting, admitted or not: each shard reruns exactly these requests later."""
+        while self.queue:
+            self._fail(self.queue.popleft(), reason, "no_live_servers", None)
+        self.fail_backlog(reason, "no_live_servers")
+
+    def all_jobs(self) -> list[Job]:
+        """Every admitted job: queued, in flight, backing off."""
+        jobs = list(self.queue)
+        jobs += [job for server in self.servers.values() for job in server.in_flight]
+        jobs += list(self.retry_jobs)
+        return jobs
+
+    def admit(self) -> None:
+        """Move requests from the streams (oldest first) into the queue, up to the admission limit."""
+        limit = self.limit
+        budget = min(limit - self.admitted, ADMIT_BATCH)
+        while budget > 0 and self.streams:
+            stream = self.streams[0]
+            if stream.cancelled:
+                self.backlog -= stream.pending
+                stream.pending = 0
+                self.streams.popleft()
+                continue
+            request = stream.take()
+            if request is None:
+                self.streams.popleft()
+                continue
+            self.backlog -= 1
+            self.admitted += 1
+            self.queue.append(Job(request, stream))
+            budget -= 1
+        if self.streams and self.admitted < limit:
+            # A very large backlog: finish admitting on the next loop turn, after pending I/O.
+            assert self.loop is not None
+            self.loop.call_soon(self._admit_and_pump)
+
+    def _admit_and_pump(self) -> None:
+        self.admit()
+        self.pump()
+
+    def pump(self) -> None:
+        """Fill every free slot from the head of the queue, least-loaded server first."""
+        queue = self.queue
+        while queue and not self.closing:
+            job = queue[0]
+            if job.stream.cancelled:
+                queue.popleft()
+                self.admitted -= 1
+                continue
+            server = self.pick_server(job)
+            if server is None:
+                return
+            queue.popleft()
+            self._start(job, server)
+
+    def refill(self, freed: ServerState) -> None:
+        """Give the slot ``freed`` just released to the head of the queue, in O(1).
+
+        Only called when requests were waiting as the slot freed: then every other usable server is full
+        (the queue would have drained into it otherwise), so the freed server is the least loaded one.
+        """
+        queue = self.queue
+        while queue and not self.closing:
+            job = queue[0]
+            if job.stream.cancelled:
+                queue.popleft()
+                self.admitted -= 1
+                continue
+            usable = freed.usable and len(freed.in_flight) < freed.cap
+            if usable and (job.last_server != freed.url or len(self.servers) == 1):
+                queue.popleft()
+                self._start(job, freed)
+                return
+            break
+        self.pump()
+
+    def pick_server(self, job: Job) -> ServerState | None:
+        """The usable server with a free slot and the smallest share of its cap in use, not the last one tried."""
+        best: ServerState | None = None
+        fallback: ServerState | None = None
+        for server in self.servers.values():
+            if not server.usable or len(server.in_flight) >= server.cap:
+                continue
+            if server.url == job.last_server:
+                fallback = server
+                continue
+            if best is None:
+                best = server
+                continue
+            # in_flight / cap, compared by cross-multiplying: with equal caps, the in-flight counts.
+            load, best_load = len(server.in_flight) * best.cap, len(best.in_flight) * server.cap
+            if (load, server.dispatched) < (best_load, best.dispatched):
+                best = server
+        return best or fallback
+
+    def defer(self, job: Job, delay_s: float) -> None:
+        """Put ``job`` back at the queue's head after ``delay_s`` (a retry's backoff)."""
+        assert self.loop is not None
+        self.backing_off += 1
+        self.retry_jobs.add(job)
+        job.timer = self.loop.call_later(delay_s, self._requeue, job)
+
+    def _requeue(self, job: Job) -> None:
+        job.timer = None
+        self.backing_off -= 1
+        self.retry_jobs.discard(job)
+        if self.closing:
+            return
+        # Retries go to the head: a request that already waited should not wait behind the whole fleet.
+        self.queue.appendleft(job)
+        self.pump()
+
+    def resolve(self, job: Job, result: GenerationResult) -> None:
+        """Hand ``job``'s result to its stream (once) and give its admission back."""
+        self.admitted -= 1
+        stream = job.stream
+        if stream.cancelled:
+            return
+        try:
+            stream.deliver(job.request, result)
+        except Exception:
+            # A broken callback must not take the loop down with it: the other streams keep going.
+            logger.exception("result callback raised key=%s", job.request.key)
+
+    def clear(self) -> None:
+        """Forget the queue and the counters (at shutdown, after every job was failed)."""
+        self.queue.clear()
+        self.backlog = 0
+        self.backing_off = 0

@@ -1,0 +1,268 @@
+"""The dispatcher's servers and their health: who is in the fleet, who is up, suspect or down.
+
+Owns the server table (:class:`~datagen.generation.dispatch_state.ServerState` by URL), each server's two
+connection pools (generation requests sized to its cap; a small one for ``/health``), servers joining and
+leaving, and the health loop: once a second it polls ``liveness``, probes down and suspect servers, trusts a
+suspect server again after :data:`SUSPECT_MAX_S` without a verdict, and fails the waiting requests when no
+server has been up for ``GenerationConfig.no_live_server_timeout_s``. Loop thread only, except
+:attr:`ServerHealth.slots` and the table, which stats read from any thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from datagen.config import GenerationConfig
+from datagen.generation.dispatch_attempt import describe
+from datagen.generation.dispatch_state import ServerState
+from datagen.generation.http import ConnectFailedError, HttpError, HttpPool
+
+logger = logging.getLogger(__name__)
+
+# How often down and suspect servers are probed and liveness is polled: fast enough that a restarted
+# server rejoins within a second or two, slow enough to cost nothing.
+HEALTH_INTERVAL_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
+# Opening a TCP connection to a live server on the same network takes milliseconds; ten seconds
+# without one means the server is gone or wedged.
+CONNECT_TIMEOUT_S = 10.0
+# uvicorn (transformers serve, vLLM, SGLang) closes a connection idle for 5 s; closing ours first means
+# we never send a request down a socket the server is about to close.
+KEEPALIVE_IDLE_S = 4.0
+# A suspect server whose /health neither answers nor refuses within this long is trusted again: SGLang's
+# /health runs a generation behind the queue, so a busy server may be slow to answer without being ill.
+SUSPECT_MAX_S = 10.0
+# /health probes: one at a time per server (a probe is skipped while the last one runs); two connections
+# leave room for the one closing.
+HEALTH_POOL_SIZE = 2
+
+
+class ServerHealth:
+    """The fleet as the dispatcher sees it (see the module docstring).
+
+    Args:
+        urls: The first servers (normalised base URLs), each kept at ``cap`` requests in flight.
+        cap: Their in-flight cap.
+        generation: The request timeout (caps the connect timeout) and the no-live-server deadline.
+        health_path: The engine's readiness path.
+        headers: Sent with every request (the API key).
+        liveness: Optional check that a server's process is alive; False marks it down at once.
+
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        cap: int,
+        generation: GenerationConfig,
+        health_path: str,
+        headers: dict[str, str],
+        liveness: Callable[[str], bool] | None,
+    ) -> None:
+        self.servers: dict[str, ServerState] = {}
+        for url in urls:
+            self.servers.setdefault(url, ServerState(url, cap=cap))
+        # Sum of the servers' caps, kept as servers come and go (read from any thread).
+        self.slots = sum(server.cap for server in self.servers.values())
+        self.generation = generation
+        self.health_path = health_path
+        self.headers = headers
+        self.liveness = liveness
+        self.all_down_since: float | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        # Told when a server becomes usable (fill its slots), and when nothing was up for too long.
+        self.on_usable: Callable[[], None] = lambda: None
+        self.has_waiting: Callable[[], bool] = lambda: False
+        self.fail_waiting: Callable[[str], None] = lambda reason: None
+        # The loop holds tasks only weakly: keep probe tasks referenced until they end.
+        self.probes: set[asyncio.Task[None]] = set()
+
+    def open(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Open every server's pools on ``loop`` (the dispatcher's) and start the no-live-server clock."""
+        self.loop = loop
+        for server in self.servers.values():
+            self._open_pools(server)
+        self.all_down_since = time.monotonic()
+
+    def close(self) -> None:
+        """Close every pool."""
+        for server in self.servers.values():
+            _close_pools(server)
+
+    def _open_pools(self, server: ServerState) -> None:
+        # One pool per server, sized to its cap: the dispatcher never has more in flight there, so the pool
+        # never queues a request, and every slot keeps its own warm connection.
+        server.pool = HttpPool(
+            server.url,
+            limit=server.cap,
+            keepalive_idle_s=KEEPALIVE_IDLE_S,
+            connect_timeout_s=min(CONNECT_TIMEOUT_S, self.generation.request_timeout_s),
+            headers=self.headers,
+        )
+        server.health_pool = HttpPool(
+            server.url,
+            limit=HEALTH_POOL_SIZE,
+            keepalive_idle_s=KEEPALIVE_IDLE_S,
+            connect_timeout_s=HEALTH_TIMEOUT_S,
+            headers=self.headers,
+        )
+
+    def add(self, url: str, cap: int) -> None:
+        """Add a server; it takes requests once its ``/health`` answers 200."""
+        if url in self.servers:
+            return
+        server = ServerState(url, cap=cap)
+        self.servers[url] = server
+        self.slots += server.cap
+        logger.info("server added url=%s max_inflight=%d", url, server.cap)
+        if self.loop is not None and self.loop.is_running():
+            self._open_pools(server)
+            self.probe_soon(server)
+
+    def remove(self, url: str) -> None:
+        """Stop routing to a server; its in-flight tries are cut short without costing an attempt."""
+        server = self.servers.get(url)
+        if server is None:
+            return
+        self.mark_down(server, "removed", refund=True)
+        del self.servers[url]
+        self.slots -= server.cap
+        logger.info("server removed url=%s", url)
+        _close_pools(server)
+
+    def mark_up(self, server: ServerState) -> None:
+        """``/health`` answered (or a suspect server was trusted again): give it requests."""
+        if self.servers.get(server.url) is not server:
+            return
+        if server.up and server.suspect_since is None:
+            return
+        if server.suspect_since is not None:
+            logger.info("server known good again url=%s", server.url)
+        else:
+            logger.info("server up url=%s", server.url)
+        server.up = True
+        server.suspect_since = None
+        self.all_down_since = None
+        self.on_usable()
+
+    def mark_suspect(self, server: ServerState, reason: str) -> None:
+        """A reset or connect timeout: no new request for this server until its /health answers."""
+        if not server.up or server.suspect_since is not None:
+            return
+        server.suspect_since = time.monotonic()
+        logger.warning(
+            "server suspect url=%s in_flight=%d reason=%s", server.url, len(server.in_flight), reason
+        )
+        self.probe_soon(server)
+
+    def mark_down(self, server: ServerState, reason: str, *, refund: bool = False) -> None:
+        """The server went away: cut its tries short (their requests are retried at once elsewhere)."""
+        if not server.up:
+            return
+        server.up = False
+        server.suspect_since = None
+        logger.warning("server down url=%s in_flight=%d reason=%s", server.url, len(server.in_flight), reason)
+        for job in list(server.in_flight):
+            if job.task is not None and not job.task.done():
+                job.interrupted = f"server {server.url} went away: {reason}"
+                job.refund = refund
+                job.task.cancel()
+        if not any(other.up for other in self.servers.values()) and self.all_down_since is None:
+            self.all_down_since = time.monotonic()
+
+    async def run(self) -> None:
+        """The health loop (until cancelled)."""
+        while True:
+            try:
+                await self._check_servers()
+                self._expire_if_no_live_servers()
+            except Exception:
+                # The health loop is what brings servers back and enforces the no-live-server deadline:
+                # it must outlive any single bad check.
+                logger.exception("health check failed; retrying in %.1fs", HEALTH_INTERVAL_S)
+            await asyncio.sleep(HEALTH_INTERVAL_S)
+
+    def _is_alive(self, url: str) -> bool:
+        assert self.liveness is not None
+        try:
+            return self.liveness(url)
+        except Exception:
+            logger.exception("liveness check raised url=%s; treating the server as alive", url)
+            return True
+
+    async def _check_servers(self) -> None:
+        servers = list(self.servers.values())
+        if self.liveness is not None:
+            alive = await asyncio.gather(*(asyncio.to_thread(self._is_alive, s.url) for s in servers))
+        else:
+            alive = [True] * len(servers)
+        now = time.monotonic()
+        probes = []
+        for server, is_alive in zip(servers, alive, strict=True):
+            if not is_alive:
+                self.mark_down(server, "liveness check reports the process dead")
+            elif server.suspect_since is not None and now - server.suspect_since >= SUSPECT_MAX_S:
+                logger.warning(
+                    "server suspect for %.0fs without a verdict; trusting it again url=%s",
+                    SUSPECT_MAX_S,
+                    server.url,
+                )
+                self.mark_up(server)
+            elif (not server.up or server.suspect_since is not None) and not server.probing:
+                probes.append(self._probe(server))
+        await asyncio.gather(*probes)
+
+    def probe_soon(self, server: ServerState) -> None:
+        """Probe ``server``'s ``/health`` now, in the background (skipped while a probe runs)."""
+        if server.probing:
+            return
+        assert self.loop is not None
+        task = self.loop.create_task(self._probe(server))
+        self.probes.add(task)
+        task.add_done_callback(self.probes.discard)
+
+    async def _probe(self, server: ServerState) -> None:
+        """GET /health: 200 marks a down or suspect server up; a refused connection marks it down."""
+        assert server.health_pool is not None
+        server.probing = True
+        try:
+            response = await server.health_pool.request(
+                "GET", self.health_path, b"", timeout_s=HEALTH_TIMEOUT_S
+            )
+            status = response.status
+        except ConnectFailedError as error:
+            self.mark_down(server, f"health probe refused: {describe(error)}")
+            return
+        except HttpError:
+            # A busy server may answer /health slowly (SGLang runs a generation there); not proof of death.
+            return
+        finally:
+            server.probing = False
+        if status == 200:
+            self.mark_up(server)
+
+    def _expire_if_no_live_servers(self) -> None:
+        if any(server.up for server in self.servers.values()):
+            self.all_down_since = None
+            return
+        now = time.monotonic()
+        if self.all_down_since is None:
+            self.all_down_since = now
+            return
+        waited_s = now - self.all_down_since
+        if waited_s < self.generation.no_live_server_timeout_s or not self.has_waiting():
+            return
+        self.fail_waiting(
+            f"no live servers for {waited_s:.0f}s (limit no_live_server_timeout_s="
+            f"{self.generation.no_live_server_timeout_s:g}); servers: {', '.join(self.servers) or 'none'}"
+        )
+
+
+def _close_pools(server: ServerState) -> None:
+    for pool in (server.pool, server.health_pool):
+        if pool is not None:
+            pool.close()
