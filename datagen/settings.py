@@ -35,7 +35,6 @@ class Settings(BaseSettings):
     server_api_key: SecretStr | None = Field(
         default=None, description="API key the generation servers require (sent as a bearer token)."
     )
-    log_server_output: bool = Field(default=False, description="Echo server logs into the run log.")
     gpu_lock: str | None = Field(
         default=None,
         description="Name of this host's GPU lock, a file lock every run on the host's GPUs holds "

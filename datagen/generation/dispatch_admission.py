@@ -138,19 +138,24 @@ class Admission:
         self.admit()
         self.pump()
 
-    def pump(self) -> None:
-        """Fill every free slot from the head of the queue, least-loaded server first."""
+    def _head(self) -> Job | None:
+        """The first queued job whose stream is not cancelled (cancelled ones are dropped); None when closing."""
         queue = self.queue
         while queue and not self.closing:
             job = queue[0]
-            if job.stream.cancelled:
-                queue.popleft()
-                self.admitted -= 1
-                continue
+            if not job.stream.cancelled:
+                return job
+            queue.popleft()
+            self.admitted -= 1
+        return None
+
+    def pump(self) -> None:
+        """Fill every free slot from the head of the queue, least-loaded server first."""
+        while (job := self._head()) is not None:
             server = self.pick_server(job)
             if server is None:
                 return
-            queue.popleft()
+            self.queue.popleft()
             self._start(job, server)
 
     def refill(self, freed: ServerState) -> None:
@@ -159,19 +164,12 @@ class Admission:
         Only called when requests were waiting as the slot freed: then every other usable server is full
         (the queue would have drained into it otherwise), so the freed server is the least loaded one.
         """
-        queue = self.queue
-        while queue and not self.closing:
-            job = queue[0]
-            if job.stream.cancelled:
-                queue.popleft()
-                self.admitted -= 1
-                continue
-            usable = freed.usable and len(freed.in_flight) < freed.cap
-            if usable and (job.last_server != freed.url or len(self.servers) == 1):
-                queue.popleft()
-                self._start(job, freed)
-                return
-            break
+        job = self._head()
+        usable = freed.usable and len(freed.in_flight) < freed.cap
+        if job is not None and usable and (job.last_server != freed.url or len(self.servers) == 1):
+            self.queue.popleft()
+            self._start(job, freed)
+            return
         self.pump()
 
     def pick_server(self, job: Job) -> ServerState | None:

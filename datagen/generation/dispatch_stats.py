@@ -20,13 +20,13 @@ COPY_TRIES = 3
 class Counters:
     """Fleet-wide totals (loop thread writes, any thread reads)."""
 
+    first_dispatch_at: float | None = None
+    last_result_at: float | None = None
     dispatched: int = 0
     completed: int = 0
     failed: int = 0
     retries: int = 0
     output_tokens: int = 0
-    first_dispatch_at: float | None = None
-    last_result_at: float | None = None
 
 
 def snapshot(servers: dict[str, ServerState], admission: Admission, counters: Counters) -> DispatcherStats:

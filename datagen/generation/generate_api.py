@@ -26,7 +26,13 @@ from datagen.generation.markup import (
     split_tool_calls,
     strip_end_of_text,
 )
-from datagen.generation.wire import GenerationRequest, PromptTokens, UnusableResponseError, excerpt
+from datagen.generation.wire import (
+    GenerationRequest,
+    PromptTokens,
+    UnusableResponseError,
+    excerpt,
+    optional_sampling_fields,
+)
 from datagen.output.tokenize import TokenizerSpec, render_prompt, shared_spec
 from datagen.records import AssistantCompletion, FailureRecord, FinishReason, PromptRecord, TokenUsage
 
@@ -235,12 +241,7 @@ def build_generate_payload(
         # Keep special tokens in `text` so reasoning/tool markup can be parsed from it.
         "skip_special_tokens": False,
     }
-    if sampling.top_k is not None:
-        params["top_k"] = sampling.top_k
-    if sampling.min_p is not None:
-        params["min_p"] = sampling.min_p
-    if sampling.seed is not None:
-        params["sampling_seed"] = sampling.seed
+    params |= optional_sampling_fields(sampling, seed_name="sampling_seed")
     payload: dict[str, Any] = {"input_ids": input_ids, "sampling_params": params, "stream": False}
     if rid is not None:
         payload["rid"] = rid

@@ -14,7 +14,7 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from datagen.config import GenerationConfig
 from datagen.errors import HTTP_SERVER_ERROR, is_transient_http_status
@@ -30,16 +30,14 @@ def retryable_status(status: int) -> bool:
     return is_transient_http_status(status)
 
 
-@dataclass(frozen=True)
-class Retry:
+class Retry(NamedTuple):
     """Try the request again after ``delay_s`` (on another server where there is one)."""
 
     delay_s: float
 
 
-@dataclass(frozen=True)
-class GiveUp:
-    """The request fails with this reason."""
+class GiveUp(NamedTuple):
+    """The request fails with ``reason``, recorded as ``error_type``."""
 
     reason: str
     error_type: str

@@ -107,15 +107,22 @@ def build_chat_payload(request: GenerationRequest, model: str) -> dict[str, Any]
     }
     if request.prompt.tools:
         payload["tools"] = request.prompt.tools
-    if sampling.top_k is not None:
-        payload["top_k"] = sampling.top_k
-    if sampling.min_p is not None:
-        payload["min_p"] = sampling.min_p
-    if sampling.seed is not None:
-        payload["seed"] = sampling.seed
+    payload |= optional_sampling_fields(sampling, seed_name="seed")
     if sampling.enable_thinking is not None:
         payload["chat_template_kwargs"] = {"enable_thinking": sampling.enable_thinking}
     return payload
+
+
+def optional_sampling_fields(sampling: SamplingParams, *, seed_name: str) -> dict[str, Any]:
+    """The sampling fields sent only when set (``top_k``, ``min_p``, the seed under the API's name)."""
+    fields: dict[str, Any] = {}
+    if sampling.top_k is not None:
+        fields["top_k"] = sampling.top_k
+    if sampling.min_p is not None:
+        fields["min_p"] = sampling.min_p
+    if sampling.seed is not None:
+        fields[seed_name] = sampling.seed
+    return fields
 
 
 def parse_chat_completion(data: Any) -> tuple[AssistantCompletion, FinishReason, TokenUsage]:

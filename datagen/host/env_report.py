@@ -103,24 +103,9 @@ class EnvReport(ReportModel):
         return self.packages.get(name)
 
     @property
-    def torch_version(self) -> str | None:
-        """Installed torch version."""
-        return self.packages.get("torch")
-
-    @property
-    def transformers_version(self) -> str | None:
-        """Installed transformers version."""
-        return self.packages.get("transformers")
-
-    @property
     def sglang_version(self) -> str | None:
         """Installed sglang version."""
         return self.packages.get("sglang")
-
-    @property
-    def flashinfer_version(self) -> str | None:
-        """Installed flashinfer version."""
-        return self.packages.get("flashinfer-python")
 
     def to_markdown(self) -> str:
         """A human-readable report (Prefect artifact, runbook)."""

@@ -221,11 +221,7 @@ def probe_environment(record_dir: str | Path | None = None) -> EnvReport:
     if record_dir is not None:
         _record(Path(record_dir), outputs, toolkit, flags, packages)
     report = build_report(
-        query_gpu=outputs["query_gpu"],
-        topo=outputs["topo"],
-        smi=outputs["smi"],
-        apps=outputs["apps"],
-        nvcc=outputs["nvcc"],
+        **_command_outputs(outputs),
         packages=packages,
         hostname=socket.gethostname(),
         problems=problems,
@@ -293,14 +289,15 @@ def probe_from_dir(directory: str | Path, *, packages: dict[str, str | None] | N
             json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else installed_versions()
         )
     return build_report(
-        query_gpu=outputs["query_gpu"],
-        topo=outputs["topo"],
-        smi=outputs["smi"],
-        apps=outputs["apps"],
-        nvcc=outputs["nvcc"],
+        **_command_outputs(outputs),
         packages=packages,
         hostname=folder.name,
         torch=parse_torch_probe(outputs["torch"]) if outputs["torch"] else None,
         cuda_toolkit=CudaToolkit.model_validate_json(outputs["toolkit"]) if outputs["toolkit"] else None,
         sglang_flags=outputs["sglang_flags"].split() if outputs["sglang_flags"] is not None else None,
     )
+
+
+def _command_outputs(outputs: dict[str, str | None]) -> dict[str, str | None]:
+    """The raw ``nvidia-smi``/``nvcc`` outputs :func:`build_report` parses, by its argument names."""
+    return {name: outputs[name] for name in ("query_gpu", "topo", "smi", "apps", "nvcc")}

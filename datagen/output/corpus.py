@@ -30,14 +30,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from datagen.config import TokenizeConfig
-from datagen.errors import DatasetError, OutputExistsError
-from datagen.output.layout import RunLayout, dataset_version
+from datagen.errors import DatasetError
+from datagen.output.layout import RunLayout
 from datagen.output.manifest import HASH_CHUNK_BYTES
 from datagen.output.merge import (
-    MAX_VERSION_CLAIMS,
     CompletionSourceRef,
     DatasetVersion,
     TokenizedPartRef,
+    claim_version,
     write_tokenized_parts,
 )
 from datagen.output.store import Store
@@ -325,28 +325,20 @@ def _publish(
         ):
             logger.info("corpus already adopted key=%s", key)
             return AdoptedCorpus(version_key=key, version_url=output.url(key), version=stored)
-    number = max(numbers, default=0) + 1
-    for _ in range(MAX_VERSION_CLAIMS):
-        version = DatasetVersion(
+    key, version = claim_version(
+        output,
+        numbers,
+        DatasetError,
+        DatasetVersion(
             name=name,
-            version=number,
+            version=1,
             run_id=ADOPTED_RUN_ID,
             adopted_from=corpus_url,
             rows=sum(shard.rows for shard in shards),
             shards=shards,
             completion_sources=sources,
             categories=categories,
-        )
-        key = dataset_version(name, number)
-        try:
-            output.write_json(key, version)
-        except OutputExistsError:
-            number += 1
-            continue
-        logger.info(
-            "wrote adopted version key=%s parts=%d completion_files=%d", key, len(shards), len(sources)
-        )
-        return AdoptedCorpus(version_key=key, version_url=output.url(key), version=version)
-    raise DatasetError(
-        f"Could not claim a version number for dataset {name} after {MAX_VERSION_CLAIMS} tries."
+        ),
     )
+    logger.info("wrote adopted version key=%s parts=%d completion_files=%d", key, len(shards), len(sources))
+    return AdoptedCorpus(version_key=key, version_url=output.url(key), version=version)

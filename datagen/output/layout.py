@@ -103,11 +103,6 @@ class RunLayout:
         """Where all final completion shards live."""
         return f"{self.root}/completions"
 
-    @property
-    def done_prefix(self) -> str:
-        """Where all shard markers live."""
-        return f"{self.root}/done"
-
     def tokenized_part(self, index: int) -> str:
         """One Parquet part of tokenized training rows."""
         return f"{self.root}/tokenized/part-{index:0{SHARD_DIGITS}d}.parquet"

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.config import RunConfig, TokenizeConfig
-from datagen.errors import ConfigError, OutputExistsError, TokenizeError
+from datagen.errors import ConfigError, DatagenError, OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
 from datagen.output.store import Store
@@ -450,25 +450,48 @@ def _write_dataset_version(
         ]
         inherited_sources = list(base_version.completion_sources)
     shards = [*inherited, *parts]
-    number = max(numbers, default=0) + 1
-    for _ in range(MAX_VERSION_CLAIMS):
-        version = DatasetVersion(
+    key, version = claim_version(
+        store,
+        numbers,
+        TokenizeError,
+        DatasetVersion(
             name=name,
-            version=number,
+            version=1,
             run_id=layout.run_id,
             base_version=base_url,
             rows=sum(shard.rows for shard in shards),
             shards=shards,
             completion_sources=inherited_sources,
-        )
+        ),
+    )
+    logger.info("wrote dataset version key=%s rows=%d shards=%d", key, version.rows, len(shards))
+    return key, version
+
+
+def claim_version(
+    store: Store, numbers: list[int], error: type[DatagenError], draft: DatasetVersion
+) -> tuple[str, DatasetVersion]:
+    """Write ``draft`` as the next free version of its dataset (write-once: a number taken meanwhile is skipped).
+
+    Args:
+        store: Where versions live.
+        numbers: The version numbers seen; the first try is one past the highest.
+        error: Raised when :data:`MAX_VERSION_CLAIMS` numbers were all taken.
+        draft: The version document; its ``version`` is replaced by the number claimed.
+
+    Returns:
+        The version's key and document.
+
+    """
+    name = draft.name
+    number = max(numbers, default=0) + 1
+    for _ in range(MAX_VERSION_CLAIMS):
+        version = draft.model_copy(update={"version": number})
         key = dataset_version(name, number)
         try:
             store.write_json(key, version)
         except OutputExistsError:
             number += 1
             continue
-        logger.info("wrote dataset version key=%s rows=%d shards=%d", key, version.rows, len(shards))
         return key, version
-    raise TokenizeError(
-        f"Could not claim a version number for dataset {name} after {MAX_VERSION_CLAIMS} tries."
-    )
+    raise error(f"Could not claim a version number for dataset {name} after {MAX_VERSION_CLAIMS} tries.")

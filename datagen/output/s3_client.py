@@ -31,6 +31,9 @@ HTTP_PRECONDITION_FAILED = 412
 THROTTLE_CODES = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
 )
+# The names boto3's Session and s3fs give the same credentials: profile, key id, secret, session token.
+BOTO3_NAMES = ("profile_name", "aws_access_key_id", "aws_secret_access_key", "aws_session_token")
+S3FS_NAMES = ("profile", "key", "secret", "token")
 # Key in botocore's per-request context where the failure of the previous attempt is kept for the log.
 RETRY_CAUSE_CONTEXT_KEY = "datagen_retry_cause"
 
@@ -83,11 +86,6 @@ def set_default_s3_credentials(credentials: S3Credentials | None) -> None:
     """
     global _default_credentials
     _default_credentials = credentials
-
-
-def default_s3_credentials() -> S3Credentials | None:
-    """The credentials set by :func:`set_default_s3_credentials`, None for the standard AWS chain."""
-    return _default_credentials
 
 
 def _describe_failure(response: Any, caught_exception: BaseException | None) -> str | None:
@@ -207,14 +205,7 @@ def make_s3_client(
     from botocore.config import Config
 
     target = _resolve_s3_target(endpoint_url, region, credentials)
-    session_kwargs: dict[str, Any] = {}
-    if target.profile_name:
-        session_kwargs["profile_name"] = target.profile_name
-    if target.key_pair:
-        session_kwargs["aws_access_key_id"], session_kwargs["aws_secret_access_key"] = target.key_pair
-        if target.session_token:
-            session_kwargs["aws_session_token"] = target.session_token
-    session = boto3.session.Session(**session_kwargs)
+    session = boto3.session.Session(**_credential_options(target, BOTO3_NAMES))
     # total_max_attempts counts the first attempt too (botocore's max_attempts counts only retries).
     config = Config(retries={"mode": "standard", "total_max_attempts": max_attempts})
     timeouts: dict[str, Any] = {}
@@ -242,14 +233,21 @@ def s3_storage_options(credentials: S3Credentials | None = None) -> dict[str, An
         client_kwargs["endpoint_url"] = target.endpoint_url
     if target.region:
         client_kwargs["region_name"] = target.region
-    options: dict[str, Any] = {
+    return {
         "client_kwargs": client_kwargs,
         "config_kwargs": {"retries": {"mode": "standard", "total_max_attempts": S3_MAX_ATTEMPTS}},
+        **_credential_options(target, S3FS_NAMES),
     }
+
+
+def _credential_options(target: _S3Target, names: tuple[str, str, str, str]) -> dict[str, Any]:
+    """The target's profile or key pair (and token) under the option ``names`` of boto3 or s3fs."""
+    profile, key, secret, token = names
+    options: dict[str, Any] = {}
     if target.profile_name:
-        options["profile"] = target.profile_name
+        options[profile] = target.profile_name
     if target.key_pair:
-        options["key"], options["secret"] = target.key_pair
+        options[key], options[secret] = target.key_pair
         if target.session_token:
-            options["token"] = target.session_token
+            options[token] = target.session_token
     return options
