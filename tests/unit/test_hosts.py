@@ -140,6 +140,8 @@ def test_a_host_whose_servers_stay_down_is_removed_and_a_live_one_stays() -> Non
         assert watch.join(_fleet("box-2", [dead]))
         assert not watch.join(_fleet("box-2", [dead])), "a host joins once"
         _wait(lambda: any(s.up for s in dispatcher.stats().servers if s.url == live.url))
+        # A new server counts as up until its first health probe fails (later under load).
+        _wait(lambda: not any(s.up for s in dispatcher.stats().servers if s.url == dead))
 
         assert watch.check({}) == []  # box-2 down since now
         now[0] = 4.0
