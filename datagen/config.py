@@ -525,9 +525,10 @@ class MultiHostConfig(StrictModel):
     parent_lease_s: float = Field(
         default=60.0,
         ge=60,
-        description="Duration of the Prefect concurrency lease the parent holds (Prefect's minimum: 60 s); a "
-        "parent killed outright stops renewing it, Prefect revokes it (its repossessor runs every 15 s), and "
-        "the hosts stop serving.",
+        description="Duration of the Prefect concurrency lease the parent holds (Prefect's minimum: 60 s). "
+        "Prefect renews it every 0.75 x this; a parent killed outright stops renewing it, so it runs out "
+        "0.25-1 x this after the kill, the server's repossessor frees it within its loop (15 s), and the hosts "
+        "stop serving: 15-75 s after the kill at 60 s.",
     )
     start_with_hosts: int = Field(
         default=1,

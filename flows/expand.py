@@ -377,32 +377,37 @@ def _generate_on_hosts(
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
     """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
     outcome = HostsOutcome()
-    window: dict[str, float] = {}
+    wall_s: float | None = None
+    finished = False
 
     def generate(
         dispatcher: Dispatcher,
     ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
-        window["started"] = time.monotonic()
-        finished = False
+        nonlocal wall_s, finished
+        started = time.monotonic()
         try:
             result = _generate_all(config, run, prepared_futures, dispatcher)
             finished = True
             return result
         finally:
-            window["wall_s"] = time.monotonic() - window["started"]
-            _record_generation_window(
-                config, run.layout, attempt_id, window["wall_s"], outcome.servers, finished, outcome
-            )
+            wall_s = time.monotonic() - started
 
-    prepared, summaries, errors = run_on_hosts(
-        config, run.layout, attempt_id, flow_run_id if flow_run_id != "local" else None, generate, outcome
-    )
+    try:
+        prepared, summaries, errors = run_on_hosts(
+            config, run.layout, attempt_id, flow_run_id if flow_run_id != "local" else None, generate, outcome
+        )
+    finally:
+        # Recorded once the hosts are released, so a box lost at the very end of generation is named too.
+        if wall_s is not None:
+            _record_generation_window(
+                config, run.layout, attempt_id, wall_s, outcome.servers, finished, outcome
+            )
     if outcome.lost:
         get_run_logger().warning(
             "hosts lost during the run: %s",
             "; ".join(f"{name} ({reason})" for name, reason in sorted(outcome.lost.items())),
         )
-    return prepared, summaries, errors, outcome.servers, window.get("wall_s", 0.0)
+    return prepared, summaries, errors, outcome.servers, wall_s or 0.0
 
 
 def _samples(config: RunConfig, dataset: str) -> int:

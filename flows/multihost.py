@@ -4,7 +4,9 @@
       -> every host's preflight.json -> go.json (or: refuse the run, nothing halted anywhere)
       -> the first fleet.json(s) (multi_host.start_with_hosts) -> one Dispatcher; later hosts join it,
          lost hosts leave it (a watcher thread)
-      -> generation (the same shard tasks as on one box) -> release.json -> the hosts stop and hand back
+      -> generation (the same shard tasks as on one box)
+      -> every host still in the run answers, or is lost (waiting at most multi_host.host_lost_after_s)
+      -> release.json (naming the lost hosts and why) -> the hosts stop and hand back
 
 See docs/architecture.md ("Several hosts") for why one dispatcher over every host's servers.
 """
@@ -107,14 +109,18 @@ def run_on_hosts(
                     daemon=True,
                 )
                 watcher.start()
+                finished = False
                 try:
-                    return generate(dispatcher)
+                    result = generate(dispatcher)
+                    finished = True
+                    return result
                 except BaseException as error:
                     release = f"generation ended early: {type(error).__name__}"
                     raise
                 finally:
                     stop.set()
                     watcher.join(poll_s * 5 + 30)
+                    _settle_hosts(config, started, watch, outcome, finished=finished)
         finally:
             with contextlib.suppress(OutputExistsError):
                 write_host_object(
@@ -122,7 +128,7 @@ def run_on_hosts(
                     layout,
                     attempt_id,
                     RELEASE,
-                    HostsRelease(reason=release, lost_hosts=sorted(outcome.lost)),
+                    HostsRelease(reason=release, lost_hosts=dict(sorted(outcome.lost.items()))),
                 )
             _await_hosts_stopped(started, outcome)
             logger.info(
@@ -257,6 +263,37 @@ def _watch_hosts(
                 )
         except Exception as error:  # the watcher must outlive one failed API call
             logger.warning("host watch failed; retrying error=%s", error)
+
+
+def _settle_hosts(
+    config: RunConfig, started: dict[str, str], watch: HostWatch, outcome: HostsOutcome, *, finished: bool
+) -> None:
+    """Generation is over: every host still in the run answers, or is lost before the release names it.
+
+    A box that died near the end is otherwise never reported (its servers were not down for
+    ``host_lost_after_s`` yet) and its host part never ends (its worker died with it). Its servers are
+    counted down from when the watch first saw them down, mid-run or here, so it is lost at most
+    ``host_lost_after_s`` after that; a host whose servers come back (restarted) stays. When generation ended
+    early nothing is waited for: hosts not answering now are lost at once. Never raises: the release must
+    be written.
+    """
+    logger = get_run_logger()
+    poll_s = config.multi_host.poll_interval_s
+    lost_after_s = config.multi_host.host_lost_after_s if finished else 0.0
+    try:
+        while watch.active:
+            try:
+                ended = ended_flow_runs({name: started[name] for name in watch.active})
+            except Exception as error:  # the servers' silence is the signal that always comes
+                logger.warning("host states unavailable error=%s", error)
+                ended = {}
+            for lost in watch.check(ended, at_end=True, lost_after_s=lost_after_s):
+                outcome.lost[lost.name] = lost.reason
+            if not watch.silent:
+                return
+            time.sleep(poll_s)
+    except Exception as error:
+        logger.warning("end-of-generation host check failed error=%s", error)
 
 
 def _await_hosts_stopped(started: dict[str, str], outcome: HostsOutcome) -> None:

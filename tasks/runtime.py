@@ -17,7 +17,7 @@ from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment as runtime_deployment
 
 from datagen.app.codeversion import check_code_version
-from datagen.app.terminal import RUN_FAILED_LOG_PREFIX
+from datagen.app.terminal import REFUSALS, RUN_FAILED_LOG_PREFIX
 from datagen.errors import DatagenError
 from datagen.host.gpu_lock import (
     GpuLockHolder,
@@ -33,6 +33,9 @@ from datagen.settings import get_settings
 
 # The package whose loggers (fleet monitor, dispatcher thread, storage retries) belong in the run log.
 DATAGEN_LOGGER = "datagen"
+# Prefect's run loggers: its flow engine logs "Encountered exception during execution" on the first, its task
+# engine "Task run failed with exception" on the second, each with the traceback.
+PREFECT_RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
 
 def ensure_limit(name: str) -> None:
@@ -185,13 +188,49 @@ def forward_thread_logs(flow_run_id: str) -> Iterator[None]:
             logger.removeHandler(added_api)
 
 
+class _RefusalTracebacksAtDebug(logging.Filter):
+    """Turns Prefect's records of a refusal's traceback into DEBUG records (dropped at the default level).
+
+    A refusal (:data:`~datagen.app.terminal.REFUSALS`) is explained by one ``run failed:`` line and the run's
+    state message; the flow and task engines' tracebacks of it (about 150 lines each) would bury that line at
+    the end of a CI log. Records of every other error keep their level and traceback.
+    """
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self.logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if not isinstance(error, REFUSALS) or record.levelno <= logging.DEBUG:
+            return True
+        # The logger's level was checked before the record existed: check it again for the new level.
+        record.levelno, record.levelname = logging.DEBUG, logging.getLevelName(logging.DEBUG)
+        return self.logger.isEnabledFor(logging.DEBUG)
+
+
+def refusal_tracebacks_at_debug() -> None:
+    """Log a refusal's traceback at DEBUG only, on Prefect's run loggers of this process (once per process).
+
+    The filter stays installed: the flow engine logs its record after the flow function has returned, and it
+    changes nothing but records of a refusal.
+    """
+    for name in PREFECT_RUN_LOGGERS:
+        logger = logging.getLogger(name)
+        if not any(isinstance(existing, _RefusalTracebacksAtDebug) for existing in logger.filters):
+            logger.addFilter(_RefusalTracebacksAtDebug(logger))
+
+
 @contextlib.contextmanager
 def explain_failure() -> Iterator[None]:
     """Log why the run failed, and get that line to the API before the run turns Failed.
 
     ``prefect deployment run --watch`` prints the run's logs only until a few seconds after its final state,
     and Prefect ships logs in batches: without the flush the reason can arrive after the watch has stopped.
+    A refusal's reason is that one line: Prefect's tracebacks of it are logged at DEBUG only
+    (:func:`refusal_tracebacks_at_debug`).
     """
+    refusal_tracebacks_at_debug()
     try:
         yield
     except Exception as error:

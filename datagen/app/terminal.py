@@ -29,6 +29,9 @@ from typing import TypeVar
 
 from datagen.errors import ConfigError, DatagenError, PreflightError, RunInterrupted
 
+# The errors that refuse a run before anything was halted or started (exit 2): their message is the whole story.
+REFUSALS: tuple[type[DatagenError], ...] = (PreflightError, ConfigError)
+
 EXIT_DONE = 0
 EXIT_RUN_FAILED = 1
 EXIT_REFUSED = 2
@@ -184,7 +187,7 @@ def run_in_terminal(
                 f"finished so far is stored. Resume with: {resume_command}"
             )
             return exit_code_for_signal(interrupted.signum), None
-        except (PreflightError, ConfigError) as refused:
+        except REFUSALS as refused:
             logging.getLogger(__name__).info("run refused", exc_info=True)
             _echo_error(f"datagen: {refused}")
             return EXIT_REFUSED, None

@@ -10,20 +10,34 @@ when every one of its servers has been down (connection refused, liveness) for `
 box leaves its flow run "Running" in Prefect forever (its worker died with it), so the servers' silence is
 the signal that always comes. Removing a server hands its in-flight requests back to the queue without
 costing them an attempt; the other hosts answer them.
+
+When generation is over the parent checks once more (``check(..., at_end=True)``) before it releases the hosts:
+a box that died near the end, maybe while none of its servers had a request (so no failed request told the
+dispatcher), refuses or ignores a connection; it is lost then, named in the release and the report, and the
+parent does not wait for a host part that will never end.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from datagen.generation.dispatcher import Dispatcher
 from datagen.output.hosts import HostFleet
 
 logger = logging.getLogger(__name__)
+
+# How long the end-of-generation check waits for a server to accept a TCP connection: a box that is gone
+# refuses at once (its processes died) or never answers (the machine died).
+CONNECT_PROBE_TIMEOUT_S = 2.0
+# Servers probed at once in that check.
+MAX_PARALLEL_PROBES = 16
 
 
 @dataclass
@@ -82,29 +96,58 @@ class HostWatch:
         with self._lock:
             return list(self.members)
 
-    def check(self, ended: Mapping[str, str]) -> list[LostHost]:
+    @property
+    def silent(self) -> list[str]:
+        """Names of the hosts in use whose servers are all down, as of the last :meth:`check`."""
+        with self._lock:
+            return [name for name, member in self.members.items() if member.down_since is not None]
+
+    def check(
+        self, ended: Mapping[str, str], *, at_end: bool = False, lost_after_s: float | None = None
+    ) -> list[LostHost]:
         """Remove the hosts that are gone; returns the ones lost by this call.
 
         Args:
             ended: Host name -> final state of its host flow run, for hosts whose flow run has ended.
+            at_end: Generation is over: a server the dispatcher counts up must also accept a TCP connection
+                now (an idle server that died was never told apart by a request), and reasons say when.
+            lost_after_s: Overrides ``lost_after_s`` for this call (0: a host whose servers are all down now
+                is lost at once).
         """
         now = self.clock()
+        limit = self.lost_after_s if lost_after_s is None else lost_after_s
         servers = {server.url: server for server in self.dispatcher.stats().servers}
         newly_lost: list[LostHost] = []
         with self._lock:
             members = list(self.members.items())
+        answering: set[str] = set()
+        if at_end:
+            counted_up = [
+                url
+                for _, member in members
+                for url in member.fleet.urls
+                if (state := servers.get(url.rstrip("/"))) is not None and state.up
+            ]
+            answering = _accepting_connections(counted_up)
         for name, member in members:
             reason: str | None = None
             if name in ended:
-                reason = f"its host flow run ended ({ended[name]}) while generation went on"
+                when = "before the release" if at_end else "while generation went on"
+                reason = f"its host flow run ended ({ended[name]}) {when}"
             else:
                 states = [servers.get(url.rstrip("/")) for url in member.fleet.urls]
-                if any(state is not None and state.up for state in states):
+                if any(
+                    state is not None and state.up and (not at_end or url in answering)
+                    for url, state in zip(member.fleet.urls, states, strict=True)
+                ):
                     member.down_since = None
-                elif member.down_since is None:
-                    member.down_since = now
-                elif now - member.down_since >= self.lost_after_s:
-                    reason = f"all {len(states)} of its servers down for {now - member.down_since:.0f}s"
+                else:
+                    if member.down_since is None:
+                        member.down_since = now
+                    if now - member.down_since >= limit:
+                        reason = f"all {len(states)} of its servers down for {now - member.down_since:.0f}s"
+                        if at_end:
+                            reason += " at the end of generation"
             if reason is not None:
                 newly_lost.append(self._lose(name, member, reason, servers))
         return newly_lost
@@ -133,3 +176,22 @@ class HostWatch:
             len(self.members),
         )
         return lost
+
+
+def _accepts_connection(url: str) -> bool:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname or "127.0.0.1", port), timeout=CONNECT_PROBE_TIMEOUT_S):
+            return True
+    except OSError:
+        return False
+
+
+def _accepting_connections(urls: list[str]) -> set[str]:
+    """The URLs whose server accepts a TCP connection now (probed in parallel, each within a timeout)."""
+    if not urls:
+        return set()
+    with ThreadPoolExecutor(max_workers=min(len(urls), MAX_PARALLEL_PROBES)) as pool:
+        accepted = list(pool.map(_accepts_connection, urls))
+    return {url for url, ok in zip(urls, accepted, strict=True) if ok}

@@ -78,7 +78,9 @@ class HostsRelease(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: str
-    lost_hosts: list[str] = Field(default_factory=list)
+    lost_hosts: dict[str, str] = Field(
+        default_factory=dict, description="Hosts lost during the attempt -> what happened to each."
+    )
 
 
 def write_host_object(

@@ -5,6 +5,8 @@ continuous-batching servers of its own (benchmarks/simulator.py, one process per
 * a run across both hosts: every request answered exactly once, both hosts served, both host parts completed;
 * one host killed mid-run (its worker, its host flow run's process and its servers, SIGKILL): the run completes
   on the other host, every request answered exactly once, the report names the lost host;
+* one host killed after the last requests went out: the release and the report name it, and the run does not
+  wait for its host part (which never ends) beyond `host_lost_after_s`;
 * a host on a work queue that does not exist refuses the run before any host part starts.
 
 The parent runs through `datagen run` with PREFECT_API_URL set (the same flow the deployments run).
@@ -98,9 +100,17 @@ class Stack:
                 assert time.monotonic() < deadline, f"simulator {url} did not start"
                 time.sleep(0.1)
 
-    def served(self, host: str) -> int:
-        """Requests the host's servers finished."""
-        return sum(httpx.get(f"{url}/bench/stats", timeout=5).json()["finished"] for url in self.urls[host])
+    def served(self, host: str, counter: str = "finished") -> int:
+        """Requests the host's servers finished (or another counter of /bench/stats: `requests` received)."""
+        return sum(httpx.get(f"{url}/bench/stats", timeout=5).json()[counter] for url in self.urls[host])
+
+    def kill_box(self, host: str, run_root: Path) -> None:
+        """The box dies: its worker, the flow run process that owns its servers, the servers (SIGKILL)."""
+        fleet_files = list((run_root / "hosts").glob(f"*/{host}/fleet.json"))
+        host_part_pid = json.loads(fleet_files[0].read_text())["pid"]
+        os.killpg(self.workers[host].pid, signal.SIGKILL)
+        os.kill(host_part_pid, signal.SIGKILL)
+        os.killpg(self.simulators[host].pid, signal.SIGKILL)
 
     def run(self, config: dict[str, Any], run_id: str) -> subprocess.Popen[str]:
         """`datagen run --config FILE --run-id ID` against the stack's Prefect server (the parent flow)."""
@@ -268,12 +278,7 @@ def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_
         assert parent.poll() is None, _finish(parent)[-6000:]
         assert time.monotonic() < deadline, "the lost-to-be host never served"
         time.sleep(0.2)
-    fleet_files = list((tmp_path / "out" / "runs" / "host-loss" / "hosts").glob(f"*/{lost}/fleet.json"))
-    host_part_pid = json.loads(fleet_files[0].read_text())["pid"]
-    # The box dies: its worker, the flow run process that owns its servers, the servers.
-    os.killpg(stack.workers[lost].pid, signal.SIGKILL)
-    os.kill(host_part_pid, signal.SIGKILL)
-    os.killpg(stack.simulators[lost].pid, signal.SIGKILL)
+    stack.kill_box(lost, tmp_path / "out" / "runs" / "host-loss")
 
     output = _finish(parent)
 
@@ -285,6 +290,56 @@ def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_
     assert "servers down" in report["lost_hosts"][lost]
     assert f"host lost: {lost}" in (run_root / "report.md").read_text()
     assert f"host lost host={lost}" in output
+    stack.start_host(lost)  # the next test gets a whole "box" again
+
+
+def test_a_box_lost_after_the_last_requests_went_out_is_named_and_the_run_does_not_wait_for_it(
+    stack: Stack, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    # Killed once every request has reached a server: generation ends on the other box before the dead one's
+    # servers were down for host_lost_after_s, so only the end-of-generation check can name it.
+    prompts = 64
+    lost_after_s = 4
+    for host in HOSTS:
+        stack.start_servers(host, step_ms=60.0)
+    config = _config(
+        stack, tmp_path, tiny_model_dir, prompts, host_lost_after_s=lost_after_s, start_with_hosts=2
+    )
+    lost = HOSTS[1]
+    run_root = tmp_path / "out" / "runs" / "late-loss"
+
+    parent = stack.run(config, "late-loss")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while sum(stack.served(host, "requests") for host in HOSTS) < prompts:
+        assert parent.poll() is None, _finish(parent)[-6000:]
+        assert time.monotonic() < deadline, "the requests never all went out"
+        time.sleep(0.1)
+    assert stack.served(HOSTS[0]) + stack.served(lost) < prompts, "generation was over before the kill"
+    stack.kill_box(lost, run_root)
+    killed_at = time.time()
+
+    output = _finish(parent)
+    finished_after_s = time.time() - killed_at
+
+    assert parent.returncode == 0, output[-8000:]
+    _assert_exactly_once(run_root, prompts)
+    report = json.loads((run_root / "report.json").read_text())
+    assert list(report["lost_hosts"]) == [lost], report["lost_hosts"]
+    assert "servers down" in report["lost_hosts"][lost]
+    (release_path,) = (run_root / "hosts").glob("*/release.json")
+    release = json.loads(release_path.read_text())
+    assert list(release["lost_hosts"]) == [lost] and "servers down" in release["lost_hosts"][lost], release
+    # Released host_lost_after_s after the servers went silent (plus the watch's polls), not after 120 s.
+    released_after_s = release_path.stat().st_mtime - killed_at
+    assert released_after_s < lost_after_s + 10, f"released {released_after_s:.0f}s after the kill"
+    assert "host parts still running" not in output
+    # Then only the other box's hand-back, merge, tokenize and report (slack for a loaded machine); the old
+    # end-of-run wait alone was HOSTS_STOP_WAIT_S (120 s).
+    assert finished_after_s < lost_after_s + 45, f"the run ended {finished_after_s:.0f}s after the kill"
+    print(
+        f"box killed: released after {released_after_s:.1f}s, run ended after {finished_after_s:.1f}s, "
+        f"reason: {report['lost_hosts'][lost]}"
+    )
     stack.start_host(lost)  # the next test gets a whole "box" again
 
 
@@ -355,6 +410,8 @@ def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving
         with hold_parent_lease(ended, 60.0):
             assert not parent_lease_lapsed(ended)
         assert parent_lease_lapsed(ended), "a parent that ends deletes its lease's limit"
-    # Not sooner than the lease: the lease was held (and renewed) until the kill.
+    # Not sooner than the lease: the holder was killed right after it took (and first renewed) it, so the lease
+    # ran out a whole lease after the kill (a parent killed later in its 45 s renewal cycle lapses from 15 s on:
+    # docs/operations.md).
     assert lapsed_after_s >= 55, f"lapsed {lapsed_after_s:.0f} s after the kill: it was never held"
     print(f"parent lease lapsed {lapsed_after_s:.0f} s after the SIGKILL")

@@ -140,6 +140,8 @@ def test_a_host_whose_servers_stay_down_is_removed_and_a_live_one_stays() -> Non
         assert watch.join(_fleet("box-2", [dead]))
         assert not watch.join(_fleet("box-2", [dead])), "a host joins once"
         _wait(lambda: any(s.up for s in dispatcher.stats().servers if s.url == live.url))
+        # A new server counts as up until its first health probe fails (later under load).
+        _wait(lambda: not any(s.up for s in dispatcher.stats().servers if s.url == dead))
 
         assert watch.check({}) == []  # box-2 down since now
         now[0] = 4.0
@@ -170,3 +172,56 @@ def test_a_host_whose_flow_run_ended_is_removed_at_once() -> None:
             ("box-1", "its host flow run ended (Crashed) while generation went on")
         ]
         assert watch.active == []
+
+
+def test_at_the_end_an_idle_host_that_died_is_found_by_connecting_and_named_when_it_stays_silent() -> None:
+    # box-2's server was up and idle when it died: no request failed there, so the dispatcher still counts
+    # it up; only the end-of-generation check (a TCP connect) finds it gone.
+    now = [0.0]
+    with (
+        FaultServer() as live,
+        FaultServer() as dying,
+        Dispatcher(
+            [live.url, dying.url],
+            model="m",
+            engine="external",
+            max_inflight_per_server=4,
+            generation=GenerationConfig(),
+        ) as dispatcher,
+    ):
+        watch = HostWatch(dispatcher, lost_after_s=5.0, clock=lambda: now[0])
+        watch.join(_fleet("box-1", [live.url]))
+        watch.join(_fleet("box-2", [dying.url]))
+        _wait(lambda: all(s.up for s in dispatcher.stats().servers))
+        dying.stop()
+
+        assert watch.check({}) == [] and watch.silent == [], "mid-run, an idle dead server is not noticed"
+        assert watch.check({}, at_end=True) == []
+        assert watch.silent == ["box-2"]
+        now[0] = 5.0
+        lost = watch.check({}, at_end=True)
+
+        assert [(host.name, host.reason) for host in lost] == [
+            ("box-2", "all 1 of its servers down for 5s at the end of generation")
+        ]
+        assert watch.active == ["box-1"] and watch.silent == []
+
+
+def test_when_generation_ended_early_a_silent_host_is_lost_at_once_and_a_live_one_stays() -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    with (
+        FaultServer() as live,
+        Dispatcher(
+            [live.url], model="m", engine="external", max_inflight_per_server=4, generation=GenerationConfig()
+        ) as dispatcher,
+    ):
+        watch = HostWatch(dispatcher, lost_after_s=60.0)
+        watch.join(_fleet("box-1", [live.url]))
+        watch.join(_fleet("box-2", [dead]))
+        _wait(lambda: any(s.up for s in dispatcher.stats().servers if s.url == live.url))
+
+        lost = watch.check({}, at_end=True, lost_after_s=0.0)
+
+        assert [host.name for host in lost] == ["box-2"]
+        assert "at the end of generation" in lost[0].reason
+        assert watch.active == ["box-1"]

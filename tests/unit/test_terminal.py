@@ -98,3 +98,47 @@ def test_the_console_shows_no_traceback_while_the_log_file_keeps_it(tmp_path: Pa
     assert (
         "Traceback" in logged and "ValueError: deep inside" in logged and "Finished in state Failed" in logged
     )
+
+
+def _logged_with_traceback(logger: logging.Logger, error: Exception) -> list[logging.LogRecord]:
+    """What a handler on ``logger`` receives when Prefect's engine logs ``error`` with its traceback."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    handler = Keep()
+    # Only this handler: Prefect's API handler would warn that no flow run is running.
+    handlers, propagate = logger.handlers, logger.propagate
+    logger.handlers, logger.propagate = [handler], False
+    try:
+        try:
+            raise error
+        except Exception as raised:
+            logger.error("Encountered exception during execution: %r", raised, exc_info=True)
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+    return records
+
+
+@pytest.mark.parametrize("name", ["prefect.flow_runs", "prefect.task_runs"])
+def test_under_a_worker_a_refusals_traceback_is_debug_only_and_other_errors_keep_theirs(name: str) -> None:
+    from tasks.runtime import refusal_tracebacks_at_debug
+
+    logger = logging.getLogger(name)
+    refusal_tracebacks_at_debug()
+    installed = list(logger.filters)
+    refusal_tracebacks_at_debug()
+    assert logger.filters == installed, "installed once per process, however often a flow starts"
+    level = logger.level
+    try:
+        logger.setLevel(logging.INFO)
+        assert _logged_with_traceback(logger, PreflightError(["dataset 'x' is missing"])) == []
+        (kept,) = _logged_with_traceback(logger, RuntimeError("a bug"))
+        assert kept.levelno == logging.ERROR and kept.exc_info is not None
+        logger.setLevel(logging.DEBUG)
+        (debug,) = _logged_with_traceback(logger, PreflightError(["dataset 'x' is missing"]))
+        assert debug.levelno == logging.DEBUG and debug.exc_info is not None
+    finally:
+        logger.setLevel(level)
