@@ -20,6 +20,7 @@ import shutil
 import socket
 import subprocess
 from pathlib import Path
+from typing import Any
 
 from datagen.engines.sglang_flags import SGLangIntrospectionError, sglang_flags
 from datagen.errors import ProbeError
@@ -220,8 +221,8 @@ def probe_environment(record_dir: str | Path | None = None) -> EnvReport:
     packages = installed_versions()
     if record_dir is not None:
         _record(Path(record_dir), outputs, toolkit, flags, packages)
-    report = build_report(
-        **_command_outputs(outputs),
+    report = _report_from_outputs(
+        outputs,
         packages=packages,
         hostname=socket.gethostname(),
         problems=problems,
@@ -288,8 +289,8 @@ def probe_from_dir(directory: str | Path, *, packages: dict[str, str | None] | N
         packages = (
             json.loads(recorded.read_text(encoding="utf-8")) if recorded.is_file() else installed_versions()
         )
-    return build_report(
-        **_command_outputs(outputs),
+    return _report_from_outputs(
+        outputs,
         packages=packages,
         hostname=folder.name,
         torch=parse_torch_probe(outputs["torch"]) if outputs["torch"] else None,
@@ -298,6 +299,13 @@ def probe_from_dir(directory: str | Path, *, packages: dict[str, str | None] | N
     )
 
 
-def _command_outputs(outputs: dict[str, str | None]) -> dict[str, str | None]:
-    """The raw ``nvidia-smi``/``nvcc`` outputs :func:`build_report` parses, by its argument names."""
-    return {name: outputs[name] for name in ("query_gpu", "topo", "smi", "apps", "nvcc")}
+def _report_from_outputs(outputs: dict[str, str | None], **rest: Any) -> EnvReport:
+    """:func:`build_report` over the raw ``nvidia-smi``/``nvcc`` outputs (run now or recorded) and ``rest``."""
+    return build_report(
+        query_gpu=outputs["query_gpu"],
+        topo=outputs["topo"],
+        smi=outputs["smi"],
+        apps=outputs["apps"],
+        nvcc=outputs["nvcc"],
+        **rest,
+    )

@@ -1,0 +1,34 @@
+"""The merge-and-tokenize stage's config (``tokenize:``): how completions become versioned training rows."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from datagen.config.base import Slug, StrictModel
+
+
+class TokenizeConfig(StrictModel):
+    """How completions become training rows."""
+
+    max_length_tokens: int | None = Field(default=None, gt=0, description="Drop longer rendered rows.")
+    rows_per_part: int = Field(default=10_000, gt=0, description="Rows per Parquet part object.")
+    row_group_rows: int = Field(
+        default=1_000,
+        gt=0,
+        description="Rows per Parquet row group: ~1M tokens, a few MB, what a training reader streams at once.",
+    )
+    workers: int | None = Field(
+        default=None, gt=0, description="Tokenizer processes; the cores this process may use when unset."
+    )
+    answer_render: Literal["auto", "full"] = Field(
+        default="auto",
+        description="auto: render each answer alone after a fixed context when the chat template passes the "
+        "append probe (one prompt render per prompt); full: render every prompt+answer conversation.",
+    )
+    include_truncated: bool = Field(default=False, description="Keep completions that hit max_tokens.")
+    dataset_name: Slug = Field(default="drafter-expansion", description="Name of the versioned dataset.")
+    base_version: str | None = Field(
+        default=None, description="URL of an existing dataset version manifest to extend (never rewritten)."
+    )

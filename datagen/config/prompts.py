@@ -1,0 +1,155 @@
+"""The prompt stage's config: datasets, their sampling overrides, the target mix, the existing corpus."""
+
+from __future__ import annotations
+
+from typing import Annotated, Final, Literal
+
+from pydantic import Field, model_validator
+
+from datagen.config.base import Slug, StrictModel
+from datagen.config.ui_json import UI_MAPPING, UNWRAP_UI_JSON
+from datagen.records import SamplingParams
+
+DatasetFormat = Literal[
+    "infinity_instruct",
+    "webinstruct",
+    "codefeedback_filtered",
+    "code_feedback",
+    "metamath",
+    "hermes_fc",
+    "agentinstruct",
+    "toucan",
+    "sharegpt",
+    "openai_messages",
+]
+MultiTurnPolicy = Literal["last_turn", "every_turn"]
+# The mix category of a dataset without one.
+UNCATEGORISED: Final = "uncategorised"
+# Shares of a mix may add up to 1 with floating-point error.
+SHARE_SUM_TOLERANCE: Final = 1e-9
+
+
+class SamplingOverrides(StrictModel):
+    """Per-dataset sampling changes; unset fields keep the run's defaults."""
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, gt=0)
+    enable_thinking: bool | None = None
+    samples_per_prompt: int | None = Field(default=None, gt=0, le=64)
+    seed: int | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        """Return ``base`` with every field set here replaced."""
+        changes = self.model_dump(exclude_none=True)
+        return base.model_copy(update=changes)
+
+
+class DatasetConfig(StrictModel):
+    """One prompt source: where it is, its layout, how many prompts to take, how to sample."""
+
+    name: Slug = Field(description="Short name used in object keys and reports, e.g. `metamath`.")
+    format: DatasetFormat
+    path: str = Field(description="Local path, glob, or s3:// URL of the dataset files.")
+    max_prompts: int | None = Field(
+        default=None, gt=0, description="Quota: prompts taken from this dataset (a seeded sample)."
+    )
+    share: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Quota as a share of `mix.total_prompts` (instead of `max_prompts`), e.g. 0.3.",
+    )
+    shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
+    sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
+    multi_turn: MultiTurnPolicy = "last_turn"
+    max_prompt_tokens: int | None = Field(
+        default=None, gt=0, description="Drop longer prompts (tools included)."
+    )
+    languages: list[str] | None = Field(default=None, description="Keep rows whose language is listed.")
+    category: str | None = Field(default=None, description="Mix category, e.g. code, math, chat, tools.")
+    min_prompts: int = Field(
+        default=1,
+        ge=1,
+        description="Fewest prompts this dataset must yield, or the run is refused before training is "
+        "halted (a wrong path, layout or format yields none).",
+    )
+
+    @model_validator(mode="after")
+    def _one_quota(self) -> DatasetConfig:
+        if self.share is not None and self.max_prompts is not None:
+            raise ValueError(
+                f"dataset {self.name!r} sets both max_prompts and share: keep one (a count, or a share "
+                "of mix.total_prompts)"
+            )
+        return self
+
+    @property
+    def mix_category(self) -> str:
+        """The category the mix counts this dataset in (``uncategorised`` when unset)."""
+        return self.category or UNCATEGORISED
+
+
+CategoryShare = Annotated[float, Field(gt=0, le=1)]
+
+
+class MixConfig(StrictModel):
+    """The target mix of the new prompts: shares of a total, caps per category, what to do on shortfall.
+
+    A dataset's quota is its ``max_prompts``, or its ``share`` of ``total_prompts``; caps then lower the
+    quotas of a category that would exceed its share of the new prompts (never raising any other).
+    """
+
+    total_prompts: int | None = Field(
+        default=None, gt=0, description="New prompts across the datasets that set `share`."
+    )
+    category_caps: Annotated[dict[str, CategoryShare], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+        default={},  # explicit (not a factory) so the UI's form has a value: see FleetConfig.env
+        description="Most a category may be of the new prompts, e.g. {code: 0.2}; needs a quota on every "
+        "dataset. Lowers that category's quotas, never raises others'.",
+    )
+    rebalance: bool = Field(
+        default=False,
+        description="Give a dataset's shortfall (fewer valid prompts than its quota) to the next datasets "
+        "of its category, in config order. Off: the shortfall is only reported.",
+    )
+
+
+CorpusKind = Literal["prompt_ids", "prompts", "run", "dataset_version"]
+
+
+class CorpusSource(StrictModel):
+    """Prompts already in the training data, kept out of the new data (rejected as `in_existing_corpus`)."""
+
+    kind: CorpusKind = Field(
+        description="prompt_ids: text file(s), one prompt id or SHA-256 per line; prompts: dataset files "
+        "in `format`, hashed like new prompts; run: a previous run's folder (its prompt shards); "
+        "dataset_version: a dataset version manifest (the prompt_id column of its Parquet shards)."
+    )
+    path: str = Field(description="Local path, glob, or s3:// URL.")
+    format: DatasetFormat | None = Field(default=None, description="Layout of the files (kind: prompts).")
+    multi_turn: MultiTurnPolicy = Field(
+        default="every_turn",
+        description="kind prompts: which turns of a conversation count as already in the corpus.",
+    )
+
+    @model_validator(mode="after")
+    def _prompts_need_format(self) -> CorpusSource:
+        if self.kind == "prompts" and self.format is None:
+            raise ValueError("existing_corpus source of kind 'prompts' needs `format`: the files' layout")
+        return self
+
+
+class ExistingCorpusConfig(StrictModel):
+    """The training data the new prompts are added to: what to dedupe against, what it holds."""
+
+    dedupe_against: list[CorpusSource] = Field(
+        default_factory=list, description="Prompts never to take again (streamed; memory is the id set)."
+    )
+    category_counts: Annotated[dict[str, Annotated[int, Field(ge=0)]], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+        default={},  # explicit (not a factory) so the UI's form has a value: see FleetConfig.env
+        description="Training rows per category already in the corpus, for the mix report, e.g. "
+        "{code: 694540, math: 90000}.",
+    )
