@@ -46,7 +46,7 @@ from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from tasks.credentials import configure_s3_credentials
-from tasks.data import SHARD_PROGRESS, generate_shard, merge_and_tokenize, prepare_prompts
+from tasks.data import CorpusIds, ShardProgress, generate_shard, merge_and_tokenize, prepare_prompts
 from tasks.host import (
     halt_training,
     hand_back_gpus,
@@ -306,6 +306,7 @@ def _generate_all(
     total_requests = 0
     max_tasks = _max_shard_tasks(config)
     progress = _GenerationProgress(dispatcher)
+    shard_progress = ShardProgress()
 
     def take_prepared(block: bool) -> None:
         nonlocal total_requests
@@ -325,7 +326,7 @@ def _generate_all(
         starting = sum(
             shard.prompts * _samples(config, shard.dataset)
             for shard in running.values()
-            if not SHARD_PROGRESS.registered(run.run_id, shard.dataset, shard.shard_index)
+            if not shard_progress.registered(run.run_id, shard.dataset, shard.shard_index)
         )
         return registered + starting
 
@@ -337,7 +338,7 @@ def _generate_all(
         take_prepared(block=not pending and not running)
         while pending and len(running) < max_tasks and backlog() < dispatcher.admission_limit:
             shard = pending.popleft()
-            future = generate_shard.submit(config, run, shard, dispatcher)
+            future = generate_shard.submit(config, run, shard, dispatcher, shard_progress)
             running[future] = shard
             future.add_done_callback(finished.put)
         if not running:
@@ -358,7 +359,7 @@ def _generate_all(
                 errors.append(error)
         # Finished shards count all their requests (stored by any attempt); running ones what they have so far.
         answered = sum(s.completions + s.failures for s in summaries) + sum(
-            SHARD_PROGRESS.done(run.run_id, shard.dataset, shard.shard_index) for shard in running.values()
+            shard_progress.done(run.run_id, shard.dataset, shard.shard_index) for shard in running.values()
         )
         progress.report(
             answered, total_requests, len(summaries), len(summaries) + len(running) + len(pending)
@@ -485,10 +486,11 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     series_entry = open_series_entry(config, run) if config.series else None
 
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
+    corpus = CorpusIds()
     for dataset in config.datasets:
         # Passing the earlier futures makes each dataset wait for (and dedupe against) the ones before it.
         earlier: Any = list(prepared_futures)
-        prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier))
+        prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier, corpus))
     # Every dataset is prepared before training is halted: one that yields too few prompts refuses the run
     # while training still runs, and the shards written here are the ones the run generates from.
     check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))

@@ -20,25 +20,33 @@ from datagen.output.runs import RunHandle
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
 
-# The existing corpus's prompt ids, read once per flow run (config hash) and shared by every dataset's
-# prepare task in this process: one entry, since a process runs one flow run at a time.
-_corpus_cache: dict[str, frozenset[str]] = {}
-_corpus_lock = threading.Lock()
+
+class CorpusIds:
+    """The prompt ids no dataset of one flow run may take: read once, by the first prepare task that asks.
+
+    The flow makes one per run and hands it to every dataset's prepare task (the ids of a large corpus are
+    read once, not once per dataset); a plain object, so Prefect passes it without looking inside.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ids: frozenset[str] | None = None
+
+    def get(self, config: RunConfig, run: RunHandle) -> frozenset[str]:
+        """The existing corpus's prompt ids plus those earlier runs of the run's series took."""
+        with self._lock:
+            if self._ids is None:
+                self._ids = _load_corpus_ids(config, run)
+            return self._ids
 
 
-def _corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
-    """The existing corpus's prompt ids plus those earlier runs of the run's series took."""
-    key = f"{run.run_id}:{run.config_hash}"
-    with _corpus_lock:
-        if key not in _corpus_cache:
-            _corpus_cache.clear()
-            ids = set(datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus))
-            store = datagen.output.runs.open_store(config)
-            entry = datagen.prompts.ledger.read_series_entry(store, run.run_id) if config.series else None
-            if entry is not None:
-                ids |= datagen.prompts.ledger.taken_prompt_ids(store, entry)
-            _corpus_cache[key] = frozenset(ids)
-        return _corpus_cache[key]
+def _load_corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
+    ids = set(datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus))
+    store = datagen.output.runs.open_store(config)
+    entry = datagen.prompts.ledger.read_series_entry(store, run.run_id) if config.series else None
+    if entry is not None:
+        ids |= datagen.prompts.ledger.taken_prompt_ids(store, entry)
+    return frozenset(ids)
 
 
 def _series_held(config: RunConfig, run: RunHandle) -> dict[str, int] | None:
@@ -51,7 +59,8 @@ def _series_held(config: RunConfig, run: RunHandle) -> dict[str, int] | None:
 class ShardProgress:
     """Requests answered so far per running shard (stored results included), read by the flow's scheduler.
 
-    A shard appears here once its requests are registered with the dispatcher (``done`` may still be 0).
+    The flow's scheduler makes one and hands it to every shard task it starts. A shard appears here once its
+    requests are registered with the dispatcher (``done`` may still be 0).
     """
 
     def __init__(self) -> None:
@@ -74,9 +83,6 @@ class ShardProgress:
             return (run_id, dataset, shard_index) in self._done
 
 
-SHARD_PROGRESS = ShardProgress()
-
-
 def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     run: RunHandle = parameters["run"]
     return stage_cache_key("prepare", run.run_id, run.incarnation, run.config_hash, parameters["dataset"])
@@ -97,11 +103,12 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
     **TRANSIENT_RETRIES,
 )
 def prepare_prompts(
-    config: RunConfig, run: RunHandle, dataset: str, earlier: list[PreparedDataset]
+    config: RunConfig, run: RunHandle, dataset: str, earlier: list[PreparedDataset], corpus: CorpusIds
 ) -> PreparedDataset:
     """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards.
 
-    The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on.
+    The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on; ``corpus``
+    holds the ids no dataset of the run may take (shared by the run's prepare tasks).
     """
     store = datagen.output.runs.open_store(config)
     if store.exists(run.layout.prompts_summary(dataset)):
@@ -117,7 +124,7 @@ def prepare_prompts(
             config,
             dataset,
             exclude_prompt_ids=exclude,
-            corpus_ids=_corpus_ids(config, run),
+            corpus_ids=corpus.get(config, run),
             earlier=earlier,
             held_by_category=_series_held(config, run),
         )
@@ -139,18 +146,19 @@ def prepare_prompts(
     **TRANSIENT_RETRIES,
 )
 def generate_shard(
-    config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher
+    config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher, progress: ShardProgress
 ) -> ShardSummary:
-    """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once."""
+    """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once.
+
+    Its answered count goes to ``progress``, the scheduler's view of the running shards.
+    """
     summary = datagen.generation.shard.generate_shard(
         datagen.output.runs.open_store(config),
         run.layout,
         config,
         shard,
         dispatcher,
-        progress=lambda done, total: SHARD_PROGRESS.update(
-            run.run_id, shard.dataset, shard.shard_index, done
-        ),
+        progress=lambda done, total: progress.update(run.run_id, shard.dataset, shard.shard_index, done),
     )
     get_run_logger().info(
         "shard dataset=%s shard=%05d skipped=%s completions=%d failures=%d resent=%d output_tokens=%d",
