@@ -12,67 +12,27 @@ a crashed server is noticed at once, never after the whole timeout. When the pla
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import re
 import subprocess
 import threading
-import time
 from contextlib import suppress
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import IO
 
-import httpx
-
-from datagen.engines import get_engine
-from datagen.engines.base import LaunchCommand
 from datagen.errors import ServerStartError
 from datagen.host import processes
-from datagen.host.fleet_registry import (
-    STOP_GRACE_S,
-    FleetRegistry,
-    ServerRecord,
-    fleet_pidfile,
-    mark_live,
-    mark_stopped,
-    write_registry,
-)
+from datagen.host.fleet_registry import STOP_GRACE_S, fleet_pidfile, mark_live, mark_stopped
 from datagen.host.plan import ServerPlan, ServerSpec
+from datagen.host.server_process import (
+    ServerLauncher,
+    ServerProcess,
+    failure_message,
+    now,
+    redact,
+    write_pidfile,
+)
 
 logger = logging.getLogger(__name__)
-
-POLL_INTERVAL_S = 0.25
-HEALTH_TIMEOUT_S = 5.0
-LOG_TAIL_LINES = 40
-# Startup logs are small; reading more than this from the end is never needed to spot a fatal line.
-MAX_LOG_SCAN_BYTES = 4 * 1024 * 1024
-
-
-@dataclass
-class _Server:
-    """Runtime state of one planned server (internal)."""
-
-    spec: ServerSpec
-    process: subprocess.Popen[bytes] | None = None
-    log_file: IO[bytes] | None = None
-    log_offset: int = 0
-    started_at: str = ""
-    restarts: int = 0
-    ready: bool = False
-    gave_up: bool = False
-    history: list[str] = field(default_factory=list)
-    argv: list[str] = field(
-        default_factory=list
-    )  # as launched: the plan's argv plus the key file's arguments
-
-    @property
-    def pgid(self) -> int | None:
-        # start_new_session makes every server the leader of its own group: pgid == pid.
-        return self.process.pid if self.process is not None else None
 
 
 class Fleet:
@@ -109,18 +69,19 @@ class Fleet:
         self.health_path = health_path or plan.health_path
         self.stop_grace_s = stop_grace_s
         self._api_key = api_key or None
-        self._servers = [_Server(spec=spec) for spec in plan.servers]
-        self._router = _Server(spec=plan.router) if plan.router is not None else None
+        self._servers = [ServerProcess(spec=spec) for spec in plan.servers]
+        self._router = ServerProcess(spec=plan.router) if plan.router is not None else None
         # Every owned process: the servers, then the router (started last, stopped with the rest).
         self._owned = [*self._servers, *([self._router] if self._router else [])]
         self._launches = any(server.spec.launch is not None for server in self._owned)
-        self._fatal_patterns = get_engine(plan.engine).fatal_log_patterns
+        self._launcher = ServerLauncher(
+            plan.engine, self.state_dir, self._api_key, self.health_path, trust_env=not self._launches
+        )
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
         self._monitor_stop = threading.Event()
         self._started = False
-        self._client = httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=not self._launches)
 
     # --- public API -----------------------------------------------------------------------------
 
@@ -157,18 +118,20 @@ class Fleet:
                 for server in self._servers:
                     if server.spec.launch is not None:
                         self._launch(server)
-                failures = self._wait_ready(self._servers, self.ready_timeout_s)
+                failures = self._launcher.wait_ready(
+                    self._servers, self.ready_timeout_s, self._stopping, fail_fast=True
+                )
                 if not failures and self._router is not None:
                     # The router health-checks its workers at start: launch it once they answer.
                     self._launch(self._router)
-                    failures = self._wait_ready([self._router], self.ready_timeout_s)
+                    failures = self._launcher.wait_ready([self._router], self.ready_timeout_s, self._stopping)
             except BaseException:
                 self.stop()
                 raise
             if failures:
                 self.stop()
                 raise ServerStartError(
-                    redact(_failure_message(failures), self._api_key),
+                    redact(failure_message(failures), self._api_key),
                     urls=[server.spec.url for server, _ in failures],
                 )
             logger.info("fleet ready servers=%d urls=%s", len(self._servers), ",".join(self.urls))
@@ -189,13 +152,13 @@ class Fleet:
                     server.process.wait(timeout=processes.KILL_WAIT_S)
                 server.process = None
                 server.ready = False
-                self._close_log(server)
+                server.close_log()
             if self._launches:
                 with suppress(FileNotFoundError):
                     self.pidfile_path.unlink()
             for server in self._owned:
                 with suppress(FileNotFoundError):
-                    self._key_file(server.spec).unlink()
+                    self._launcher.key_file(server.spec).unlink()
             self._started = False
             mark_stopped(self.pidfile_path)
             if groups:
@@ -204,7 +167,7 @@ class Fleet:
     def close(self) -> None:
         """Stop the fleet and release the HTTP client."""
         self.stop()
-        self._client.close()
+        self._launcher.close()
 
     def is_alive(self, url: str) -> bool:
         """Tell whether the server at ``url`` is up.
@@ -225,7 +188,7 @@ class Fleet:
         """
         server = self._server_by_url(url)
         if server.spec.launch is None:
-            return self._healthy(server.spec.url)
+            return self._launcher.healthy(server.spec.url)
         return server.ready and server.process is not None and server.process.poll() is None
 
     def ensure_running(self) -> list[str]:
@@ -300,60 +263,26 @@ class Fleet:
 
     # --- internals -------------------------------------------------------------------------------
 
-    def _server_by_url(self, url: str) -> _Server:
+    def _server_by_url(self, url: str) -> ServerProcess:
         wanted = url.rstrip("/")
         for server in self._owned:
             if server.spec.url == wanted:
                 return server
         raise KeyError(f"{url} is not a server of this fleet ({', '.join(self.urls)})")
 
-    def _launch(self, server: _Server) -> None:
-        launch = server.spec.launch
-        assert launch is not None
-        log_path = Path(
-            server.spec.log_path or self.state_dir / "logs" / f"server-{server.spec.index:02d}.log"
-        )
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._close_log(server)
-        # Append so a restarted server's earlier output (why it died) stays in the same file.
-        server.log_file = log_path.open("ab")
-        argv = server.argv = self.launch_argv(server.spec)
-        shown = LaunchCommand(argv=argv, env=launch.env).shell_line()
-        banner = f"\n=== datagen: starting server {server.spec.index} at {_now()}: {shown}\n"
-        server.log_file.write(banner.encode())
-        server.log_file.flush()
-        server.log_offset = server.log_file.tell()
-        server.ready = False
-        try:
-            server.process = subprocess.Popen(
-                argv,
-                env={**os.environ, **launch.env},
-                stdin=subprocess.DEVNULL,
-                stdout=server.log_file,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        except OSError as error:
-            raise ServerStartError(
-                f"cannot launch server {server.spec.index} ({launch.argv[0]}): {error}; check that the "
-                "engine is installed for this interpreter (datagen preflight checks it)",
-                url=server.spec.url,
-            ) from error
-        server.started_at = _now()
-        logger.info(
-            "server launched index=%d pid=%d url=%s log=%s",
-            server.spec.index,
-            server.process.pid,
-            server.spec.url,
-            log_path,
-        )
-        self._write_pidfile()
+    def launch_argv(self, spec: ServerSpec) -> list[str]:
+        """The argv a planned server is launched with (see :meth:`ServerLauncher.launch_argv`)."""
+        return self._launcher.launch_argv(spec)
 
-    def _restart(self, server: _Server) -> bool:
+    def _launch(self, server: ServerProcess) -> None:
+        self._launcher.launch(server)
+        write_pidfile(self.pidfile_path, self._owned)
+
+    def _restart(self, server: ServerProcess) -> bool:
         old = server.process
         if old is not None:
             code = old.poll()
-            server.history.append(f"exited with code {code} at {_now()}")
+            server.history.append(f"exited with code {code} at {now()}")
             # Children of a dead leader (engine workers holding GPU memory) would block the new server.
             processes.terminate_groups([old.pid], grace_s=0.0)
         server.restarts += 1
@@ -364,7 +293,7 @@ class Fleet:
             self.max_restarts_per_server,
         )
         self._launch(server)
-        failures = self._wait_ready([server], self.ready_timeout_s)
+        failures = self._launcher.wait_ready([server], self.ready_timeout_s, self._stopping)
         if failures:
             logger.error("restart failed url=%s: %s", server.spec.url, failures[0][1])
             if server.process is not None:
@@ -375,102 +304,6 @@ class Fleet:
         logger.info("server restarted url=%s", server.spec.url)
         return True
 
-    def _wait_ready(self, servers: list[_Server], timeout_s: float) -> list[tuple[_Server, str]]:
-        """Poll until every server is ready; return (server, reason) for those that failed."""
-        deadline = time.monotonic() + timeout_s
-        pending = list(servers)
-        failures: list[tuple[_Server, str]] = []
-        while pending:
-            if self._stopping.is_set():
-                failures += [(server, "the fleet is stopping") for server in pending]
-                break
-            for server in list(pending):
-                reason = self._startup_failure(server)
-                if reason is not None:
-                    failures.append((server, reason))
-                    pending.remove(server)
-                elif self._healthy(server.spec.url):
-                    server.ready = True
-                    pending.remove(server)
-                    logger.info("server ready url=%s", server.spec.url)
-            if not pending:
-                break
-            if time.monotonic() >= deadline:
-                failures += [
-                    (server, f"not ready after {timeout_s:.0f}s (GET {self.health_path} never answered 200)")
-                    for server in pending
-                ]
-                break
-            # Fail fast: one dead server dooms the start, so do not wait for the others.
-            if failures and servers is self._servers:
-                break
-            time.sleep(POLL_INTERVAL_S)
-        return failures
-
-    def _startup_failure(self, server: _Server) -> str | None:
-        if server.spec.launch is None:
-            return None
-        process = server.process
-        if process is None:
-            return "not launched"
-        code = process.poll()
-        if code is not None:
-            return f"process exited with code {code} before becoming ready"
-        fatal = self._fatal_line(server)
-        if fatal is not None:
-            return f"fatal line in log: {fatal!r}"
-        return None
-
-    def launch_argv(self, spec: ServerSpec) -> list[str]:
-        """The argv a planned server is launched with: its plan's, plus the engine's key-file arguments.
-
-        With an API key, the key file is (re)written first, readable by this user only.
-
-        Args:
-            spec: A launched server of this fleet's plan.
-
-        Returns:
-            The argv.
-
-        """
-        assert spec.launch is not None
-        return [*spec.launch.argv, *self._key_args(spec)]
-
-    def _key_file(self, spec: ServerSpec) -> Path:
-        return self.state_dir / "secrets" / f"server-{spec.index:02d}-key.yaml"
-
-    def _key_args(self, spec: ServerSpec) -> list[str]:
-        if self._api_key is None:
-            return []
-        key_file = self._key_file(spec)
-        args = get_engine(self.plan.engine).api_key_args(str(key_file))
-        if args is None:
-            # Preflight refuses a key with such an engine off the loopback address; on it the key is moot.
-            return []
-        key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with suppress(FileNotFoundError):
-            key_file.unlink()
-        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as handle:
-            handle.write(f"api-key: {json.dumps(self._api_key)}\n")  # a JSON string is a YAML scalar
-        return args
-
-    def _fatal_line(self, server: _Server) -> str | None:
-        text = redact(_read_log(server.spec.log_path, server.log_offset), self._api_key)
-        for pattern in self._fatal_patterns:
-            match = pattern.search(text)
-            if match is not None:
-                line_end = text.find("\n", match.start())
-                return text[match.start() : line_end if line_end >= 0 else None].strip()
-        return None
-
-    def _healthy(self, url: str) -> bool:
-        try:
-            response = self._client.get(url + self.health_path)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == httpx.codes.OK
-
     def _monitor_loop(self, interval_s: float) -> None:
         while not self._monitor_stop.wait(interval_s):
             try:
@@ -480,78 +313,3 @@ class Fleet:
                 continue
             if restarted:
                 logger.warning("monitor restarted servers urls=%s", ",".join(restarted))
-
-    def _write_pidfile(self) -> None:
-        records = [
-            ServerRecord(
-                index=server.spec.index,
-                pid=server.process.pid,
-                pgid=server.process.pid,
-                port=server.spec.port,
-                url=server.spec.url,
-                cmd=list(server.argv),
-                log_path=server.spec.log_path,
-                started_at=server.started_at,
-            )
-            for server in self._owned
-            if server.process is not None
-        ]
-        registry = FleetRegistry(
-            owner_pid=os.getpid(), owner_start_ticks=processes.start_ticks(os.getpid()), servers=records
-        )
-        write_registry(self.pidfile_path, registry)
-
-    @staticmethod
-    def _close_log(server: _Server) -> None:
-        if server.log_file is not None:
-            server.log_file.close()
-            server.log_file = None
-
-
-# --- logs and messages ------------------------------------------------------------------------
-
-
-def redact(text: str, secret: str | None) -> str:
-    """``text`` with every occurrence of ``secret`` replaced by ``***`` (sglang logs its API key at start)."""
-    return text.replace(secret, "***") if secret else text
-
-
-def _read_log(log_path: str | None, offset: int) -> str:
-    if not log_path:
-        return ""
-    try:
-        with open(log_path, "rb") as log:
-            size = log.seek(0, os.SEEK_END)
-            log.seek(max(offset, size - MAX_LOG_SCAN_BYTES))
-            return log.read().decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def log_tail(log_path: str | None, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
-    """The last ``lines`` lines of a server log written since ``offset``."""
-    text = _read_log(log_path, offset)
-    # Progress bars redraw with carriage returns; keep only what the last redraw shows.
-    cleaned = [re.sub(r".*\r(?!$)", "", line) for line in text.splitlines()]
-    return "\n".join(cleaned[-lines:])
-
-
-def _failure_message(failures: list[tuple[_Server, str]]) -> str:
-    parts = []
-    for server, reason in failures:
-        tail = log_tail(server.spec.log_path, server.log_offset)
-        parts.append(
-            f"server {server.spec.index} ({server.spec.url}) failed to start: {reason}.\n"
-            f"Log file: {server.spec.log_path}\n"
-            f"--- last {LOG_TAIL_LINES} log lines ---\n{tail}\n---"
-        )
-    hint = "Fix the cause shown in the log (model path, memory, port) and start the run again."
-    return (
-        f"{len(failures)} server(s) did not become ready; all servers were stopped.\n"
-        + "\n".join(parts)
-        + f"\n{hint}"
-    )
-
-
-def _now() -> str:
-    return datetime.now(UTC).isoformat(timespec="seconds")

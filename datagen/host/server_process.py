@@ -1,0 +1,337 @@
+"""One server process of a fleet: its launch (argv, API key file, log), whether its start failed, its log.
+
+:class:`datagen.host.fleet.Fleet` decides when servers start, restart and stop; this module does what one
+launch takes. Each server runs in its own process group with its output appended to its own log file (a
+restarted server's earlier output, why it died, stays in the file); its API key, when the run has one, is
+written to a file only this user can read, never put on its command line, and replaced by ``***`` in every
+log line datagen quotes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import threading
+import time
+from contextlib import suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from datagen.engines import get_engine
+from datagen.engines.base import LaunchCommand
+from datagen.errors import ServerStartError
+from datagen.host import processes
+from datagen.host.fleet_registry import FleetRegistry, ServerRecord, write_registry
+from datagen.host.plan import ServerSpec
+
+logger = logging.getLogger(__name__)
+
+POLL_INTERVAL_S = 0.25
+HEALTH_TIMEOUT_S = 5.0
+LOG_TAIL_LINES = 40
+# Startup logs are small; reading more than this from the end is never needed to spot a fatal line.
+MAX_LOG_SCAN_BYTES = 4 * 1024 * 1024
+
+
+@dataclass
+class ServerProcess:
+    """Runtime state of one planned server (or the router)."""
+
+    spec: ServerSpec
+    process: subprocess.Popen[bytes] | None = None
+    log_file: IO[bytes] | None = None
+    log_offset: int = 0
+    started_at: str = ""
+    restarts: int = 0
+    ready: bool = False
+    gave_up: bool = False
+    history: list[str] = field(default_factory=list)
+    # As launched: the plan's argv plus the key file's arguments.
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def pgid(self) -> int | None:
+        """The process group (start_new_session makes every server its group's leader: pgid == pid)."""
+        return self.process.pid if self.process is not None else None
+
+    def close_log(self) -> None:
+        """Close the log file this process writes to (if open)."""
+        if self.log_file is not None:
+            self.log_file.close()
+            self.log_file = None
+
+
+class ServerLauncher:
+    """Launch the servers of one plan's engine and tell a failed start from a slow one.
+
+    Args:
+        engine: The plan's engine kind (its fatal log lines and API-key arguments).
+        state_dir: Host-local folder (key files under ``secrets/``, logs under ``logs/`` unless planned).
+        api_key: Key every launched server requires; None for none.
+        health_path: The readiness path.
+        trust_env: Whether health checks honour proxy variables (only for servers datagen did not start).
+
+    """
+
+    def __init__(
+        self, engine: str, state_dir: Path, api_key: str | None, health_path: str, *, trust_env: bool
+    ) -> None:
+        self.engine = get_engine(engine)
+        self.state_dir = state_dir
+        self.api_key = api_key
+        self.health_path = health_path
+        self.fatal_patterns = self.engine.fatal_log_patterns
+        # Proxies from the environment only for servers datagen did not start (they may sit behind one).
+        self._client = httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=trust_env)
+
+    def launch(self, server: ServerProcess) -> None:
+        """Start ``server``'s process (its log appended to, a banner with the command first).
+
+        Raises:
+            ServerStartError: The program cannot be started (not installed for this interpreter).
+
+        """
+        launch = server.spec.launch
+        assert launch is not None
+        log_path = Path(
+            server.spec.log_path or self.state_dir / "logs" / f"server-{server.spec.index:02d}.log"
+        )
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        server.close_log()
+        # Append so a restarted server's earlier output (why it died) stays in the same file.
+        server.log_file = log_path.open("ab")
+        argv = server.argv = self.launch_argv(server.spec)
+        shown = LaunchCommand(argv=argv, env=launch.env).shell_line()
+        banner = f"\n=== datagen: starting server {server.spec.index} at {now()}: {shown}\n"
+        server.log_file.write(banner.encode())
+        server.log_file.flush()
+        server.log_offset = server.log_file.tell()
+        server.ready = False
+        try:
+            server.process = subprocess.Popen(
+                argv,
+                env={**os.environ, **launch.env},
+                stdin=subprocess.DEVNULL,
+                stdout=server.log_file,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except OSError as error:
+            raise ServerStartError(
+                f"cannot launch server {server.spec.index} ({launch.argv[0]}): {error}; check that the "
+                "engine is installed for this interpreter (datagen preflight checks it)",
+                url=server.spec.url,
+            ) from error
+        server.started_at = now()
+        logger.info(
+            "server launched index=%d pid=%d url=%s log=%s",
+            server.spec.index,
+            server.process.pid,
+            server.spec.url,
+            log_path,
+        )
+
+    def wait_ready(
+        self,
+        servers: list[ServerProcess],
+        timeout_s: float,
+        stopping: threading.Event,
+        *,
+        fail_fast: bool = False,
+    ) -> list[tuple[ServerProcess, str]]:
+        """Poll until every server is ready; return (server, reason) for those that failed.
+
+        Args:
+            servers: The servers just launched.
+            timeout_s: The deadline for all of them.
+            stopping: Set when the fleet stops: the wait ends at once.
+            fail_fast: Stop at the first failure (one dead server dooms the fleet's start).
+
+        """
+        deadline = time.monotonic() + timeout_s
+        pending = list(servers)
+        failures: list[tuple[ServerProcess, str]] = []
+        while pending:
+            if stopping.is_set():
+                failures += [(server, "the fleet is stopping") for server in pending]
+                break
+            for server in list(pending):
+                reason = self.startup_failure(server)
+                if reason is not None:
+                    failures.append((server, reason))
+                    pending.remove(server)
+                elif self.healthy(server.spec.url):
+                    server.ready = True
+                    pending.remove(server)
+                    logger.info("server ready url=%s", server.spec.url)
+            if not pending:
+                break
+            if time.monotonic() >= deadline:
+                failures += [
+                    (server, f"not ready after {timeout_s:.0f}s (GET {self.health_path} never answered 200)")
+                    for server in pending
+                ]
+                break
+            # Fail fast: one dead server dooms the start, so do not wait for the others.
+            if failures and fail_fast:
+                break
+            time.sleep(POLL_INTERVAL_S)
+        return failures
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            response = self._client.get(url + self.health_path)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == httpx.codes.OK
+
+    def healthy(self, url: str) -> bool:
+        """Whether ``url`` answers 200 on the health path now."""
+        try:
+            response = self._client.get(url + self.health_path)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == httpx.codes.OK
+
+    def close(self) -> None:
+        """Release the health-check client."""
+        self._client.close()
+
+    def startup_failure(self, server: ServerProcess) -> str | None:
+        """Why ``server`` will never become ready (exited, or a fatal log line); None while it may."""
+        if server.spec.launch is None:
+            return None
+        process = server.process
+        if process is None:
+            return "not launched"
+        code = process.poll()
+        if code is not None:
+            return f"process exited with code {code} before becoming ready"
+        fatal = self._fatal_line(server)
+        if fatal is not None:
+            return f"fatal line in log: {fatal!r}"
+        return None
+
+    def launch_argv(self, spec: ServerSpec) -> list[str]:
+        """The argv a planned server is launched with: its plan's, plus the engine's key-file arguments.
+
+        With an API key, the key file is (re)written first, readable by this user only.
+
+        Args:
+            spec: A launched server of the plan.
+
+        Returns:
+            The argv.
+
+        """
+        assert spec.launch is not None
+        return [*spec.launch.argv, *self._key_args(spec)]
+
+    def key_file(self, spec: ServerSpec) -> Path:
+        """Where ``spec``'s API key file is written."""
+        return self.state_dir / "secrets" / f"server-{spec.index:02d}-key.yaml"
+
+    def _key_args(self, spec: ServerSpec) -> list[str]:
+        if self.api_key is None:
+            return []
+        key_file = self.key_file(spec)
+        args = self.engine.api_key_args(str(key_file))
+        if args is None:
+            # Preflight refuses a key with such an engine off the loopback address; on it the key is moot.
+            return []
+        key_file.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with suppress(FileNotFoundError):
+            key_file.unlink()
+        descriptor = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(descriptor, "w") as handle:
+            handle.write(f"api-key: {json.dumps(self.api_key)}\n")  # a JSON string is a YAML scalar
+        return args
+
+    def _fatal_line(self, server: ServerProcess) -> str | None:
+        text = redact(_read_log(server.spec.log_path, server.log_offset), self.api_key)
+        for pattern in self.fatal_patterns:
+            match = pattern.search(text)
+            if match is not None:
+                line_end = text.find("\n", match.start())
+                return text[match.start() : line_end if line_end >= 0 else None].strip()
+        return None
+
+
+def write_pidfile(path: Path, owned: list[ServerProcess]) -> None:
+    """Record every running process of ``owned`` in the fleet's pidfile registry (for hooks and cleanup)."""
+    records = [
+        ServerRecord(
+            index=server.spec.index,
+            pid=server.process.pid,
+            pgid=server.process.pid,
+            port=server.spec.port,
+            url=server.spec.url,
+            cmd=list(server.argv),
+            log_path=server.spec.log_path,
+            started_at=server.started_at,
+        )
+        for server in owned
+        if server.process is not None
+    ]
+    registry = FleetRegistry(
+        owner_pid=os.getpid(), owner_start_ticks=processes.start_ticks(os.getpid()), servers=records
+    )
+    write_registry(path, registry)
+
+
+# --- logs and messages ------------------------------------------------------------------------
+
+
+def redact(text: str, secret: str | None) -> str:
+    """``text`` with every occurrence of ``secret`` replaced by ``***`` (sglang logs its API key at start)."""
+    return text.replace(secret, "***") if secret else text
+
+
+def _read_log(log_path: str | None, offset: int) -> str:
+    if not log_path:
+        return ""
+    try:
+        with open(log_path, "rb") as log:
+            size = log.seek(0, os.SEEK_END)
+            log.seek(max(offset, size - MAX_LOG_SCAN_BYTES))
+            return log.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def log_tail(log_path: str | None, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of a server log written since ``offset``."""
+    text = _read_log(log_path, offset)
+    # Progress bars redraw with carriage returns; keep only what the last redraw shows.
+    cleaned = [re.sub(r".*\r(?!$)", "", line) for line in text.splitlines()]
+    return "\n".join(cleaned[-lines:])
+
+
+def failure_message(failures: list[tuple[ServerProcess, str]]) -> str:
+    """Why servers did not start, each with its log's last lines and where the log is."""
+    parts = []
+    for server, reason in failures:
+        tail = log_tail(server.spec.log_path, server.log_offset)
+        parts.append(
+            f"server {server.spec.index} ({server.spec.url}) failed to start: {reason}.\n"
+            f"Log file: {server.spec.log_path}\n"
+            f"--- last {LOG_TAIL_LINES} log lines ---\n{tail}\n---"
+        )
+    hint = "Fix the cause shown in the log (model path, memory, port) and start the run again."
+    return (
+        f"{len(failures)} server(s) did not become ready; all servers were stopped.\n"
+        + "\n".join(parts)
+        + f"\n{hint}"
+    )
+
+
+def now() -> str:
+    """The time now, ISO 8601 in UTC to the second (log banners, restart history)."""
+    return datetime.now(UTC).isoformat(timespec="seconds")
