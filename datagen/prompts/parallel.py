@@ -18,6 +18,8 @@ sequential preparation would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import glob
 import logging
 import os
 import shutil
@@ -26,17 +28,19 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 
 import datagen
-from datagen.prompts.scan import ScanEvent, ScanRequest, read_spool, scan_dataset
+from datagen.prompts.scan import ScanEvent, ScanRequest, merge_parts, read_spool, scan_dataset
 
 logger = logging.getLogger(__name__)
 
 SCAN_DIR_PREFIX = "scan-"
+# A dataset is split over several workers only when each part still has this many bytes of files.
+MIN_PART_BYTES = 8 << 20
 STDERR_TAIL_CHARS = 2000
 
 
@@ -48,9 +52,37 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def scan_workers(datasets: int, max_workers: int | None = None) -> int:
-    """Worker processes for ``datasets`` scans: one per dataset, at most one per core (or ``max_workers``)."""
-    return max(0, min(datasets, max_workers or usable_cores()))
+def local_bytes(path: str) -> int:
+    """Bytes of a dataset's local files (a file, a folder or a glob); 0 for s3:// and Hub datasets."""
+    if "://" in path:
+        return 0
+    target = Path(path).expanduser()
+    if target.is_file():
+        return target.stat().st_size
+    if target.is_dir():
+        return sum(item.stat().st_size for item in target.rglob("*") if item.is_file())
+    return sum(Path(item).stat().st_size for item in glob.glob(str(target)) if Path(item).is_file())
+
+
+def plan_parts(sizes: Mapping[str, int], cores: int, min_part_bytes: int = MIN_PART_BYTES) -> dict[str, int]:
+    """How many parts to split each dataset into: one each, then the spare cores to the largest parts.
+
+    Args:
+        sizes: Bytes of each dataset's files.
+        cores: Workers available.
+        min_part_bytes: No part smaller than this (splitting a small dataset costs more than it saves).
+
+    Returns:
+        Parts per dataset (at least 1).
+
+    """
+    parts = dict.fromkeys(sizes, 1)
+    for _ in range(max(0, cores - len(sizes))):
+        name = max(parts, key=lambda item: sizes[item] / parts[item], default=None)
+        if name is None or sizes[name] / (parts[name] + 1) < min_part_bytes:
+            break
+        parts[name] += 1
+    return parts
 
 
 def _pid_alive(pid: int) -> bool:
@@ -84,14 +116,21 @@ class DatasetScans:
         requests: The datasets to scan, in the order they will be read back (config order).
         work_dir: Where the spools go (a folder on local disk; created if missing).
         workers: Worker processes at once (0: scan nothing in workers, every dataset in :meth:`events`).
+        parts: Parts to split a dataset into, each scanned by its own worker (default 1).
     """
 
-    def __init__(self, requests: Sequence[ScanRequest], work_dir: Path, workers: int) -> None:
+    def __init__(
+        self,
+        requests: Sequence[ScanRequest],
+        work_dir: Path,
+        workers: int,
+        parts: Mapping[str, int] | None = None,
+    ) -> None:
         self._requests = {request.dataset: request for request in requests}
         self._closed = False
         self._lock = threading.Lock()
         self._processes: set[subprocess.Popen[bytes]] = set()
-        self._futures: dict[str, Future[Path | None]] = {}
+        self._futures: dict[str, list[Future[Path | None]]] = {}
         self._dir: Path | None = None
         self._pool: ThreadPoolExecutor | None = None
         if workers < 1 or not requests:
@@ -101,8 +140,17 @@ class DatasetScans:
         self._dir = Path(tempfile.mkdtemp(prefix=f"{SCAN_DIR_PREFIX}{os.getpid()}-", dir=work_dir))
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="prompt-scan")
         for request in requests:
-            self._futures[request.dataset] = self._pool.submit(self._scan, request)
-        logger.info("scanning datasets in parallel datasets=%d workers=%d", len(requests), workers)
+            count = (parts or {}).get(request.dataset, 1)
+            self._futures[request.dataset] = [
+                self._pool.submit(self._scan, dataclasses.replace(request, part=part, parts=count))
+                for part in range(count)
+            ]
+        logger.info(
+            "scanning datasets in parallel datasets=%d workers=%d parts=%s",
+            len(requests),
+            workers,
+            ",".join(f"{name}:{len(futures)}" for name, futures in self._futures.items()),
+        )
 
     def _worker_env(self) -> dict[str, str]:
         # The worker must import this very code (a checkout may shadow an installed copy).
@@ -113,9 +161,10 @@ class DatasetScans:
     def _scan(self, request: ScanRequest) -> Path | None:
         """Run one worker; the spool's path, or None when it failed (the dataset is then scanned in process)."""
         assert self._dir is not None
-        request_file = self._dir / f"{request.dataset}.request.json"
-        spool = self._dir / f"{request.dataset}.spool"
-        stderr_file = self._dir / f"{request.dataset}.stderr"
+        name = f"{request.dataset}.{request.part:03d}"
+        request_file = self._dir / f"{name}.request.json"
+        spool = self._dir / f"{name}.spool"
+        stderr_file = self._dir / f"{name}.stderr"
         request_file.write_text(request.to_json())
         started = time.monotonic()
         with self._lock:
@@ -135,8 +184,10 @@ class DatasetScans:
             self._processes.discard(process)
         if code == 0 and spool.exists():
             logger.info(
-                "scanned dataset=%s seconds=%.1f spool_bytes=%d",
+                "scanned dataset=%s part=%d/%d seconds=%.1f spool_bytes=%d",
                 request.dataset,
+                request.part + 1,
+                request.parts,
                 time.monotonic() - started,
                 spool.stat().st_size,
             )
@@ -164,14 +215,17 @@ class DatasetScans:
             The events of :func:`datagen.prompts.scan.scan_dataset`.
 
         """
-        future = self._futures.pop(request.dataset, None)
-        spool = future.result() if future is not None and not self._closed else None
-        if spool is None or self._requests.get(request.dataset) != request:
+        futures = self._futures.pop(request.dataset, [])
+        spools = [future.result() for future in futures] if not self._closed else []
+        scanned = self._requests.get(request.dataset)
+        if not spools or None in spools or scanned is None or not scanned.same_dataset(request):
             yield from scan_dataset(request)
             return
-        yield from read_spool(spool)
-        # Read to the end: a retry scans again rather than keeping a spool for it.
-        spool.unlink(missing_ok=True)
+        yield from merge_parts([read_spool(spool) for spool in spools if spool is not None])
+        # Read to the end: a retry scans again rather than keeping the spools for it.
+        for spool in spools:
+            if spool is not None:
+                spool.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Stop the workers still running, drop the scans not started, and remove the spools."""

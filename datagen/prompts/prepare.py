@@ -34,8 +34,14 @@ from datagen.prompts.datasets.inspect import InspectReport, inspect_dataset
 from datagen.prompts.datasets.registry import get_normaliser
 from datagen.prompts.datasets.tally import RejectionTally
 from datagen.prompts.mix import quota_for
-from datagen.prompts.parallel import DatasetScans, scan_workers
-from datagen.prompts.rules import LengthRule, QuotaRule, first_rejection, prompt_rules
+from datagen.prompts.parallel import (
+    MIN_PART_BYTES,
+    DatasetScans,
+    local_bytes,
+    plan_parts,
+    usable_cores,
+)
+from datagen.prompts.rules import Candidate, LengthRule, QuotaRule, first_rejection, prompt_rules
 from datagen.prompts.scan import RowRejection, ScanEnd, ScanRequest, scan_dataset
 from datagen.records import PreparedDataset, PromptRecord, PromptShardRef
 
@@ -118,13 +124,21 @@ def scan_request(config: RunConfig, dataset: DatasetConfig) -> ScanRequest:
 
 
 def start_dataset_scans(
-    store: Store, layout: RunLayout, config: RunConfig, work_dir: Path, *, max_workers: int | None = None
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    work_dir: Path,
+    *,
+    max_workers: int | None = None,
+    min_part_bytes: int = MIN_PART_BYTES,
 ) -> DatasetScans:
     """Start scanning, in worker processes, every dataset of the run not prepared yet.
 
     Pass the result to :func:`prepare_prompts` of each dataset (in config order, as always) and close it
-    when they are done. With fewer than two datasets to scan, or one core, nothing starts: each dataset is
-    then scanned by its own ``prepare_prompts``, as a worker would gain nothing.
+    when they are done. A dataset whose local files are large is split into parts, one worker each, when
+    there are more cores than datasets (:func:`~datagen.prompts.parallel.plan_parts`). With one core, or
+    one dataset too small to split, nothing starts: each dataset is then scanned by its own
+    ``prepare_prompts``, as a worker would gain nothing.
 
     Args:
         store: The run's output store (a dataset with a summary is prepared: not scanned).
@@ -132,6 +146,7 @@ def start_dataset_scans(
         config: The run config.
         work_dir: A local folder for the workers' spools.
         max_workers: Cap on worker processes (default: one per usable core).
+        min_part_bytes: Smallest part a dataset is split into (bytes of its files).
 
     Returns:
         The running scans (a context manager).
@@ -142,10 +157,14 @@ def start_dataset_scans(
         for dataset in config.datasets
         if not store.exists(layout.prompts_summary(dataset.name))
     ]
-    workers = scan_workers(len(requests), max_workers)
+    cores = max_workers or usable_cores()
+    parts = plan_parts(
+        {request.dataset: local_bytes(request.path) for request in requests}, cores, min_part_bytes
+    )
+    workers = min(cores, sum(parts.values()))
     if workers < 2:
         requests, workers = [], 0
-    return DatasetScans(requests, work_dir, workers)
+    return DatasetScans(requests, work_dir, workers, parts)
 
 
 def prepare_prompts(
@@ -228,6 +247,8 @@ def prepare_prompts(
             continue
         if isinstance(event, ScanEnd):
             rows_read = event.rows_read
+            continue
+        if not isinstance(event, Candidate):  # a block's end: only between the parts of a split scan
             continue
         rejection = first_rejection(rules, event)
         if rejection is not None:

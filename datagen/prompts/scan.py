@@ -36,6 +36,7 @@ from datagen.prompts.datasets.sources import iter_rows
 from datagen.prompts.datasets.tally import SAMPLES_PER_REASON, excerpt
 from datagen.prompts.rules import Candidate
 
+SCAN_BLOCK_ROWS = 2048  # a dataset split over several workers is dealt out in blocks of this many rows
 SPOOL_CHUNK_EVENTS = 2048  # events per pickled chunk: big enough to amortise pickling, small in memory
 SPOOL_COMPRESSION = 1  # zlib level: the record JSON shrinks about 4x for little CPU
 PARENT_CHECK_ROWS = 4096  # a worker whose parent died stops within this many rows
@@ -51,6 +52,10 @@ class ScanRequest:
         path: Its files (local path, glob, directory, s3:// URL or Hub id).
         multi_turn: Its multi-turn policy.
         seed: The run's seed (of the sampling priorities).
+        part: Which part of the dataset this scan normalises (0-based)...
+        parts: ...of how many: part ``p`` takes the blocks of ``block_rows`` rows whose number modulo
+            ``parts`` is ``p`` (every part still reads every row; normalising is the larger cost).
+        block_rows: Rows per block.
     """
 
     dataset: str
@@ -58,6 +63,14 @@ class ScanRequest:
     path: str
     multi_turn: MultiTurnPolicy
     seed: int
+    part: int = 0
+    parts: int = 1
+    block_rows: int = SCAN_BLOCK_ROWS
+
+    def same_dataset(self, other: ScanRequest) -> bool:
+        """Whether ``other`` scans the same dataset with the same seed (whatever the parts)."""
+        fields = ("dataset", "format", "path", "multi_turn", "seed")
+        return all(getattr(self, name) == getattr(other, name) for name in fields)
 
     def to_json(self) -> str:
         """The request as JSON (for a worker process)."""
@@ -89,13 +102,20 @@ class RowRejection:
 
 
 @dataclass(frozen=True)
+class BlockEnd:
+    """The end of one block of rows in a scan of one part of a dataset (``parts`` > 1)."""
+
+    block: int
+
+
+@dataclass(frozen=True)
 class ScanEnd:
     """The last event of a complete scan: how many rows it read."""
 
     rows_read: int
 
 
-ScanEvent = RowRejection | Candidate | ScanEnd
+ScanEvent = RowRejection | Candidate | BlockEnd | ScanEnd
 
 
 def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Iterator[ScanEvent]:
@@ -106,7 +126,9 @@ def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Ite
         stop_if_orphaned: Exit the process when its parent has died (a worker process).
 
     Yields:
-        Row rejections and candidates in the order of the rows (and turns), then the end.
+        Row rejections and candidates in the order of the rows (and turns), then the end. A scan of one
+        part of several yields those of its blocks only, each block closed by a :class:`BlockEnd`
+        (:func:`merge_parts` puts the parts back in row order).
 
     Raises:
         DatasetError: The dataset cannot be read.
@@ -115,10 +137,18 @@ def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Ite
     rows_read = 0
     sampled: Counter[str] = Counter()
     parent = os.getppid()
+    current: int | None = None
     for row in iter_rows(request.path):
         rows_read += 1
         if stop_if_orphaned and rows_read % PARENT_CHECK_ROWS == 0 and os.getppid() != parent:
             sys.exit(1)
+        if request.parts > 1:
+            block = row.index // request.block_rows
+            if block % request.parts != request.part:
+                continue
+            if current is not None and block != current:
+                yield BlockEnd(current)
+            current = block
         if row.error is not None:
             sampled["malformed"] += 1
             yield RowRejection("malformed", row.error, row.index, None)
@@ -132,6 +162,39 @@ def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Ite
             continue
         for prompt in result:
             yield Candidate.of(prompt, request.seed, request.dataset)
+    if current is not None:
+        yield BlockEnd(current)
+    yield ScanEnd(rows_read)
+
+
+def merge_parts(parts: list[Iterator[ScanEvent]]) -> Iterator[ScanEvent]:
+    """The events of a dataset's part scans (in part order) as one scan of the whole dataset would give.
+
+    Blocks are dealt out round robin, and every row gives at least one event, so block ``b`` is the next
+    block of part ``b % len(parts)`` until that part has ended, and then the dataset has ended.
+    """
+    if len(parts) == 1:
+        yield from parts[0]
+        return
+    block = 0
+    while True:
+        stream = parts[block % len(parts)]
+        event = next(stream)
+        if isinstance(event, ScanEnd):
+            break
+        while not isinstance(event, BlockEnd):
+            if isinstance(event, ScanEnd):
+                raise ValueError(f"part scan ended inside block {block}")
+            yield event
+            event = next(stream)
+        if event.block != block:
+            raise ValueError(f"part scans out of step: block {event.block} where {block} was due")
+        block += 1
+    rows_read = event.rows_read
+    for stream in parts:
+        for event in stream:  # every other part is at its end too (its ScanEnd: the same count)
+            if not isinstance(event, ScanEnd):
+                raise ValueError("a part scan has blocks after the dataset ended")
     yield ScanEnd(rows_read)
 
 
