@@ -264,6 +264,8 @@ def phases(log: Path, attempt: Attempt) -> dict[str, float]:
     generated = _first(lines, "dispatcher closed")
     if attempt.first_request_s is not None and generated is not None:
         found["generation"] = generated - (attempt.started_wall + attempt.first_request_s)
+    elif attempt.first_request_s is not None and attempt.killed_at_answered is not None:
+        found["generation_until_kill"] = attempt.wall_s - attempt.first_request_s
     merge_start, tokenized = _first(lines, "merging run_id="), _first(lines, "tokenized rows=")
     if merge_start is not None and tokenized is not None:
         found["merge_and_tokenize"] = tokenized - merge_start
@@ -345,12 +347,6 @@ def main() -> int:
     parser.add_argument("--step-base-ms", type=float, default=5.0)
     parser.add_argument("--inflight", type=int, default=256, help="fleet.max_inflight_per_server")
     parser.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
-    parser.add_argument(
-        "--new-lock-for-resume",
-        action="store_true",
-        help="give the resume its own GPU lock name (only to compare with a version whose lock "
-        "outlives a killed holder)",
-    )
     args = parser.parse_args()
     prompts = SEED_PROMPTS if args.full else args.prompts
     keep = args.work is not None
@@ -405,11 +401,8 @@ def main() -> int:
         attempts.append(first)
         if not args.no_kill:
             print(f"  run: SIGKILL of its process group at {first.killed_at_answered} answered", flush=True)
-            resume_env = dict(env)
-            if args.new_lock_for_resume:
-                resume_env["DATAGEN_GPU_LOCK"] = f"seed-scale-resume-{os.getpid()}"
             attempts.append(
-                run_attempt("resume", command, resume_env, sims, work, kill_at=None, timeout_s=args.timeout_s)
+                run_attempt("resume", command, env, sims, work, kill_at=None, timeout_s=args.timeout_s)
             )
     finally:
         sims.stop()
