@@ -138,14 +138,20 @@ def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Ite
     sampled: Counter[str] = Counter()
     parent = os.getppid()
     current: int | None = None
-    for row in iter_rows(request.path):
+    wanted = None
+    if request.parts > 1:
+
+        def wanted(index: int) -> bool:
+            return (index // request.block_rows) % request.parts == request.part
+
+    for row in iter_rows(request.path, wanted=wanted):
         rows_read += 1
         if stop_if_orphaned and rows_read % PARENT_CHECK_ROWS == 0 and os.getppid() != parent:
             sys.exit(1)
+        if row.skipped:
+            continue
         if request.parts > 1:
             block = row.index // request.block_rows
-            if block % request.parts != request.part:
-                continue
             if current is not None and block != current:
                 yield BlockEnd(current)
             current = block

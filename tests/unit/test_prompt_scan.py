@@ -8,9 +8,12 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from datagen.errors import DatasetError
+from datagen.prompts.datasets.sources import PARQUET_BATCH_ROWS, iter_rows
 from datagen.prompts.datasets.tally import SAMPLES_PER_REASON
 from datagen.prompts.parallel import DatasetScans, plan_parts
 from datagen.prompts.scan import (
@@ -68,6 +71,30 @@ def test_parts_of_a_scan_merge_back_into_the_whole_scan(tmp_path: Path) -> None:
     events = list(read_spool(spool))
     assert events == list(scan_dataset(replace(request, part=1, parts=2, block_rows=4)))
     assert [event.block for event in events if isinstance(event, BlockEnd)] == list(range(1, 26, 2))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "jsonl"])
+def test_parts_skip_decoding_the_rows_of_other_parts_and_still_merge_into_the_whole_scan(
+    tmp_path: Path, kind: str
+) -> None:
+    rows = [{"question": f"Question {index}?", "answer": "1"} for index in range(2600)]
+    rows[1500] = {"answer": "no question"}
+    if kind == "parquet":
+        path = tmp_path / "w.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path = tmp_path / "w.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows) + "not json\n")
+    request = ScanRequest(dataset="w", format="webinstruct", path=str(path), multi_turn="last_turn", seed=1)
+    whole = list(scan_dataset(request))
+    # Blocks as large as a Parquet batch: a part never converts a batch of another part's rows.
+    parts = [replace(request, part=part, parts=2, block_rows=PARQUET_BATCH_ROWS) for part in range(2)]
+    assert as_summarised(list(merge_parts([scan_dataset(part) for part in parts]))) == as_summarised(whole)
+    wanted = [index for index in range(len(rows) + 1) if (index // PARQUET_BATCH_ROWS) % 2 == 1]
+    read = list(iter_rows(str(path), wanted=lambda index: (index // PARQUET_BATCH_ROWS) % 2 == 1))
+    assert [row.index for row in read] == list(range(len(read)))
+    assert [row.index for row in read if not row.skipped] == [index for index in wanted if index < len(read)]
+    assert all(row.data is None and row.error is None for row in read if row.skipped)
 
 
 def test_parts_out_of_step_are_refused(tmp_path: Path) -> None:
