@@ -34,6 +34,7 @@ from pathlib import Path
 from types import TracebackType
 
 import datagen
+from datagen.errors import DatasetError
 from datagen.prompts.scan import ScanEvent, ScanRequest, merge_parts, read_spool, scan_dataset
 
 logger = logging.getLogger(__name__)
@@ -230,9 +231,18 @@ class DatasetScans:
         Yields:
             The events of :func:`datagen.prompts.scan.scan_dataset`.
 
+        Raises:
+            DatasetError: The scans were closed (the run is stopping), or the scan here failed.
+
         """
+        if self._closed:
+            raise DatasetError(
+                f"The scans of the run's datasets were stopped before dataset {request.dataset!r} was "
+                "prepared (the run is stopping); run it again to resume.",
+                dataset=request.dataset,
+            )
         futures = self._futures.pop(request.dataset, [])
-        spools = [future.result() for future in futures] if not self._closed else []
+        spools = [future.result() for future in futures]
         scanned = self._requests.get(request.dataset)
         if not spools or None in spools or scanned is None or not scanned.same_dataset(request):
             yield from scan_dataset(request)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import signal
 import sys
 import zlib
 from collections import Counter
@@ -235,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
 
     The spool appears under its name only once complete (written to a temporary name, then renamed).
     """
+    # The parent owns its workers: a Ctrl-C or SIGTERM to the process group is the parent's to handle (it
+    # kills its workers as it stops); a worker whose parent died stops by itself (scan_dataset).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     request_path, spool_path = (argv if argv is not None else sys.argv[1:])[:2]
     request = ScanRequest.from_json(Path(request_path).read_text())
     target = Path(spool_path)

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,6 +34,8 @@ from datagen.prompts.scan import (
     scan_dataset,
     write_spool,
 )
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def metamath_file(path: Path, rows: int) -> Path:
@@ -128,3 +137,75 @@ def test_a_failed_worker_leaves_the_scan_to_the_caller_which_raises_its_error(
     assert str(parallel.value) == str(sequential.value)
     assert "dataset scan worker failed dataset=b" in caplog.text
     assert list((tmp_path / "scans").iterdir()) == []
+
+
+def _workers_of(spool_dir: Path) -> list[int]:
+    """Pids of scan workers writing under ``spool_dir``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+            if argv[1:3] == ["-m", "datagen.prompts.scan"] and str(spool_dir) in argv[-2]:
+                pids.append(int(entry.name))
+    return pids
+
+
+def _wait_for(condition: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+def test_closing_the_scans_stops_their_workers_and_a_later_read_is_refused(tmp_path: Path) -> None:
+    request = request_for(metamath_file(tmp_path / "m.json", 200_000))
+    scans = DatasetScans([request], tmp_path / "scans", workers=1)
+    assert _wait_for(lambda: bool(_workers_of(tmp_path / "scans")), 60)
+    started = time.monotonic()
+    scans.close()
+    assert time.monotonic() - started < 10
+    assert _workers_of(tmp_path / "scans") == []
+    with pytest.raises(DatasetError, match="were stopped"):
+        list(scans.events(request))
+
+
+PARENT = """
+import sys, time
+from pathlib import Path
+from datagen.prompts.parallel import DatasetScans
+from datagen.prompts.scan import ScanRequest
+request = ScanRequest(dataset="m", format="metamath", path=sys.argv[1], multi_turn="last_turn", seed=0)
+scans = DatasetScans([request], Path(sys.argv[2]), workers=1)
+time.sleep(600)
+"""
+
+
+def test_a_worker_whose_parent_was_killed_stops_and_ignores_signals_to_its_group(tmp_path: Path) -> None:
+    data = metamath_file(tmp_path / "m.json", 400_000)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT, str(data), str(tmp_path / "scans")],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        start_new_session=True,
+    )
+    try:
+        assert _wait_for(lambda: bool(_workers_of(tmp_path / "scans")), 60)
+        (worker,) = _workers_of(tmp_path / "scans")
+        time.sleep(1.0)  # past the worker's imports: its own signal handling is in place
+        os.kill(worker, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group: the parent decides
+        os.kill(worker, signal.SIGTERM)
+        time.sleep(0.5)
+        assert _workers_of(tmp_path / "scans") == [worker]
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert _wait_for(lambda: not _workers_of(tmp_path / "scans"), 30), "the orphaned worker kept running"
+        # It stopped part way (a worker that ran to the end would have completed its spool).
+        assert list((tmp_path / "scans").glob("*/*.spool")) == []
+        assert list((tmp_path / "scans").glob("*/*.spool.partial"))
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(parent.pid, signal.SIGKILL)
