@@ -278,7 +278,7 @@ def phases(log: Path, attempt: Attempt) -> dict[str, float]:
 def exactly_once(run_root: Path) -> dict[str, int]:
     """Requests of the run's prompts, and how often each has a completion or failure record."""
     samples = 1
-    expected = set()
+    expected: set[tuple[str, int]] = set()
     for shard in sorted((run_root / "prompts").glob("*/shard-*.jsonl")):
         for line in shard.read_text().splitlines():
             if line.strip():
