@@ -15,6 +15,10 @@ Capping at the dataset's quota (``max_prompts``, or its ``share`` of the mix aft
 uniform sample that uses memory for the quota only, does not depend on the order rows are read in, and
 is the same in every run with the same seed. Prompts of the existing corpus
 (``existing_corpus.dedupe_against``) are rejected as ``in_existing_corpus``.
+
+The rows are read and normalised by :func:`datagen.prompts.scan.scan_dataset` (here, or beforehand in a
+worker process: :func:`start_dataset_scans`, :mod:`datagen.prompts.parallel`); this module replays its
+events through the rules in config order, so the output is the same either way.
 """
 
 from __future__ import annotations
