@@ -6,11 +6,13 @@ packages their data modules import and the ``transformers`` release each one pin
 speculators ``<=5.19.0``: the test interpreter's is newer). Everything else (torch CPU, numpy, pydantic,
 tokenizers, ...) comes from the interpreter running the tests, through a ``.pth`` file that appends its
 site-packages. Their GPU stacks (sglang, flash-attn, vLLM, torchvision, mooncake) are not installed: the
-modules the tests and ``benchmarks/compare_trainer_masks.py`` use do not import them (speculators' package
-``__init__`` is bypassed by :data:`SPECULATORS_BOOTSTRAP`, see there).
+modules the tests and ``benchmarks/compare_trainer_masks.py`` use do not import them. Two small real
+dependencies are needed at import time: speculators' package ``__init__`` imports its training data module,
+which imports ``hs_connectors`` (24 kB, pure Python, installed ``--no-deps``); SpecForge's pinned transformers
+checks ``tokenizers<=0.23.0`` and ``huggingface-hub<2`` at import (installed at those versions in its venv).
 
-Built once (about a minute each, from PyPI) and reused while ``.venv-trainers/<trainer>/.ready`` exists:
-``python -m tests.support.trainer_venvs`` (what ``make test`` runs) or on first use by the test fixture.
+Built once (about a minute each, from PyPI) and reused while ``.venv-trainers/<trainer>/.ready`` names the same
+packages: ``python -m tests.support.trainer_venvs`` (what ``make test`` runs) or on first use by the tests.
 """
 
 from __future__ import annotations
@@ -54,7 +56,10 @@ def _pip(venv: Path, *args: str) -> None:
 def ensure_venv(trainer: str) -> Path:
     """Build (once) the venv of ``trainer`` (``specforge`` or ``speculators``); returns its interpreter."""
     venv = VENV_ROOT / trainer
-    if (venv / READY_MARKER).is_file():
+    spec = TRAINERS[trainer]
+    stamp = " ".join(spec["no_deps"] + spec["deps"]) + "\n"
+    marker = venv / READY_MARKER
+    if marker.is_file() and marker.read_text() == stamp:
         return venv_python(trainer)
     shutil.rmtree(venv, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
@@ -68,10 +73,9 @@ def ensure_venv(trainer: str) -> Path:
     )
     # After the venv's own packages: the test interpreter's torch, numpy, pydantic, tokenizers, ...
     (site / "zz_test_interpreter.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    spec = TRAINERS[trainer]
     _pip(venv, "--no-deps", *spec["no_deps"])
     _pip(venv, *spec["deps"])
-    (venv / READY_MARKER).write_text(" ".join(spec["no_deps"]) + "\n")
+    marker.write_text(stamp)
     return venv_python(trainer)
 
 
