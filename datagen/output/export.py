@@ -276,13 +276,14 @@ def parquet_hint(version_url: str) -> list[str]:
     ]
 
 
-def describe(record: ExportRecord) -> dict[str, Any]:
-    """The headline figures of an export, for logs and CLI output."""
-    return {
-        "url": record.url,
-        "rows": record.rows,
-        "tokens": record.tokens,
-        "loss_tokens": record.loss_tokens,
-        "longest_row_tokens": record.longest_row_tokens,
-        "size_bytes": record.size_bytes,
-    }
+def summary_training_lines(summary: dict[str, Any], tokenizer: str | None) -> list[str]:
+    """What the report shows under "Training on this version", from a tokenize summary (as a dict).
+
+    The trainers' commands when the version was exported (``tokenize.formats`` with ``jsonl``), else how to
+    export it; nothing before a merge.
+    """
+    exports = summary.get("exports") or []
+    if exports:
+        return training_commands(ExportRecord.model_validate(exports[0]), tokenizer)
+    url = summary.get("dataset_version_url")
+    return parquet_hint(url) if url else []

@@ -220,3 +220,40 @@ def test_s3_export_prints_a_download_before_the_trainer_commands() -> None:
     )
     assert lines[0].startswith(f"aws s3 cp {record_url} ./train.jsonl")
     assert any("data.prompts_path=./train.jsonl data.max_length=5" in line for line in lines)
+
+
+def test_the_report_shows_each_trainers_command_or_how_to_export(tmp_path: Path, qwen3_dir: Path) -> None:
+    from datagen.output.report import build_report
+
+    root = tmp_path / "store"
+    plain = merge_run(root, qwen3_dir, "run-a", "alpha", 0)
+    exported = merge_run(root, qwen3_dir, "run-b", "beta", 100, formats=["parquet", "jsonl"])
+    config = RunConfig.model_validate(
+        {
+            "run_id": "run-b",
+            "model": {"path": str(qwen3_dir)},
+            "datasets": [{"name": "beta", "format": "openai_messages", "path": "unused"}],
+            "output": str(root),
+        }
+    )
+
+    def markdown(summary: dict[str, object]) -> str:
+        report = build_report(
+            run_id="run-b",
+            config=config,
+            prepared=[],
+            shards=[],
+            tokenize_summary=summary,
+            servers=1,
+            generation_wall_s=1.0,
+            dataset_mix=[],
+            mix_by_category=[],
+        )
+        return report.to_markdown()
+
+    (record,) = exported.exports
+    text = markdown(exported.model_dump(mode="json"))
+    assert "## Training on this version" in text
+    assert f"data.prompts_path={record.url} data.max_length={record.longest_row_tokens}" in text
+    assert f"--model {qwen3_dir} --data {record.url} --seq-length {record.longest_row_tokens}" in text
+    assert f"datagen export {plain.dataset_version_url}" in markdown(plain.model_dump(mode="json"))
