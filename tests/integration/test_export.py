@@ -257,3 +257,30 @@ def test_the_report_shows_each_trainers_command_or_how_to_export(tmp_path: Path,
     assert f"data.prompts_path={record.url} data.max_length={record.longest_row_tokens}" in text
     assert f"--model {qwen3_dir} --data {record.url} --seq-length {record.longest_row_tokens}" in text
     assert f"datagen export {plain.dataset_version_url}" in markdown(plain.model_dump(mode="json"))
+
+
+def test_corpus_adopt_with_jsonl_exports_the_adopted_parts_and_prints_the_commands(
+    tmp_path: Path, qwen3_dir: Path
+) -> None:
+    import shutil
+
+    run_root = tmp_path / "run"
+    summary = merge_run(run_root, qwen3_dir, "run-a", "alpha", 0)
+    corpus = tmp_path / "corpus"
+    for part in summary.parts:
+        assert part.key is not None
+        target = corpus / "chat" / Path(part.key).name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(run_root / part.key, target)
+    corpus_before = tree(corpus)
+    output = tmp_path / "out"
+
+    result = CliRunner().invoke(app, ["corpus", "adopt", str(corpus), "--output", str(output), "--jsonl"])
+    assert result.exit_code == 0, result.output
+    store = Store(str(output))
+    version = DatasetVersion.model_validate(store.read_json("datasets/existing-corpus/v0001.json"))
+    record = find_export(store, version)
+    assert record is not None
+    assert jsonl_rows(record.url) == parquet_rows(version)
+    assert f"data.prompts_path={record.url} data.max_length={record.longest_row_tokens}" in result.output
+    assert tree(corpus) == corpus_before
