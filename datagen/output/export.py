@@ -31,6 +31,7 @@ from typing import Any
 import orjson
 
 from datagen.errors import DatasetError, OutputExistsError
+from datagen.output.layout import dataset_export
 from datagen.output.merge import (
     EXPORT_SCHEMA,
     JSONL_FORMAT,
@@ -44,7 +45,6 @@ from datagen.output.store import Store
 logger = logging.getLogger(__name__)
 
 EXPORT_DIGEST_CHARS = 16
-EXPORT_DATA_NAME = "train.jsonl"
 # Rows decoded from Parquet at a time, and bytes of JSON lines gathered before they go to the store's stream.
 EXPORT_BATCH_ROWS = 1_000
 EXPORT_CHUNK_BYTES = 4 * 1024 * 1024
@@ -67,15 +67,13 @@ class _Tally:
 def export_keys(name: str, shards: list[TokenizedPartRef]) -> tuple[str, str]:
     """The keys of the rows and of the record of the ``jsonl`` export of these parts of dataset ``name``."""
     identity = json.dumps({"schema": EXPORT_SCHEMA, "format": JSONL_FORMAT, "parts": [s.url for s in shards]})
-    digest = hashlib.sha256(identity.encode()).hexdigest()[:EXPORT_DIGEST_CHARS]
-    folder = f"datasets/{name}/exports/{digest}"
-    return f"{folder}/{EXPORT_DATA_NAME}", f"{folder}.json"
+    return dataset_export(name, hashlib.sha256(identity.encode()).hexdigest()[:EXPORT_DIGEST_CHARS])
 
 
 def find_export(store: Store, version: DatasetVersion) -> ExportRecord | None:
     """The ``jsonl`` export of a version: listed in its manifest, or written later beside it; None if neither."""
-    for record in version.exports:
-        return record
+    if version.exports:
+        return version.exports[0]
     _, record_key = export_keys(version.name, version.shards)
     if store.exists(record_key):
         return ExportRecord.model_validate(store.read_json(record_key))
@@ -253,7 +251,7 @@ def training_commands(record: ExportRecord, tokenizer: str | None = None) -> lis
     data = record.url
     lines: list[str] = []
     if "://" in record.url:
-        data = f"./{EXPORT_DATA_NAME}"
+        data = "./train.jsonl"
         lines.append(f"aws s3 cp {record.url} {data}   # both trainers read a local file")
     length = record.longest_row_tokens
     model = tokenizer or "<target model or its tokenizer folder>"
