@@ -30,7 +30,7 @@ from typing import Any
 
 import orjson
 
-from datagen.errors import DatasetError, OutputExistsError
+from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import dataset_export
 from datagen.output.merge import (
     EXPORT_SCHEMA,
@@ -135,7 +135,17 @@ def export_version(store: Store, reference: str) -> tuple[str, DatasetVersion, E
     Returns:
         The version's URL, the version, and its export.
     """
-    url, version = read_base_version(store, reference)
+    try:
+        url, version = read_base_version(store, reference)
+    except ConfigError as error:
+        reason = (
+            "does not exist"
+            if "does not exist" in str(error)
+            else "is not a datagen dataset version manifest"
+        )
+        raise DatasetError(
+            f"{reference} {reason}; give the URL of a dataset version manifest, e.g. .../datasets/<name>/v0001.json."
+        ) from None
     existing = find_export(store, version)
     if existing is not None:
         return url, version, existing

@@ -284,3 +284,17 @@ def test_corpus_adopt_with_jsonl_exports_the_adopted_parts_and_prints_the_comman
     assert jsonl_rows(record.url) == parquet_rows(version)
     assert f"data.prompts_path={record.url} data.max_length={record.longest_row_tokens}" in result.output
     assert tree(corpus) == corpus_before
+
+
+def test_export_of_a_missing_version_is_one_clear_line(tmp_path: Path) -> None:
+    missing = tmp_path / "store" / "datasets" / "d" / "v0007.json"
+    result = CliRunner().invoke(app, ["export", str(missing)])
+    assert result.exit_code == 1
+    assert (
+        f"export failed: {missing} does not exist; give the URL of a dataset version manifest"
+        in result.output
+    )
+    assert "base_version" not in result.output
+    refused = CliRunner().invoke(app, ["export", "v0007.json"])
+    assert refused.exit_code == 2
+    assert "give the store root with --output" in refused.output
