@@ -469,6 +469,21 @@ class TokenizeConfig(StrictModel):
     base_version: str | None = Field(
         default=None, description="URL of an existing dataset version manifest to extend (never rewritten)."
     )
+    formats: list[Literal["parquet", "jsonl"]] = Field(
+        default=["parquet"],
+        description="What the dataset version is written as: `parquet` (always) and, with `jsonl`, one JSONL of "
+        "input_ids/loss_mask rows of the whole version that SpecForge and speculators read as-is "
+        "(docs/tokenize.md).",
+    )
+
+    @field_validator("formats")
+    @classmethod
+    def _parquet_always(cls, formats: list[str]) -> list[str]:
+        if "parquet" not in formats:
+            raise ValueError(
+                "the Parquet parts are the dataset version: keep `parquet` and add `jsonl` beside it"
+            )
+        return sorted(set(formats), key=["parquet", "jsonl"].index)
 
 
 # The deployment of the host part of a multi-host run (flows/host.py), as deployments/prefect.yaml names it.
@@ -703,9 +718,9 @@ class RunConfig(StrictModel):
 
         Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
         guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
-        where the run generates, not what: a run resumes on other or fewer hosts. ``series`` and
-        ``generation.exact_tokens`` joined the model later: each is left out while unset so the hashes of older
-        runs stay the same.
+        where the run generates, not what: a run resumes on other or fewer hosts. ``series``,
+        ``generation.exact_tokens`` and ``tokenize.formats`` joined the model later: each is left out while
+        unset (or at its default) so the hashes of older runs stay the same.
         """
         exclude: dict[str, Any] = {
             "run_id": True,
@@ -718,6 +733,8 @@ class RunConfig(StrictModel):
             exclude["series"] = True
         if self.generation.exact_tokens is None:
             exclude["generation"] = {"exact_tokens"}
+        if self.tokenize.formats == ["parquet"]:
+            exclude["tokenize"] = {"formats"}
         return self.model_dump(mode="json", exclude=exclude)
 
     def config_hash(self) -> str:

@@ -162,6 +162,7 @@ def _summary_from_report(
         dataset_version=report.tokenize.get("dataset_version"),
         report_url=store.url(layout.report_md),
         manifest_url=store.url(layout.manifest),
+        training=report.training,
     )
 
 
