@@ -9,8 +9,9 @@ DEMO_RUN_ID ?= demo
 PYTEST_ARGS ?=
 
 SGLANG_VENVS := .venv-sglang/.built
+TRAINER_VENVS := .venv-trainers/.built
 
-.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs bench bench-quick
+.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick
 
 help:
 	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
@@ -38,7 +39,15 @@ $(SGLANG_VENVS): tests/support/sglang_venv.py $(STAMP)
 
 sglang-venvs: $(SGLANG_VENVS)
 
-test: $(STAMP) $(SGLANG_VENVS)
+# SpecForge's and speculators' data-loading code (wheels --no-deps + light packages) for the export tests;
+# built once (~1 min from PyPI), reused while tests/support/trainer_venvs.py is unchanged.
+$(TRAINER_VENVS): tests/support/trainer_venvs.py $(STAMP)
+	$(BIN)/python -m tests.support.trainer_venvs
+	touch $(TRAINER_VENVS)
+
+trainer-venvs: $(TRAINER_VENVS)
+
+test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS)
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 lint: $(STAMP)

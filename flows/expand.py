@@ -2,7 +2,7 @@
 
 The DAG (see docs/architecture.md)::
 
-    preflight -> open-run -> prepare-prompts (per dataset, CPU only) -> check-prompts
+    preflight -> open-run -> prepare-prompts (per dataset, CPU only, scanned in parallel) -> check-prompts
               -> halt-training -> probe-environment -> plan-servers -> start-fleet
               -> generate-shard (per dataset x shard, fed as the backlog runs low, one shared dispatcher)
               -> stop-fleet (always) -> merge-and-tokenize -> report -> manifest (last)
@@ -46,7 +46,14 @@ from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from tasks.credentials import configure_s3_credentials
-from tasks.data import CorpusIds, ShardProgress, generate_shard, merge_and_tokenize, prepare_prompts
+from tasks.data import (
+    CorpusIds,
+    ShardProgress,
+    generate_shard,
+    merge_and_tokenize,
+    prepare_prompts,
+    prompt_scans,
+)
 from tasks.host import (
     halt_training,
     hand_back_gpus,
@@ -162,6 +169,7 @@ def _summary_from_report(
         dataset_version=report.tokenize.get("dataset_version"),
         report_url=store.url(layout.report_md),
         manifest_url=store.url(layout.manifest),
+        training=report.training,
     )
 
 
@@ -487,13 +495,15 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
 
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     corpus = CorpusIds()
-    for dataset in config.datasets:
-        # Passing the earlier futures makes each dataset wait for (and dedupe against) the ones before it.
-        earlier: Any = list(prepared_futures)
-        prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier, corpus))
-    # Every dataset is prepared before training is halted: one that yields too few prompts refuses the run
-    # while training still runs, and the shards written here are the ones the run generates from.
-    check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))
+    # Every dataset is read and normalised at once in worker processes; each prepare task then waits for
+    # (and dedupes against) the datasets before it, in config order.
+    with prompt_scans(config, run) as scans:
+        for dataset in config.datasets:
+            earlier: Any = list(prepared_futures)
+            prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier, corpus, scans))
+        # Every dataset is prepared before training is halted: one that yields too few prompts refuses the
+        # run while training still runs, and the shards written here are the ones the run generates from.
+        check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))
     if series_entry is not None:
         # Recorded before any GPU work: a later run of the series never takes these prompts again.
         write_ledger(config, run, series_entry, [future.result() for future in prepared_futures])

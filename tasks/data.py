@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -17,7 +20,9 @@ import datagen.prompts.prepare
 from datagen.config import RunConfig
 from datagen.generation.dispatcher import Dispatcher
 from datagen.output.runs import RunHandle
+from datagen.prompts.parallel import DatasetScans
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
+from datagen.settings import get_settings
 from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
 
 
@@ -96,6 +101,15 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
     )
 
 
+@contextlib.contextmanager
+def prompt_scans(config: RunConfig, run: RunHandle) -> Iterator[DatasetScans]:
+    """Scan every dataset not prepared yet in worker processes (spools under the state dir) while in use."""
+    work_dir = Path(get_settings().state_dir).expanduser() / "prompt-scans"
+    store = datagen.output.runs.open_store(config)
+    with datagen.prompts.prepare.start_dataset_scans(store, run.layout, config, work_dir) as scans:
+        yield scans
+
+
 @task(
     name="prepare-prompts",
     task_run_name="prepare-{dataset}",
@@ -103,12 +117,18 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
     **TRANSIENT_RETRIES,
 )
 def prepare_prompts(
-    config: RunConfig, run: RunHandle, dataset: str, earlier: list[PreparedDataset], corpus: CorpusIds
+    config: RunConfig,
+    run: RunHandle,
+    dataset: str,
+    earlier: list[PreparedDataset],
+    corpus: CorpusIds,
+    scans: DatasetScans | None = None,
 ) -> PreparedDataset:
     """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards.
 
     The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on; ``corpus``
-    holds the ids no dataset of the run may take (shared by the run's prepare tasks).
+    holds the ids no dataset of the run may take (shared by the run's prepare tasks). ``scans`` (from
+    :func:`prompt_scans`) has read and normalised it already, in a worker process.
     """
     store = datagen.output.runs.open_store(config)
     if store.exists(run.layout.prompts_summary(dataset)):
@@ -127,6 +147,7 @@ def prepare_prompts(
             corpus_ids=corpus.get(config, run),
             earlier=earlier,
             held_by_category=_series_held(config, run),
+            scans=scans,
         )
     get_run_logger().info(
         "prepared dataset=%s rows_read=%d prompts=%d shards=%d rejected=%s",

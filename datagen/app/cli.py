@@ -331,6 +331,13 @@ def corpus_adopt(
     workers: Annotated[
         int | None, typer.Option(min=1, help="Tokenizer processes (default: the cores available).")
     ] = None,
+    jsonl: Annotated[
+        bool,
+        typer.Option(
+            "--jsonl",
+            help="Also export the version as the JSONL SpecForge and speculators read (`datagen export`).",
+        ),
+    ] = False,
 ) -> None:
     """Reference the existing corpus in place as a base dataset version (nothing under URL is written)."""
     from pydantic import ValidationError
@@ -378,6 +385,62 @@ def corpus_adopt(
         f"  version    {adopted.version_url}\n"
         f"  next runs: set tokenize.base_version: {adopted.version_url}"
     )
+    _print_training(adopted.version_url, output, tokenizer, export=jsonl)
+
+
+def _print_training(version_url: str, output: str, tokenizer: str | None, *, export: bool) -> None:
+    """Export a version when asked (or find its export) and print each trainer's command, or how to export."""
+    from datagen.errors import DatagenError
+    from datagen.output.export import export_version, find_export, parquet_hint, training_commands
+    from datagen.output.merge import ExportRecord, read_base_version
+    from datagen.output.store import Store
+
+    store = Store(output)
+    record: ExportRecord | None = None
+    try:
+        if export:
+            _, _, record = export_version(store, version_url)
+        else:
+            record = find_export(store, read_base_version(store, version_url)[1])
+    except DatagenError as error:
+        _fail(f"export failed: {error}", EXIT_RUN_FAILED)
+    if record is None:
+        typer.echo("  to train on it:")
+        typer.echo("".join(f"    {line}\n" for line in parquet_hint(version_url)), nl=False)
+        return
+    typer.echo(
+        f"  export     {record.url} ({record.rows} rows, {record.tokens} tokens, {record.loss_tokens} loss "
+        f"tokens, longest row {record.longest_row_tokens} tokens)"
+    )
+    typer.echo("  to train on it:")
+    typer.echo("".join(f"    {line}\n" for line in training_commands(record, tokenizer)), nl=False)
+
+
+@app.command("export")
+def export(
+    version: Annotated[
+        str, typer.Argument(help="A dataset version manifest: its URL (.../datasets/<name>/vNNNN.json).")
+    ],
+    output: Annotated[
+        str | None,
+        typer.Option(help="Store root to write the export into (default: the store holding the version)."),
+    ] = None,
+    tokenizer: Annotated[
+        str | None, typer.Option(help="The target model or tokenizer folder, for speculators' --model.")
+    ] = None,
+) -> None:
+    """Write (once) the JSONL that SpecForge and speculators read as-is beside a version's Parquet parts."""
+    from datagen.output.export import version_store_root
+
+    root = output or version_store_root(version)
+    if root is None:
+        _fail(
+            f"{version} is not at .../datasets/<name>/vNNNN.json: give the store root with --output",
+            EXIT_CONFIG_ERROR,
+        )
+    assert root is not None
+    typer.echo(f"version    {version}")
+    _print_training(version, root, tokenizer, export=True)
 
 
 @app.command()

@@ -74,4 +74,6 @@ def print_summary(summary: RunSummary) -> None:
         f"  report        {summary.report_url}",
         f"  manifest      {summary.manifest_url}",
     ]
+    if summary.training:
+        lines += ["  to train on it:", *[f"    {line}" for line in summary.training]]
     typer.echo("\n".join(lines))

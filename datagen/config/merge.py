@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from datagen.config.base import Slug, StrictModel
 
@@ -32,3 +32,18 @@ class TokenizeConfig(StrictModel):
     base_version: str | None = Field(
         default=None, description="URL of an existing dataset version manifest to extend (never rewritten)."
     )
+    formats: list[Literal["parquet", "jsonl"]] = Field(
+        default=["parquet"],
+        description="What the dataset version is written as: `parquet` (always) and, with `jsonl`, one JSONL of "
+        "input_ids/loss_mask rows of the whole version that SpecForge and speculators read as-is "
+        "(docs/tokenize.md).",
+    )
+
+    @field_validator("formats")
+    @classmethod
+    def _parquet_always(cls, formats: list[str]) -> list[str]:
+        if "parquet" not in formats:
+            raise ValueError(
+                "the Parquet parts are the dataset version: keep `parquet` and add `jsonl` beside it"
+            )
+        return sorted(set(formats), key=["parquet", "jsonl"].index)

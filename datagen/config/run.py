@@ -191,9 +191,9 @@ class RunConfig(StrictModel):
 
         Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
         guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
-        where the run generates, not what: a run resumes on other or fewer hosts. ``series`` and
-        ``generation.exact_tokens`` joined the model later: each is left out while unset so the hashes of older
-        runs stay the same.
+        where the run generates, not what: a run resumes on other or fewer hosts. ``series``,
+        ``generation.exact_tokens`` and ``tokenize.formats`` joined the model later: each is left out while
+        unset (or at its default) so the hashes of older runs stay the same.
         """
         exclude: dict[str, Any] = {
             "run_id": True,
@@ -206,6 +206,8 @@ class RunConfig(StrictModel):
             exclude["series"] = True
         if self.generation.exact_tokens is None:
             exclude["generation"] = {"exact_tokens"}
+        if self.tokenize.formats == ["parquet"]:
+            exclude["tokenize"] = {"formats"}
         return self.model_dump(mode="json", exclude=exclude)
 
     def config_hash(self) -> str:

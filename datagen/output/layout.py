@@ -26,6 +26,8 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     runs/<run_id>/hosts/<attempt>/release.json       multi-host: generation is over (parent -> hosts)
     series/<series>/ledger/<run_id>.jsonl           series runs: the prompts each run took (written once)
     datasets/<name>/v0001.json                      dataset versions (old shards referenced, never rewritten)
+    datasets/<name>/exports/<digest>/train.jsonl    a version's rows as the drafter trainers read them
+    datasets/<name>/exports/<digest>.json           that export's record, written after the rows
 """
 
 from __future__ import annotations
@@ -151,3 +153,13 @@ def series_ledger(series: str, run_id: str) -> str:
 def dataset_version(name: str, version: int) -> str:
     """The key of one dataset version manifest, e.g. ``datasets/drafter-expansion/v0001.json``."""
     return f"datasets/{name}/v{version:0{VERSION_DIGITS}d}.json"
+
+
+def dataset_export(name: str, digest: str) -> tuple[str, str]:
+    """The keys of a trainer export of dataset ``name``: its rows, and its record (written after the rows).
+
+    ``digest`` names the exported list of parts (:func:`datagen.output.export.export_keys`); the rows' folder
+    holds nothing else, so a trainer given the folder reads only rows.
+    """
+    folder = f"datasets/{name}/exports/{digest}"
+    return f"{folder}/train.jsonl", f"{folder}.json"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO
 
@@ -55,6 +56,37 @@ class LocalBackend:
             os.fsync(directory)
         finally:
             os.close(directory)
+
+    def create_stream(self, key: str, chunks: Iterable[bytes]) -> int:
+        """Create ``key`` atomically and exclusively from a stream of chunks; returns its size.
+
+        The chunks go to the temporary file as they come (bounded memory), then the file is linked as
+        :meth:`create` does, so an interrupted stream leaves no object behind.
+        """
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = target.parent / f"{TEMP_PREFIX}{target.name}.{uuid.uuid4().hex}"
+        size = 0
+        try:
+            with open(temp, "xb") as handle:
+                for chunk in chunks:
+                    handle.write(chunk)
+                    size += len(chunk)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(temp, target)
+            except FileExistsError:
+                raise OutputExistsError(str(target)) from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                temp.unlink()
+        directory = os.open(target.parent, os.O_RDONLY)
+        try:
+            os.fsync(directory)
+        finally:
+            os.close(directory)
+        return size
 
     def read(self, key: str) -> bytes:
         """The bytes of ``key``."""

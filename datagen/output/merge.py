@@ -21,6 +21,7 @@ import logging
 import re
 from collections import Counter
 from dataclasses import dataclass
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,6 +37,8 @@ from datagen.records import utc_now
 logger = logging.getLogger(__name__)
 
 DATASET_VERSION_SCHEMA = 1
+EXPORT_SCHEMA = 1
+JSONL_FORMAT: Final = "jsonl"
 # How many times to step to the next version number when another writer took ours.
 MAX_VERSION_CLAIMS = 1000
 _SHARD_KEY = re.compile(r"/completions/(?P<dataset>[^/]+)/shard-(?P<index>\d+)\.jsonl$")
@@ -78,6 +81,27 @@ class CompletionSourceRef(BaseModel):
     )
 
 
+class ExportRecord(BaseModel):
+    """One written export of a dataset version: where it is, what it holds, and its checksum."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: int = EXPORT_SCHEMA
+    format: Literal["jsonl"] = JSONL_FORMAT
+    key: str = Field(description="Object key of the rows, relative to the store root.")
+    url: str = Field(description="Full location of the rows: what a trainer is pointed at.")
+    parts: list[str] = Field(description="URLs of the Parquet parts exported, in row order.")
+    rows: int
+    tokens: int
+    loss_tokens: int
+    longest_row_tokens: int = Field(
+        description="Tokens of the longest row: the trainers' max_length/seq-length."
+    )
+    size_bytes: int
+    sha256: str
+    created_at: dt.datetime = Field(default_factory=utc_now)
+
+
 class DatasetVersion(BaseModel):
     """A dataset version manifest: every Parquet shard of the training set, old and new.
 
@@ -102,6 +126,11 @@ class DatasetVersion(BaseModel):
     )
     categories: dict[str, int] = Field(
         default_factory=dict, description="Rows per category of an adopted corpus, by its category rule."
+    )
+    exports: list[ExportRecord] = Field(
+        default_factory=list,
+        description="Trainer exports written with the version (`tokenize.formats`); a later `datagen export` "
+        "writes its record beside the version instead (see datagen/output/export.py).",
     )
 
     def parquet_urls(self) -> list[str]:
@@ -135,6 +164,9 @@ class TokenizeSummary(BaseModel):
     dataset_version_url: str
     dataset_version_rows: int = Field(description="Rows of the whole version (base shards included).")
     base_version: str | None = None
+    exports: list[ExportRecord] = Field(
+        default_factory=list, description="Trainer exports of the version (`tokenize.formats`)."
+    )
     created_at: dt.datetime = Field(default_factory=utc_now)
 
 
@@ -222,6 +254,7 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         dataset_version_url=store.url(version_key),
         dataset_version_rows=version.rows,
         base_version=settings.base_version,
+        exports=version.exports,
     )
     try:
         store.write_json(layout.tokenized_summary, summary)
@@ -450,6 +483,12 @@ def _write_dataset_version(
         ]
         inherited_sources = list(base_version.completion_sources)
     shards = [*inherited, *parts]
+    exports: list[ExportRecord] = []
+    if JSONL_FORMAT in config.tokenize.formats:
+        # Written before the manifest (its keys depend only on the parts), so the manifest can list it.
+        from datagen.output.export import write_export
+
+        exports.append(write_export(store, name, shards))
     key, version = claim_version(
         store,
         numbers,
@@ -462,6 +501,7 @@ def _write_dataset_version(
             rows=sum(shard.rows for shard in shards),
             shards=shards,
             completion_sources=inherited_sources,
+            exports=exports,
         ),
     )
     logger.info("wrote dataset version key=%s rows=%d shards=%d", key, version.rows, len(shards))

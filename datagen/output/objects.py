@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Protocol
 
@@ -20,6 +21,10 @@ class Backend(Protocol):
 
     def create(self, key: str, data: bytes) -> None:
         """Create ``key`` with ``data``; raise OutputExistsError when it exists."""
+        ...
+
+    def create_stream(self, key: str, chunks: Iterable[bytes]) -> int:
+        """Create ``key`` from a stream of chunks (bounded memory), atomically; returns its size."""
         ...
 
     def read(self, key: str) -> bytes:

@@ -74,6 +74,10 @@ class RunReport(BaseModel):
         default_factory=dict,
         description="Multi-host runs: hosts lost mid-run, and why (their requests went on).",
     )
+    training: list[str] = Field(
+        default_factory=list,
+        description="The commands that train SpecForge and speculators on this run's dataset version.",
+    )
 
     def table_rows(self) -> list[dict[str, Any]]:
         """One flat row per dataset plus a total row, for a table artifact."""
@@ -143,6 +147,8 @@ class RunReport(BaseModel):
         if dropped:
             lines += ["", "## Completions not tokenized, by reason", ""]
             lines += [f"- {reason}: {count}" for reason, count in sorted(dropped.items())]
+        if self.training:
+            lines += ["", "## Training on this version", "", "```", *self.training, "```"]
         return "\n".join(lines) + "\n"
 
     def _mix_markdown(self) -> list[str]:
@@ -268,6 +274,9 @@ def build_report(
         _add_counts(totals.rejections, report.rejections)
         _add_counts(totals.finish_reasons, report.finish_reasons)
         _add_counts(totals.failure_reasons, report.failure_reasons)
+    from datagen.output.export import summary_training_lines
+
+    training = summary_training_lines(tokenize_summary or {}, config.model.tokenizer)
     mix_counts = Counter({name: report.tokenized_rows for name, report in by_name.items()})
     total_rows = sum(mix_counts.values())
     mix = {name: (count / total_rows if total_rows else 0.0) for name, count in mix_counts.items()}
@@ -287,6 +296,7 @@ def build_report(
         rejection_samples=samples,
         hosts=list(hosts),
         lost_hosts=dict(lost_hosts or {}),
+        training=training,
     )
 
 
@@ -307,6 +317,9 @@ class RunSummary(BaseModel):
     dataset_version: str | None
     report_url: str
     manifest_url: str
+    training: list[str] = Field(
+        default_factory=list, description="The trainers' commands on the dataset version (from the report)."
+    )
 
 
 GENERATION_RECORD = "generation.json"

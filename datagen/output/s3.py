@@ -13,7 +13,7 @@ import contextlib
 import hashlib
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 from datagen.errors import (
@@ -34,6 +34,10 @@ from datagen.output.s3_client import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Part size of streamed (multipart) uploads: the memory a streamed write holds, and 10,000 parts (S3's limit)
+# of it reach 640 GiB. S3 requires at least 5 MiB for every part but the last.
+S3_PART_BYTES = 64 * 1024 * 1024
 
 
 def _storage_error(action: str, url: str, error: Exception) -> StorageError | TransientStorageError:
@@ -121,6 +125,88 @@ class S3Backend:
             raise _storage_error("write", self.url(key), error) from error
         except BotoCoreError as error:
             raise _storage_error("write", self.url(key), error) from error
+
+    def create_stream(self, key: str, chunks: Iterable[bytes], part_bytes: int = S3_PART_BYTES) -> int:
+        """Create ``key`` from a stream of chunks holding at most about ``part_bytes`` in memory.
+
+        A stream shorter than one part is one conditional put (:meth:`create`). A longer one is a multipart
+        upload completed with ``If-None-Match: *``: the object appears whole at completion or not at all, and
+        the upload is aborted on any failure. A 412 at completion whose object carries our multipart ETag
+        (the MD5 of the parts' MD5s) is our own completion whose answer was lost.
+        """
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        buffer = bytearray()
+        stream = iter(chunks)
+        for chunk in stream:
+            buffer += chunk
+            if len(buffer) >= part_bytes:
+                break
+        else:
+            self.create(key, bytes(buffer))
+            return len(buffer)
+        full_key = self._key(key)
+        upload = self._call(
+            "write", key, self.client.create_multipart_upload, Bucket=self.bucket, Key=full_key
+        )
+        upload_id = upload["UploadId"]
+        parts: list[dict[str, Any]] = []
+        digests: list[bytes] = []
+        size = 0
+        try:
+
+            def send(data: bytes) -> None:
+                number = len(parts) + 1
+                answer = self._call(
+                    "write",
+                    key,
+                    self.client.upload_part,
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    PartNumber=number,
+                    Body=data,
+                )
+                parts.append({"PartNumber": number, "ETag": answer["ETag"]})
+                digests.append(hashlib.md5(data, usedforsecurity=False).digest())
+
+            for chunk in stream:
+                buffer += chunk
+                while len(buffer) >= 2 * part_bytes:
+                    send(bytes(buffer[:part_bytes]))
+                    size += part_bytes
+                    del buffer[:part_bytes]
+            # The rest: one part, or two when it is over one part (every part but the last >= part_bytes).
+            if len(buffer) > part_bytes:
+                send(bytes(buffer[:part_bytes]))
+                size += part_bytes
+                del buffer[:part_bytes]
+            send(bytes(buffer))
+            size += len(buffer)
+            etag = hashlib.md5(b"".join(digests), usedforsecurity=False).hexdigest() + f"-{len(parts)}"
+            try:
+                self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full_key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
+                )
+            except ClientError as error:
+                code, status = error_facts(error)
+                if status == HTTP_PRECONDITION_FAILED or code == "PreconditionFailed":
+                    head = self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=full_key)
+                    if str(head.get("ETag", "")).strip('"') == etag:
+                        return size
+                    raise OutputExistsError(self.url(key)) from None
+                raise _storage_error("write", self.url(key), error) from error
+            except BotoCoreError as error:
+                raise _storage_error("write", self.url(key), error) from error
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=full_key, UploadId=upload_id)
+            raise
+        return size
 
     def _holds(self, key: str, data: bytes) -> bool:
         """Tell whether the object ``key`` holds exactly ``data`` (size, then MD5 ETag, then the bytes)."""

@@ -105,6 +105,22 @@ class Store:
         logger.debug("wrote key=%s bytes=%d", key, len(data))
         return ObjectInfo(key=key, url=self.url(key), size_bytes=len(data))
 
+    def write_stream(self, key: str, chunks: Iterable[bytes]) -> ObjectInfo:
+        """Create ``key`` from a stream of chunks, exactly once, holding only a bounded buffer in memory.
+
+        The object appears whole or not at all (local: temp file + link; S3: one conditional put, or a
+        multipart upload completed with ``If-None-Match: *``).
+
+        Raises:
+            OutputExistsError: The object exists already.
+            ProtectedPrefixError: ``key`` lies under a protected prefix.
+            TransientStorageError: A retry may succeed.
+        """
+        self._check_key(key)
+        size = self.backend.create_stream(key, chunks)
+        logger.debug("wrote key=%s bytes=%d (streamed)", key, size)
+        return ObjectInfo(key=key, url=self.url(key), size_bytes=size)
+
     def write_text(self, key: str, text: str) -> ObjectInfo:
         """Create ``key`` with UTF-8 text."""
         return self.write_bytes(key, text.encode())

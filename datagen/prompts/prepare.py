@@ -15,6 +15,10 @@ Capping at the dataset's quota (``max_prompts``, or its ``share`` of the mix aft
 uniform sample that uses memory for the quota only, does not depend on the order rows are read in, and
 is the same in every run with the same seed. Prompts of the existing corpus
 (``existing_corpus.dedupe_against``) are rejected as ``in_existing_corpus``.
+
+The rows are read and normalised by :func:`datagen.prompts.scan.scan_dataset` (here, or beforehand in a
+worker process: :func:`start_dataset_scans`, :mod:`datagen.prompts.parallel`); this module replays its
+events through the rules in config order, so the output is the same either way.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from pathlib import Path
 from typing import Any
 
 from datagen.config import DatasetConfig, RunConfig
@@ -30,12 +35,18 @@ from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.prompts.datasets.corpus import load_corpus_ids
 from datagen.prompts.datasets.inspect import InspectReport, inspect_dataset
-from datagen.prompts.datasets.model import NormalisedPrompt, Rejection
-from datagen.prompts.datasets.registry import get_normaliser, normalise_row
-from datagen.prompts.datasets.sources import iter_rows
+from datagen.prompts.datasets.registry import get_normaliser
 from datagen.prompts.datasets.tally import RejectionTally
 from datagen.prompts.mix import quota_for
+from datagen.prompts.parallel import (
+    MIN_PART_BYTES,
+    DatasetScans,
+    local_bytes,
+    plan_parts,
+    usable_cores,
+)
 from datagen.prompts.rules import Candidate, LengthRule, QuotaRule, first_rejection, prompt_rules
+from datagen.prompts.scan import RowRejection, ScanEnd, ScanRequest, scan_dataset
 from datagen.records import PreparedDataset, PromptRecord, PromptShardRef
 
 logger = logging.getLogger(__name__)
@@ -46,6 +57,7 @@ __all__ = [
     "iter_prompt_shard",
     "load_prompt_ids",
     "prepare_prompts",
+    "start_dataset_scans",
 ]
 
 
@@ -71,11 +83,11 @@ class _ShardWriter:
         self.layout = layout
         self.dataset = dataset
         self.shard_size = shard_size
-        self.buffer: list[PromptRecord] = []
+        self.buffer: list[str] = []
         self.shards: list[PromptShardRef] = []
 
-    def add(self, record: PromptRecord) -> None:
-        self.buffer.append(record)
+    def add(self, record_json: str) -> None:
+        self.buffer.append(record_json)
         if len(self.buffer) >= self.shard_size:
             self.flush()
 
@@ -84,7 +96,7 @@ class _ShardWriter:
             return
         index = len(self.shards)
         key = self.layout.prompt_shard(self.dataset, index)
-        data = "".join(record.model_dump_json() + "\n" for record in self.buffer).encode()
+        data = "".join(line + "\n" for line in self.buffer).encode()
         try:
             self.store.write_bytes(key, data)
         except OutputExistsError:
@@ -104,40 +116,59 @@ class _ShardWriter:
         self.buffer = []
 
 
-class _PromptStream:
-    """The normalised prompts of a dataset, counting rows read and rows rejected on the way."""
-
-    def __init__(self, dataset: DatasetConfig, tally: RejectionTally) -> None:
-        self.dataset = dataset
-        self.tally = tally
-        self.rows_read = 0
-
-    def __iter__(self) -> Iterator[NormalisedPrompt]:
-        for row in iter_rows(self.dataset.path):
-            self.rows_read += 1
-            if row.error is not None:
-                self.tally.add("malformed", row.error, row.index)
-                continue
-            result = normalise_row(self.dataset.format, row.data, row.index, self.dataset.multi_turn)
-            if isinstance(result, Rejection):
-                self.tally.add(result.reason, result.detail, row.index, row.data)
-                continue
-            yield from result
-
-
-def _to_record(prompt: NormalisedPrompt, prompt_id: str, dataset: str) -> PromptRecord:
-    metadata: dict[str, Any] = {key: value for key, value in prompt.metadata.items() if value is not None}
-    metadata["turn_index"] = prompt.turn_index
-    if prompt.language is not None:
-        metadata["language"] = prompt.language
-    return PromptRecord(
-        prompt_id=prompt_id,
-        dataset=dataset,
-        messages=prompt.messages,
-        tools=prompt.tools,
-        source_index=prompt.source_index,
-        metadata=metadata,
+def scan_request(config: RunConfig, dataset: DatasetConfig) -> ScanRequest:
+    """What scanning ``dataset`` of the run needs (its files, format, policy; the run's seed)."""
+    return ScanRequest(
+        dataset=dataset.name,
+        format=dataset.format,
+        path=dataset.path,
+        multi_turn=dataset.multi_turn,
+        seed=config.seed,
     )
+
+
+def start_dataset_scans(
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    work_dir: Path,
+    *,
+    max_workers: int | None = None,
+    min_part_bytes: int = MIN_PART_BYTES,
+) -> DatasetScans:
+    """Start scanning, in worker processes, every dataset of the run not prepared yet.
+
+    Pass the result to :func:`prepare_prompts` of each dataset (in config order, as always) and close it
+    when they are done. A dataset whose local files are large is split into parts, one worker each, when
+    there are more cores than datasets (:func:`~datagen.prompts.parallel.plan_parts`). With one core, or
+    one dataset too small to split, nothing starts: each dataset is then scanned by its own
+    ``prepare_prompts``, as a worker would gain nothing.
+
+    Args:
+        store: The run's output store (a dataset with a summary is prepared: not scanned).
+        layout: The run's layout.
+        config: The run config.
+        work_dir: A local folder for the workers' spools.
+        max_workers: Cap on worker processes (default: one per usable core).
+        min_part_bytes: Smallest part a dataset is split into (bytes of its files).
+
+    Returns:
+        The running scans (a context manager).
+
+    """
+    requests = [
+        scan_request(config, dataset)
+        for dataset in config.datasets
+        if not store.exists(layout.prompts_summary(dataset.name))
+    ]
+    cores = max_workers or usable_cores()
+    parts = plan_parts(
+        {request.dataset: local_bytes(request.path) for request in requests}, cores, min_part_bytes
+    )
+    workers = min(cores, sum(parts.values()))
+    if workers < 2:
+        requests, workers = [], 0
+    return DatasetScans(requests, work_dir, workers, parts)
 
 
 def prepare_prompts(
@@ -151,6 +182,7 @@ def prepare_prompts(
     earlier: Sequence[PreparedDataset] = (),
     tokenizer: Any | None = None,
     held_by_category: Mapping[str, int] | None = None,
+    scans: DatasetScans | None = None,
 ) -> PreparedDataset:
     """Read one dataset and write its prompt shards and summary (write-once, resumable).
 
@@ -173,6 +205,8 @@ def prepare_prompts(
             when needed and not given.
         held_by_category: Prompts per category the run's expansion series already holds; the
             category caps then bound the series' mix (:func:`datagen.prompts.mix.plan_mix`).
+        scans: Scans of the run's datasets started by :func:`start_dataset_scans`: the dataset's rows
+            are then read back from its worker's scan instead of being read and normalised here.
 
     Returns:
         The summary; read back from storage without reading the dataset when it already exists.
@@ -195,7 +229,6 @@ def prepare_prompts(
     if dataset.max_prompt_tokens is not None and tokenizer is None:
         tokenizer = _load_tokenizer(config.model.tokenizer)
     tally = RejectionTally()
-    stream = _PromptStream(dataset, tally)
     writer = _ShardWriter(store, layout, dataset.name, dataset.shard_size)
     sample = QuotaRule(quota) if quota is not None else None
     length = (
@@ -210,26 +243,34 @@ def prepare_prompts(
         quota=sample,
         length=length,
     )
-    for prompt in stream:
-        candidate = Candidate(prompt, config.seed)
-        rejection = first_rejection(rules, candidate)
+    request = scan_request(config, dataset)
+    rows_read = 0
+    for event in scans.events(request) if scans is not None else scan_dataset(request):
+        if isinstance(event, RowRejection):
+            tally.add(event.reason, event.detail, event.source_index, example_text=event.example)
+            continue
+        if isinstance(event, ScanEnd):
+            rows_read = event.rows_read
+            continue
+        if not isinstance(event, Candidate):  # a block's end: only between the parts of a split scan
+            continue
+        rejection = first_rejection(rules, event)
         if rejection is not None:
-            tally.add(rejection.reason, rejection.detail, prompt.source_index, rejection.example)
+            tally.add(rejection.reason, rejection.detail, event.source_index, rejection.example)
             continue
-        record = _to_record(prompt, candidate.prompt_id, dataset.name)
         if sample is None:
-            writer.add(record)
+            writer.add(event.record_json)
             continue
-        pushed_out = sample.take(candidate.priority, record)
+        pushed_out = sample.take(event)
         if pushed_out is not None:
-            tally.add("over_cap", sample.over_cap_detail, pushed_out.source_index or 0)
+            tally.add("over_cap", sample.over_cap_detail, pushed_out.source_index)
     if sample is not None:
-        for record in sample.drawn_in_source_order():
-            writer.add(record)
+        for candidate in sample.drawn_in_source_order():
+            writer.add(candidate.record_json)
     writer.flush()
     summary = PreparedDataset(
         dataset=dataset.name,
-        rows_read=stream.rows_read,
+        rows_read=rows_read,
         prompts=sum(shard.prompts for shard in writer.shards),
         rejections=tally.as_dict(),
         rejection_samples=tally.samples,

@@ -22,7 +22,6 @@ import heapq
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Protocol
 
 from datagen.prompts.datasets.identity import prompt_id_for
@@ -39,32 +38,64 @@ def sampling_priority(seed: int, prompt_id: str) -> int:
     return int.from_bytes(digest[:PRIORITY_BYTES], "big")
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class Candidate:
-    """A normalised prompt on its way through the rules; its id and priority are computed once, on demand.
+    """A normalised prompt on its way through the rules, with everything the rules and the shards need.
+
+    Built by :meth:`of` from a normalised prompt, in the process that reads the dataset (it may be a
+    worker: a candidate pickles small).
 
     Attributes:
-        prompt: The normalised prompt.
-        seed: The run's seed (of the sampling priority).
+        prompt_id: The stable id of the prompt's content.
+        priority: The prompt's priority in the quota's sample.
+        language: The row's language, when the dataset records one.
+        preview: The start of the last message, kept as a rejection sample.
+        source_index: The row number in the dataset.
+        turn_index: Which assistant turn of the row the prompt asks for.
+        record_json: The prompt's :class:`~datagen.records.PromptRecord` as JSON (a line of its shard).
     """
 
-    prompt: NormalisedPrompt
-    seed: int
+    prompt_id: str
+    priority: int
+    language: str | None
+    preview: str
+    source_index: int
+    turn_index: int
+    record_json: str
 
-    @cached_property
-    def prompt_id(self) -> str:
-        """The stable id of the prompt's content."""
-        return prompt_id_for(self.prompt.messages, self.prompt.tools)
+    @classmethod
+    def of(cls, prompt: NormalisedPrompt, seed: int, dataset: str = "") -> Candidate:
+        """The candidate of ``prompt`` in dataset ``dataset`` of a run with seed ``seed``."""
+        prompt_id = prompt_id_for(prompt.messages, prompt.tools)
+        return cls(
+            prompt_id=prompt_id,
+            priority=sampling_priority(seed, prompt_id),
+            language=prompt.language,
+            preview=(prompt.messages[-1].content or "")[:PREVIEW_CHARS],
+            source_index=prompt.source_index,
+            turn_index=prompt.turn_index,
+            record_json=prompt_record(prompt, prompt_id, dataset).model_dump_json(),
+        )
 
-    @cached_property
-    def priority(self) -> int:
-        """The prompt's priority in the quota's sample."""
-        return sampling_priority(self.seed, self.prompt_id)
+    def record(self) -> PromptRecord:
+        """The prompt's record, parsed from its JSON."""
+        return PromptRecord.model_validate_json(self.record_json)
 
-    @property
-    def preview(self) -> str:
-        """The start of the last message, kept as a rejection sample."""
-        return (self.prompt.messages[-1].content or "")[:PREVIEW_CHARS]
+
+def prompt_record(prompt: NormalisedPrompt, prompt_id: str, dataset: str) -> PromptRecord:
+    """The record of a normalised prompt: its messages and tools, provenance in ``metadata``."""
+    metadata: dict[str, Any] = {key: value for key, value in prompt.metadata.items() if value is not None}
+    metadata["turn_index"] = prompt.turn_index
+    if prompt.language is not None:
+        metadata["language"] = prompt.language
+    return PromptRecord(
+        prompt_id=prompt_id,
+        dataset=dataset,
+        messages=prompt.messages,
+        tools=prompt.tools,
+        source_index=prompt.source_index,
+        metadata=metadata,
+    )
 
 
 @dataclass(frozen=True)
@@ -104,7 +135,7 @@ class LanguageRule:
 
     def check(self, candidate: Candidate) -> RuleRejection | None:
         """Reject a row in a language not listed."""
-        language = candidate.prompt.language
+        language = candidate.language
         if language_allowed(language, self.languages):
             return None
         return RuleRejection("wrong_language", f"language {language!r} not in {self.languages}")
@@ -160,7 +191,7 @@ class QuotaRule:
 
     def __init__(self, quota: int) -> None:
         self.quota = quota
-        self._heap: list[tuple[int, str, PromptRecord]] = []
+        self._heap: list[tuple[int, str, Candidate]] = []
 
     @property
     def over_cap_detail(self) -> str:
@@ -173,19 +204,18 @@ class QuotaRule:
             return None
         return RuleRejection("over_cap", self.over_cap_detail)
 
-    def take(self, priority: int, record: PromptRecord) -> PromptRecord | None:
-        """Keep a record that passed every rule; return the record it pushed out of the sample, if any."""
-        entry = (-priority, record.prompt_id, record)
+    def take(self, candidate: Candidate) -> Candidate | None:
+        """Keep a candidate that passed every rule; return the one it pushed out of the sample, if any."""
+        entry = (-candidate.priority, candidate.prompt_id, candidate)
         if len(self._heap) < self.quota:
             heapq.heappush(self._heap, entry)
             return None
         return heapq.heappushpop(self._heap, entry)[2]
 
-    def drawn_in_source_order(self) -> list[PromptRecord]:
-        """The sample, in the order its rows appear in the dataset."""
+    def drawn_in_source_order(self) -> list[Candidate]:
+        """The sample, in the order its rows (and turns) appear in the dataset."""
         return sorted(
-            (entry[2] for entry in self._heap),
-            key=lambda record: (record.source_index or 0, record.metadata.get("turn_index", 0)),
+            (entry[2] for entry in self._heap), key=lambda item: (item.source_index, item.turn_index)
         )
 
 
@@ -229,7 +259,7 @@ class LengthRule:
         """Reject a prompt that is too long, or that the template refuses to render."""
         try:
             tokens = count_prompt_tokens(
-                self.tokenizer, candidate.prompt, enable_thinking=self.enable_thinking
+                self.tokenizer, candidate.record(), enable_thinking=self.enable_thinking
             )
         except Exception as error:  # a template refusing one prompt must not stop the dataset
             return RuleRejection("template_error", f"{type(error).__name__}: {error}", candidate.preview)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -24,7 +26,14 @@ from datagen.generation.shard import generate_shard
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.prompts.mix import mix_table, plan_mix
-from datagen.prompts.prepare import iter_prompt_shard, load_prompt_ids, prepare_prompts
+from datagen.prompts.parallel import DatasetScans
+from datagen.prompts.prepare import (
+    iter_prompt_shard,
+    load_prompt_ids,
+    prepare_prompts,
+    scan_request,
+    start_dataset_scans,
+)
 from datagen.records import CompletionRecord, PreparedDataset
 from tests.support.fault_server import FaultServer
 
@@ -240,7 +249,9 @@ def mix_config(files: dict[str, str], *, rebalance: bool) -> RunConfig:
     )
 
 
-def prepare_all(store: Store, layout: RunLayout, config: RunConfig) -> list[PreparedDataset]:
+def prepare_all(
+    store: Store, layout: RunLayout, config: RunConfig, scans: DatasetScans | None = None
+) -> list[PreparedDataset]:
     """What the flow does: config order, dedupe against the earlier datasets, pass their summaries."""
     prepared: list[PreparedDataset] = []
     for dataset in config.datasets:
@@ -248,9 +259,55 @@ def prepare_all(store: Store, layout: RunLayout, config: RunConfig) -> list[Prep
         for earlier in prepared:
             taken |= load_prompt_ids(store, earlier)
         prepared.append(
-            prepare_prompts(store, layout, config, dataset.name, exclude_prompt_ids=taken, earlier=prepared)
+            prepare_prompts(
+                store, layout, config, dataset.name, exclude_prompt_ids=taken, earlier=prepared, scans=scans
+            )
         )
     return prepared
+
+
+def stored_files(root: Path) -> dict[str, bytes]:
+    return {
+        str(path.relative_to(root)): path.read_bytes() for path in sorted(root.rglob("*")) if path.is_file()
+    }
+
+
+@pytest.mark.parametrize(("split", "rebalance"), [("per dataset", False), ("in blocks", True)])
+def test_datasets_scanned_in_parallel_prepare_byte_for_byte_what_one_after_another_does(
+    tmp_path: Path,
+    dataset_files: dict[str, str],
+    rebalance: bool,
+    split: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # All ten layouts, category caps, every_turn, malformed rows, repeats within a dataset and across
+    # datasets (the first dataset in config order keeps a prompt), shortfalls moved on under rebalance.
+    config = mix_config(dataset_files, rebalance=rebalance)
+    layout = RunLayout("mix")
+    sequential = prepare_all(Store(str(tmp_path / "sequential")), layout, config)
+    parallel_store = Store(str(tmp_path / "parallel"))
+    if split == "per dataset":
+        scans = start_dataset_scans(parallel_store, layout, config, tmp_path / "scans", max_workers=3)
+        parts = 1
+    else:
+        # Every dataset dealt out over three workers in blocks of 7 rows (the last part gets fewer blocks).
+        parts = 3
+        requests = [replace(scan_request(config, d), block_rows=7) for d in config.datasets]
+        scans = DatasetScans(
+            requests, tmp_path / "scans", workers=3, parts=dict.fromkeys(dataset_files, parts)
+        )
+    with caplog.at_level(logging.INFO, logger="datagen.prompts.parallel"), scans:
+        parallel = prepare_all(parallel_store, layout, config, scans)
+    assert parallel == sequential
+    assert sum(item.rejections.get("duplicate", 0) for item in sequential) > 0
+    assert stored_files(tmp_path / "parallel") == stored_files(tmp_path / "sequential")
+    # The workers did the scanning (none fell back to this process), and left no spool behind.
+    scanned = [record.getMessage() for record in caplog.records if "scanned dataset=" in record.getMessage()]
+    assert len(scanned) == len(config.datasets) * parts
+    assert not [
+        r for r in caplog.records if r.name == "datagen.prompts.parallel" and r.levelno >= logging.WARNING
+    ]
+    assert list((tmp_path / "scans").iterdir()) == []
 
 
 def test_a_run_mixing_all_ten_layouts_matches_its_configured_mix(

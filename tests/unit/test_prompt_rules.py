@@ -18,16 +18,19 @@ def candidate(text: str, *, language: str | None = None, index: int = 0) -> Cand
     prompt = NormalisedPrompt(
         messages=[Message(role="user", content=text)], language=language, source_index=index
     )
-    return Candidate(prompt, seed=0)
+    return Candidate.of(prompt, seed=0, dataset="d")
 
 
-def record(item: Candidate) -> PromptRecord:
-    return PromptRecord(
+def test_a_candidate_carries_the_record_of_its_shard_line() -> None:
+    item = candidate("What is 2 + 2?", language="en", index=3)
+    assert item.record() == PromptRecord(
         prompt_id=item.prompt_id,
         dataset="d",
-        messages=item.prompt.messages,
-        source_index=item.prompt.source_index,
+        messages=[Message(role="user", content="What is 2 + 2?")],
+        source_index=3,
+        metadata={"turn_index": 0, "language": "en"},
     )
+    assert item.preview == "What is 2 + 2?"
 
 
 def test_the_chain_runs_language_corpus_duplicate_quota_length_in_order() -> None:
@@ -67,13 +70,13 @@ def test_the_quota_sample_keeps_the_smallest_priorities_and_returns_what_it_push
     pushed_out = []
     for item in items:
         if sample.check(item) is None:
-            out = sample.take(item.priority, record(item))
+            out = sample.take(item)
             if out is not None:
                 pushed_out.append(out.prompt_id)
     smallest = sorted(items, key=lambda item: item.priority)[:2]
     drawn = sample.drawn_in_source_order()
     assert [r.prompt_id for r in drawn] == [
-        i.prompt_id for i in sorted(smallest, key=lambda i: i.prompt.source_index)
+        i.prompt_id for i in sorted(smallest, key=lambda i: i.source_index)
     ]
     assert not set(pushed_out) & {r.prompt_id for r in drawn}
     rejection = sample.check(max(items, key=lambda item: item.priority))

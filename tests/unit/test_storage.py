@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,34 @@ def test_local_store_leaves_no_temporary_or_partial_files(local_store: Store) ->
     local_store.write_bytes("runs/x/blob.bin", b"\0" * 100_000)
     root = Path(local_store.root)
     assert [p.name for p in (root / "runs" / "x").iterdir()] == ["blob.bin"]
+
+
+def test_streamed_writes_are_write_once_refuse_protected_keys_and_leave_nothing_when_cut(
+    store: Store,
+) -> None:
+    info = store.write_stream("runs/x/rows.jsonl", iter([b"a\n", b"b\n"]))
+    assert (info.size_bytes, store.read_bytes("runs/x/rows.jsonl")) == (4, b"a\nb\n")
+    with pytest.raises(OutputExistsError):
+        store.write_stream("runs/x/rows.jsonl", iter([b"c\n"]))
+    assert store.read_bytes("runs/x/rows.jsonl") == b"a\nb\n"
+    produced: list[bytes] = []
+
+    def chunks() -> Iterator[bytes]:
+        produced.append(b"x")
+        yield b"x"
+
+    with pytest.raises(ProtectedPrefixError):
+        store.write_stream("train/rows.jsonl", chunks())
+    assert produced == []  # refused before the stream was read
+
+    def broken() -> Iterator[bytes]:
+        yield b"half a row"
+        raise RuntimeError("source failed")
+
+    with pytest.raises(RuntimeError):
+        store.write_stream("runs/x/cut.jsonl", broken())
+    assert not store.exists("runs/x/cut.jsonl")
+    assert store.list("runs/x") == ["runs/x/rows.jsonl"]
 
 
 def test_overlap_detects_nesting_in_both_directions() -> None:

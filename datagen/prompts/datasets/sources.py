@@ -15,7 +15,7 @@ import importlib
 import json
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,8 @@ class SourceRow:
         data: The parsed row (any JSON value), or None when ``error`` is set.
         error: Why the row could not be parsed (e.g. a broken JSON line), else None.
         file: The file the row came from.
+        skipped: The caller did not want this row (``wanted`` of :func:`iter_rows`): it was counted but,
+            where the file type allows, not decoded; ``data`` is None.
 
     """
 
@@ -52,6 +54,19 @@ class SourceRow:
     data: Any
     error: str | None
     file: str
+    skipped: bool = False
+
+
+class _Skipped:
+    """Rows a reader passed over without decoding them (none of them wanted)."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+
+Wanted = Callable[[int], bool]
 
 
 def storage_options_for(path: str) -> dict[str, Any]:
@@ -140,12 +155,14 @@ def resolve_files(path: str) -> list[str]:
     return [fs.unstrip_protocol(item) if "://" in path else item for item in files]
 
 
-def iter_rows(path: str, *, limit: int | None = None) -> Iterator[SourceRow]:
+def iter_rows(path: str, *, limit: int | None = None, wanted: Wanted | None = None) -> Iterator[SourceRow]:
     """Stream every row of the dataset at ``path``, file after file, in bounded memory.
 
     Args:
         path: A file, directory, glob or s3:// URL (see :func:`resolve_files`).
         limit: Stop after this many rows.
+        wanted: Which row indexes the caller wants; the others come as ``skipped`` rows, not decoded
+            where the file type allows (Parquet batches and JSON Lines lines no wanted row is in).
 
     Yields:
         One :class:`SourceRow` per row; rows that cannot be parsed carry an ``error`` instead of data.
@@ -161,10 +178,21 @@ def iter_rows(path: str, *, limit: int | None = None) -> Iterator[SourceRow]:
     index = 0
     for file in resolve_files(path):
         logger.info("reading dataset file=%s", file)
-        for data, error in _iter_file(file):
+        for item in _iter_file(file, index, wanted):
+            if isinstance(item, _Skipped):
+                for _ in range(item.rows):
+                    if limit is not None and index >= limit:
+                        return
+                    yield SourceRow(index=index, data=None, error=None, file=file, skipped=True)
+                    index += 1
+                continue
             if limit is not None and index >= limit:
                 return
-            yield SourceRow(index=index, data=data, error=error, file=file)
+            data, error = item
+            if wanted is not None and not wanted(index):
+                yield SourceRow(index=index, data=None, error=None, file=file, skipped=True)
+            else:
+                yield SourceRow(index=index, data=data, error=error, file=file)
             index += 1
     if index == 0:
         logger.warning("dataset path=%s holds no rows", path)
@@ -203,17 +231,21 @@ def _iter_hub_rows(path: str, *, limit: int | None) -> Iterator[SourceRow]:
         ) from None
 
 
-def _iter_file(file: str) -> Iterator[tuple[Any, str | None]]:
+_FileItem = tuple[Any, str | None] | _Skipped
+
+
+def _iter_file(file: str, first: int, wanted: Wanted | None) -> Iterator[_FileItem]:
+    """The rows of one file whose first row has index ``first``; unwanted ones skipped where cheap."""
     kind = _file_kind(file)
     if kind == "parquet":
-        yield from _iter_parquet(file)
+        yield from _iter_parquet(file, first, wanted)
     elif kind == "jsonl":
-        yield from _iter_jsonl(file)
+        yield from _iter_jsonl(file, first, wanted)
     else:
         yield from _iter_json(file)
 
 
-def _iter_parquet(file: str) -> Iterator[tuple[Any, str | None]]:
+def _iter_parquet(file: str, first: int = 0, wanted: Wanted | None = None) -> Iterator[_FileItem]:
     import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -221,20 +253,31 @@ def _iter_parquet(file: str) -> Iterator[tuple[Any, str | None]]:
     with fsspec.open(file, "rb", **storage_options_for(file)) as handle:
         try:
             parquet = pq.ParquetFile(handle)
+            index = first
             for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS):
-                for row in batch.to_pylist():
-                    yield row, None
+                rows = batch.num_rows
+                if wanted is not None and not any(wanted(item) for item in range(index, index + rows)):
+                    yield _Skipped(rows)  # converting a batch to Python objects is the costly part
+                else:
+                    for row in batch.to_pylist():
+                        yield row, None
+                index += rows
         except (pa.ArrowException, OSError) as error:
             raise DatasetError(f"Cannot read Parquet file {file}: {error}") from error
 
 
-def _iter_jsonl(file: str) -> Iterator[tuple[Any, str | None]]:
+def _iter_jsonl(file: str, first: int = 0, wanted: Wanted | None = None) -> Iterator[_FileItem]:
     import fsspec
 
+    index = first
     with fsspec.open(file, "rb", compression="infer", **storage_options_for(file)) as handle:
         for line_number, raw in enumerate(handle, start=1):
             line = raw.strip()
             if not line:
+                continue
+            index += 1
+            if wanted is not None and not wanted(index - 1):
+                yield _Skipped(1)
                 continue
             try:
                 yield json.loads(line), None
@@ -242,7 +285,7 @@ def _iter_jsonl(file: str) -> Iterator[tuple[Any, str | None]]:
                 yield None, f"line {line_number} is not valid JSON: {error}"
 
 
-def _iter_json(file: str) -> Iterator[tuple[Any, str | None]]:
+def _iter_json(file: str) -> Iterator[_FileItem]:
     import fsspec
 
     with fsspec.open(file, "rb", compression="infer", **storage_options_for(file)) as handle:

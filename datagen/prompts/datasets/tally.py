@@ -29,8 +29,24 @@ class RejectionTally:
         self.samples: list[dict[str, Any]] = []
         self._sampled: Counter[str] = Counter()
 
-    def add(self, reason: RejectionReason, detail: str, source_index: int, example: Any = None) -> None:
-        """Count one rejection; keep it as a sample while its reason has fewer than the limit."""
+    def add(
+        self,
+        reason: RejectionReason,
+        detail: str,
+        source_index: int,
+        example: Any = None,
+        *,
+        example_text: str | None = None,
+    ) -> None:
+        """Count one rejection; keep it as a sample while its reason has fewer than the limit.
+
+        Args:
+            reason: Why it was rejected.
+            detail: A short explanation.
+            source_index: The row number.
+            example: The rejected value, shown as a short JSON excerpt in its sample.
+            example_text: An excerpt already made (by :func:`excerpt`, in a worker), used as it is.
+        """
         self.counts[reason] += 1
         if self._sampled[reason] < SAMPLES_PER_REASON:
             self._sampled[reason] += 1
@@ -41,6 +57,8 @@ class RejectionTally:
             }
             if example is not None:
                 sample["example"] = excerpt(example)
+            elif example_text is not None:
+                sample["example"] = example_text
             self.samples.append(sample)
 
     def as_dict(self) -> dict[str, int]:
