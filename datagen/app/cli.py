@@ -392,8 +392,8 @@ def _print_training(version_url: str, output: str, tokenizer: str | None, *, exp
     """Export a version when asked (or find its export) and print each trainer's command, or how to export."""
     from datagen.errors import DatagenError
     from datagen.output.export import export_version, find_export, parquet_hint, training_commands
-    from datagen.output.merge import ExportRecord, read_base_version
     from datagen.output.store import Store
+    from datagen.output.versions import ExportRecord, read_base_version
 
     store = Store(output)
     record: ExportRecord | None = None

@@ -32,7 +32,8 @@ import orjson
 
 from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import dataset_export
-from datagen.output.merge import (
+from datagen.output.store import Store
+from datagen.output.versions import (
     EXPORT_SCHEMA,
     JSONL_FORMAT,
     DatasetVersion,
@@ -40,7 +41,6 @@ from datagen.output.merge import (
     TokenizedPartRef,
     read_base_version,
 )
-from datagen.output.store import Store
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,8 @@ from pydantic import ValidationError
 
 from datagen.errors import TokenizeError
 from datagen.output.store import Store
-from datagen.output.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer, TokenizerSpec
+from datagen.output.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
+from datagen.output.tokenizer import TokenizerSpec
 from datagen.records import CompletionRecord
 
 logger = logging.getLogger(__name__)

@@ -16,10 +16,12 @@ from typer.testing import CliRunner
 from datagen.app.cli import app
 from datagen.config import RunConfig
 from datagen.output.layout import RunLayout
-from datagen.output.merge import DatasetVersion, merge_and_tokenize
+from datagen.output.merge import merge_and_tokenize
 from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store
-from datagen.output.tokenize import TokenizedRow, load_tokenizer, tokenize_completion
+from datagen.output.tokenize import TokenizedRow, tokenize_completion
+from datagen.output.tokenizer import load_tokenizer
+from datagen.output.versions import DatasetVersion
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -15,10 +15,10 @@ from datagen.app.cli import app
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
 from datagen.output.export import export_keys, find_export, training_commands
-from datagen.output.merge import DatasetVersion, ExportRecord
 from datagen.output.s3 import S3Backend
 from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store
+from datagen.output.versions import DatasetVersion, ExportRecord
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.support.trainer_rows import merge_run, parquet_rows
 

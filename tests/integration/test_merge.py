@@ -13,9 +13,10 @@ import pytest
 from datagen.config import RunConfig
 from datagen.errors import TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
-from datagen.output.merge import DatasetVersion, TokenizedPartRef, TokenizeSummary, merge_and_tokenize
+from datagen.output.merge import TokenizeSummary, merge_and_tokenize
 from datagen.output.store import Store
-from datagen.output.tokenize import load_tokenizer
+from datagen.output.tokenizer import load_tokenizer
+from datagen.output.versions import DatasetVersion, TokenizedPartRef
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

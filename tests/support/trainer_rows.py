@@ -13,8 +13,9 @@ from typing import Any
 
 from datagen.config import RunConfig
 from datagen.output.layout import RunLayout
-from datagen.output.merge import DatasetVersion, TokenizeSummary, merge_and_tokenize
+from datagen.output.merge import TokenizeSummary, merge_and_tokenize
 from datagen.output.store import Store
+from datagen.output.versions import DatasetVersion
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -24,7 +24,8 @@ from datagen.generation.wire import (
     PromptTokens,
     UnusableResponseError,
 )
-from datagen.output.tokenize import TokenizedRow, load_tokenizer, tokenize_completion
+from datagen.output.tokenize import TokenizedRow, tokenize_completion
+from datagen.output.tokenizer import load_tokenizer
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -10,16 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datagen.errors import ConfigError, TokenizeError
-from datagen.output.tokenize import (
-    EncodedRow,
-    RejectedRow,
-    RowTokenizer,
-    TokenizedRow,
-    TokenizerSpec,
-    load_tokenizer,
-    render_conversation,
-    tokenize_completion,
-)
+from datagen.output.tokenize import EncodedRow, RejectedRow, RowTokenizer, TokenizedRow, tokenize_completion
+from datagen.output.tokenizer import TokenizerSpec, load_tokenizer, render_conversation
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
