@@ -22,8 +22,11 @@ from datagen.records import SamplingParams
 Named = TypeVar("Named", HostConfig, DatasetConfig)
 
 
-def _named(items: list[Named], name: str) -> Named | None:
-    return next((item for item in items if item.name == name), None)
+def _named(items: list[Named], name: str, missing: str) -> Named:
+    found = next((item for item in items if item.name == name), None)
+    if found is None:
+        raise ConfigError(missing, name=name)
+    return found
 
 
 class RunConfig(StrictModel):
@@ -120,11 +123,8 @@ class RunConfig(StrictModel):
         Raises:
             ConfigError: No host has that name.
         """
-        found = _named(self.hosts, name)
-        if found is not None:
-            return found
         known = ", ".join(host.name for host in self.hosts) or "none"
-        raise ConfigError(f"no host named {name!r} in this config (hosts: {known})", name=name)
+        return _named(self.hosts, name, f"no host named {name!r} in this config (hosts: {known})")
 
     def fleet_for(self, name: str) -> FleetConfig:
         """The fleet config of host ``name``: the run's, with the host's overrides."""
@@ -176,15 +176,8 @@ class RunConfig(StrictModel):
         return dataset.sampling.apply(self.sampling)
 
     def dataset(self, name: str) -> DatasetConfig:
-        """The dataset config called ``name``.
-
-        Raises:
-            ConfigError: No dataset has that name.
-        """
-        found = _named(self.datasets, name)
-        if found is not None:
-            return found
-        raise ConfigError(f"no dataset named {name!r} in this config", name=name)
+        """The dataset config called ``name`` (a ConfigError when no dataset has that name)."""
+        return _named(self.datasets, name, f"no dataset named {name!r} in this config")
 
     def identity_dict(self) -> dict[str, Any]:
         """The fields that define what the run produces, as JSON data.

@@ -17,7 +17,6 @@ import subprocess
 import threading
 from contextlib import suppress
 from pathlib import Path
-from types import TracebackType
 
 from datagen.errors import ServerStartError
 from datagen.host import processes
@@ -253,12 +252,7 @@ class Fleet:
         self.start()
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
+    def __exit__(self, *exc_info: object) -> None:
         self.close()
 
     # --- internals -------------------------------------------------------------------------------

@@ -185,13 +185,6 @@ class ServerLauncher:
             time.sleep(POLL_INTERVAL_S)
         return failures
 
-    def _healthy(self, url: str) -> bool:
-        try:
-            response = self._client.get(url + self.health_path)
-        except httpx.HTTPError:
-            return False
-        return response.status_code == httpx.codes.OK
-
     def healthy(self, url: str) -> bool:
         """Whether ``url`` answers 200 on the health path now."""
         try:

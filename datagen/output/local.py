@@ -34,28 +34,8 @@ class LocalBackend:
         return str(self._path(key))
 
     def create(self, key: str, data: bytes) -> None:
-        """Create ``key`` atomically and exclusively."""
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temp = target.parent / f"{TEMP_PREFIX}{target.name}.{uuid.uuid4().hex}"
-        try:
-            with open(temp, "xb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(temp, target)
-            except FileExistsError:
-                raise OutputExistsError(str(target)) from None
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                temp.unlink()
-        # Make the new directory entry durable too, so a crash cannot forget a completed write.
-        directory = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        """Create ``key`` atomically and exclusively (:meth:`create_stream` with one chunk)."""
+        self.create_stream(key, [data])
 
     def create_stream(self, key: str, chunks: Iterable[bytes]) -> int:
         """Create ``key`` atomically and exclusively from a stream of chunks; returns its size.
@@ -81,6 +61,7 @@ class LocalBackend:
         finally:
             with contextlib.suppress(FileNotFoundError):
                 temp.unlink()
+        # Make the new directory entry durable too, so a crash cannot forget a completed write.
         directory = os.open(target.parent, os.O_RDONLY)
         try:
             os.fsync(directory)

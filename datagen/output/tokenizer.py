@@ -183,35 +183,6 @@ def render_prompt(
     )
 
 
-def render_conversation(
-    tokenizer: Any,
-    messages: list[dict[str, Any]],
-    *,
-    tools: list[dict[str, Any]] | None,
-    add_generation_prompt: bool,
-    enable_thinking: bool | None,
-) -> str:
-    """Render messages with the tokenizer's chat template, as text.
-
-    Args:
-        tokenizer: A tokenizer with a chat template.
-        messages: Chat-template message dicts.
-        tools: Tool schemas, or None.
-        add_generation_prompt: Append the assistant turn opener.
-        enable_thinking: Passed to the template when set (Qwen3 switch); left out otherwise.
-
-    Returns:
-        The rendered text, identical to ``tokenizer.apply_chat_template(..., tokenize=False)``.
-
-    Raises:
-        TokenizeError: The template failed to render these messages.
-
-    """
-    return TokenizerSpec.from_tokenizer(tokenizer, with_backend=False).render(
-        messages, tools=tools, add_generation_prompt=add_generation_prompt, enable_thinking=enable_thinking
-    )
-
-
 @dataclass(frozen=True)
 class TokenizerSpec:
     """What tokenizing needs from the target's tokenizer, small enough to send to worker processes.

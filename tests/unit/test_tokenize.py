@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from datagen.errors import ConfigError, TokenizeError
 from datagen.output.tokenize import EncodedRow, RejectedRow, RowTokenizer, TokenizedRow, tokenize_completion
-from datagen.output.tokenizer import TokenizerSpec, load_tokenizer, render_conversation
+from datagen.output.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -31,6 +31,11 @@ TOOLS = [
         },
     }
 ]
+
+
+def render_conversation(tokenizer: Any, messages: list[dict[str, Any]], **options: Any) -> str:
+    """The conversation rendered by the target's template, as the merge renders it."""
+    return TokenizerSpec.from_tokenizer(tokenizer, with_backend=False).render(messages, **options)
 
 
 @pytest.fixture(scope="module")
