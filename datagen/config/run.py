@@ -22,6 +22,10 @@ from datagen.records import SamplingParams
 Named = TypeVar("Named", HostConfig, DatasetConfig)
 
 
+def _repeated(values: list[str]) -> list[str]:
+    return sorted({value for value in values if values.count(value) > 1})
+
+
 def _named(items: list[Named], name: str, missing: str) -> Named:
     found = next((item for item in items if item.name == name), None)
     if found is None:
@@ -63,8 +67,7 @@ class RunConfig(StrictModel):
     @field_validator("datasets")
     @classmethod
     def _unique_dataset_names(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
-        names = [dataset.name for dataset in datasets]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        duplicates = _repeated([dataset.name for dataset in datasets])
         if duplicates:
             raise ValueError(f"dataset names must be unique; repeated: {', '.join(duplicates)}")
         return datasets
@@ -72,12 +75,10 @@ class RunConfig(StrictModel):
     @field_validator("hosts")
     @classmethod
     def _hosts_are_consistent(cls, hosts: list[HostConfig]) -> list[HostConfig]:
-        names = [host.name for host in hosts]
-        duplicates = sorted({name for name in names if names.count(name) > 1})
+        duplicates = _repeated([host.name for host in hosts])
         if duplicates:
             raise ValueError(f"host names must be unique; repeated: {', '.join(duplicates)}: rename them")
-        queues = [host.work_queue for host in hosts]
-        shared = sorted({queue for queue in queues if queues.count(queue) > 1})
+        shared = _repeated([host.work_queue for host in hosts])
         if shared:
             raise ValueError(
                 f"hosts share work queue(s) {', '.join(shared)}: give each box its own queue (its worker polls "

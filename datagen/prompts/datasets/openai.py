@@ -13,7 +13,7 @@ from datagen.prompts.datasets.turns import (
     Turn,
     build_prompts,
     map_role,
-    require_list,
+    require_objects,
     require_row,
 )
 from datagen.records import Message, Role, ToolCall
@@ -71,9 +71,7 @@ def openai_turns(messages: Any) -> list[Turn]:
 
     """
     turns: list[Turn] = []
-    for position, item in enumerate(require_list(messages, "messages")):
-        if not isinstance(item, dict):
-            raise RowRejected("malformed", f"message {position} is a {type(item).__name__}, not an object")
+    for position, item in require_objects(messages, "messages", "message"):
         role = map_role(item.get("role"), OPENAI_ROLES)
         turns.append(Turn(role, _converter(item, role, position)))
     return turns

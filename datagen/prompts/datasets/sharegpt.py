@@ -19,7 +19,7 @@ from datagen.prompts.datasets.turns import (
     Turn,
     build_prompts,
     map_role,
-    require_list,
+    require_objects,
     require_row,
     require_text,
     text_turn,
@@ -46,9 +46,7 @@ def sharegpt_turns(conversations: Any, *, tool_markup: bool = False) -> list[Tur
 
     """
     turns: list[Turn] = []
-    for position, item in enumerate(require_list(conversations, "conversations")):
-        if not isinstance(item, dict):
-            raise RowRejected("malformed", f"turn {position} is a {type(item).__name__}, not an object")
+    for position, item in require_objects(conversations, "conversations", "turn"):
         speaker = item.get("from", item.get("role"))
         role = map_role(speaker, SHAREGPT_ROLES)
         value = require_text(item.get("value", item.get("content")), f"turn {position}'s value")

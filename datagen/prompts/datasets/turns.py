@@ -7,7 +7,7 @@ applies the multi-turn policy and the checks every prompt must pass.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +99,20 @@ def require_list(value: Any, what: str) -> list[Any]:
     if not value:
         raise RowRejected("empty", f"{what} is empty")
     return list(value)
+
+
+def require_objects(value: Any, what: str, item: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The items of the list ``value`` with their positions, each checked to be an object as it comes.
+
+    Raises:
+        RowRejected: As :func:`require_list`, or an item is not an object (``malformed``, naming ``item``
+            and its position).
+
+    """
+    for position, entry in enumerate(require_list(value, what)):
+        if not isinstance(entry, dict):
+            raise RowRejected("malformed", f"{item} {position} is a {type(entry).__name__}, not an object")
+        yield position, entry
 
 
 def require_row(row: Any) -> dict[str, Any]:
