@@ -28,7 +28,6 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
-from prefect.task_runners import ThreadPoolTaskRunner
 
 import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
@@ -71,6 +70,7 @@ from tasks.runtime import (
     verify_code_version,
 )
 from tasks.series import open_series_entry, write_ledger
+from tasks.task_runner import InterruptibleThreadPoolTaskRunner
 
 # Threads for concurrently running tasks: prepare tasks plus shard tasks. A shard task mostly waits for
 # its results (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the
@@ -417,7 +417,7 @@ def _samples(config: RunConfig, dataset: str) -> int:
 @flow(
     name="expand",
     flow_run_name=_flow_run_name,
-    task_runner=ThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),  # type: ignore[arg-type]
+    task_runner=InterruptibleThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),  # type: ignore[arg-type]
     on_cancellation=[_stop_servers_hook],
     on_crashed=[_stop_servers_hook],
     validate_parameters=True,
