@@ -158,7 +158,7 @@ def make_box(
     tmp_path: Path, s3_endpoint: str, s3_proxy: S3FaultProxy, stack: Stack, tiny_model_dir: Path
 ) -> Iterator[Callable[..., Box]]:
     """Boxes whose runs use the real Prefect server."""
-    factory = BoxFactory(tmp_path, s3_endpoint, s3_proxy, tiny_model_dir, stack.env())
+    factory = BoxFactory(tmp_path, s3_endpoint, s3_proxy, tiny_model_dir, stack.env(), stack.clone)
     try:
         yield factory.make
     finally:

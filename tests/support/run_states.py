@@ -95,9 +95,12 @@ class CliRun:
         run_id: The run id (``--run-id``).
         env: The process's environment.
         transcript: File the output is copied to (appended), for a failing test's message.
+        cwd: Where it runs: ``python -m`` imports the code of this checkout first.
     """
 
-    def __init__(self, config: Path, run_id: str, env: dict[str, str], transcript: Path) -> None:
+    def __init__(
+        self, config: Path, run_id: str, env: dict[str, str], transcript: Path, cwd: Path = REPO
+    ) -> None:
         self.command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)]
         self.command += ["--run-id", run_id]
         self.transcript = transcript
@@ -106,7 +109,7 @@ class CliRun:
         self.process = subprocess.Popen(
             self.command,
             env=env,
-            cwd=REPO,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

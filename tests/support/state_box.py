@@ -21,6 +21,7 @@ import yaml
 from datagen.output.s3_client import make_s3_client
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.run_states import (
+    REPO,
     CliRun,
     LockHolder,
     Trainer,
@@ -86,6 +87,7 @@ class Box:
     env: dict[str, str]
     config: Path
     lock_name: str
+    checkout: Path = REPO
     runs: list[CliRun] = field(default_factory=list)
     releases: list[Callable[[], None]] = field(default_factory=list)
 
@@ -95,7 +97,7 @@ class Box:
 
     def run(self, run_id: str, **env: str) -> CliRun:
         """Start `datagen run --config X --run-id R` (the printed resume command is the same)."""
-        run = CliRun(self.config, run_id, {**self.env, **env}, self.tmp / "transcript.txt")
+        run = CliRun(self.config, run_id, {**self.env, **env}, self.tmp / "transcript.txt", self.checkout)
         self.runs.append(run)
         return run
 
@@ -118,11 +120,19 @@ class BoxFactory:
         proxy: The proxy runs reach S3 through.
         model_dir: The tiny model (its tokenizer renders the rows).
         env: The runs' base environment (Prefect home, API URL or none, PYTHONPATH).
+        checkout: The checkout whose code the runs run (``python -m`` imports it first).
     """
 
     def __init__(
-        self, folder: Path, s3_endpoint: str, proxy: S3FaultProxy, model_dir: Path, env: dict[str, str]
+        self,
+        folder: Path,
+        s3_endpoint: str,
+        proxy: S3FaultProxy,
+        model_dir: Path,
+        env: dict[str, str],
+        checkout: Path = REPO,
     ) -> None:
+        self.checkout = checkout
         self.folder = folder
         self.s3_endpoint = s3_endpoint
         self.proxy = proxy
@@ -187,7 +197,9 @@ class BoxFactory:
         path = tmp_path / "run.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         trainer.start()
-        box = Box(tmp_path, bucket, s3_endpoint, s3_proxy, server, trainer, env, path, lock_name)
+        box = Box(
+            tmp_path, bucket, s3_endpoint, s3_proxy, server, trainer, env, path, lock_name, self.checkout
+        )
         self.boxes.append(box)
         return box
 
