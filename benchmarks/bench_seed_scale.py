@@ -372,7 +372,7 @@ def main() -> int:
             if not key.startswith(("PREFECT_API_URL", "DATAGEN_"))
         }
         env |= {
-            "PYTHONPATH": str(REPO),
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")])),
             "PYTHONUNBUFFERED": "1",
             "DATAGEN_STATE_DIR": str(state),
             "PREFECT_HOME": str(work / "prefect-home"),

@@ -28,7 +28,6 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
-from prefect.task_runners import ThreadPoolTaskRunner
 
 import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
@@ -78,6 +77,7 @@ from tasks.runtime import (
     verify_code_version,
 )
 from tasks.series import open_series_entry, write_ledger
+from tasks.task_runner import InterruptibleThreadPoolTaskRunner
 
 # Threads for concurrently running tasks: prepare tasks plus shard tasks. A shard task mostly waits for
 # its results (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the
@@ -426,7 +426,7 @@ def _samples(config: RunConfig, dataset: str) -> int:
 @flow(
     name="expand",
     flow_run_name=_flow_run_name,
-    task_runner=ThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),  # type: ignore[arg-type]
+    task_runner=InterruptibleThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),  # type: ignore[arg-type]
     on_cancellation=[_stop_servers_hook],
     on_crashed=[_stop_servers_hook],
     validate_parameters=True,
@@ -482,6 +482,9 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
     state_dir = _fleet_state_dir(flow_run_id)
 
+    # `stage=<name>` lines mark where a run is (in the terminal, the run log and the Prefect UI): a run that
+    # seems stuck says which step it waits in.
+    logger.info("stage=preflight run_id=%s", config.run_id)
     preflight_report = preflight(config)
     run = open_run(config)
     layout = run.layout
@@ -493,6 +496,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     write_attempt_record(config, run, attempt_id, "preflight", preflight_report)
     series_entry = open_series_entry(config, run) if config.series else None
 
+    logger.info("stage=prepare-prompts datasets=%d", len(config.datasets))
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     corpus = CorpusIds()
     # Every dataset is read and normalised at once in worker processes; each prepare task then waits for
@@ -521,16 +525,20 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     elif config.hosts:
         # Several boxes: each host part halts its training and serves (flows/host.py); this flow holds no
         # GPU lock and halts nothing itself, it only sends the requests.
+        logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
             config, run, prepared_futures, attempt_id, flow_run_id
         )
     else:
+        logger.info("stage=gpu-lock")
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
         fleet: Fleet | None = None
         try:
             # Inside the try: a signal mid-halt still hands training back (once it has stopped).
+            logger.info("stage=halt-training kind=%s", config.training.kind)
             halt = halt_training(config.training, gpus.halt_record, run.run_id)
             write_attempt_record(config, run, attempt_id, "training", halt)
+            logger.info("stage=probe")
             env = probe_environment()
             write_attempt_record(config, run, attempt_id, "env", env)
             plan = plan_servers(env, config, state_dir)
@@ -543,8 +551,10 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 max_restarts_per_server=config.fleet.max_restarts_per_server,
                 api_key=server_api_key(),
             )
+            logger.info("stage=start-servers servers=%d engine=%s", servers, plan.engine)
             urls = start_fleet(fleet, _fleets_root())
             fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
+            logger.info("stage=generate")
             with Dispatcher(
                 urls,
                 model=plan.served_model_name,
@@ -591,10 +601,13 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 "tokenize": config.tokenize.model_copy(update={"base_version": series_entry.base_version})
             }
         )
+    logger.info("stage=merge-and-tokenize")
     tokenize_summary = merge_and_tokenize(merge_config, run, shard_summaries)
+    logger.info("stage=report")
     report = write_report(
         config, run, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s
     )
+    logger.info("stage=manifest")
     finalize_manifest(config, run, report)
     summary = _summary_from_report(report, config, layout, complete=False)
     logger.info(

@@ -67,7 +67,13 @@ def run(
     """
     from datagen.app.preflight import check_output_reachable
     from datagen.app.runner import prepare_flow_run, print_summary
-    from datagen.app.terminal import run_in_terminal, run_log_path
+    from datagen.app.terminal import (
+        INTERRUPT_SIGNALS,
+        exit_code_for_signal,
+        exit_now_if_threads_linger,
+        run_in_terminal,
+        run_log_path,
+    )
     from datagen.config import check_run_id_option, load_run_config
     from datagen.engines import exact_tokens_enabled
     from datagen.errors import ConfigError, PreflightError
@@ -100,6 +106,8 @@ def run(
         resume_command=resume,
         log_path=run_log_path(get_settings().state_dir, loaded.run_id),
     )
+    if code in {exit_code_for_signal(signum) for signum in INTERRUPT_SIGNALS}:
+        exit_now_if_threads_linger(code)
     if code != 0 or summary is None:
         raise typer.Exit(code)
     print_summary(summary)

@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -215,3 +217,28 @@ def run_in_terminal(
                 )
                 return exit_code_for_signal(signum), None
             raise
+
+
+def exit_now_if_threads_linger(code: int) -> None:
+    """After an interrupt, end the process at once when worker threads are still busy; else return.
+
+    By the time the terminal has printed its message the run has stopped its servers, handed training back
+    and stopped its API server. A thread still blocked in I/O (an S3 request held by a slow endpoint, a
+    dataset read) would keep the interpreter from exiting until it returns, minutes later: it is left
+    behind instead. What it would still write is write-once, and the resume checks it.
+
+    Args:
+        code: The exit code (130 or 143).
+    """
+    busy = [
+        thread
+        for thread in threading.enumerate()
+        if thread is not threading.main_thread() and thread.is_alive() and not thread.daemon
+    ]
+    if not busy:
+        return
+    # Not logged: the run's log file is closed by now, and datagen's loggers would reach for the stopped API.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -9,7 +9,9 @@ signal (SIGTERM unless ``--signal`` says otherwise) writes ``checkpoint-<step>.p
 ``--gpu-memory-gib N`` holds N GiB on every visible GPU (as a real trainer would), so halting can be
 checked to release GPU memory. ``--ignore-first-signal`` makes it stubborn: the first signal is only
 acknowledged. ``--marker PATH`` writes a completion marker after the checkpoint
-(``--checkpoint-delay-s`` makes the checkpoint slow).
+(``--checkpoint-delay-s`` makes the checkpoint slow). ``--events PATH`` appends one line per start and per
+signal received (``start <pid>``, ``signal <name> <pid>``), so a test can count starts and stops across
+restarts.
 """
 
 from __future__ import annotations
@@ -34,17 +36,26 @@ CHECKPOINT_BYTES = b"datagen stand-in checkpoint\n"
 class _StopRequest:
     """Signal bookkeeping shared with the handler."""
 
-    def __init__(self, ignore_first: bool) -> None:
+    def __init__(self, ignore_first: bool, events: Path | None = None) -> None:
         self.ignore_first = ignore_first
+        self.events = events
         self.signals_seen = 0
         self.stop = False
 
     def handle(self, signum: int, _frame: FrameType | None) -> None:
         self.signals_seen += 1
+        record_event(self.events, f"signal {signal.Signals(signum).name} {os.getpid()}")
         if self.ignore_first and self.signals_seen == 1:
             logger.warning("received %s, ignoring the first one", signal.Signals(signum).name)
             return
         self.stop = True
+
+
+def record_event(events: Path | None, line: str) -> None:
+    """Append ``line`` to the events file (one short append: concurrent trainers never interleave)."""
+    if events is not None:
+        with events.open("a") as handle:
+            handle.write(line + "\n")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -59,6 +70,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--signal", default="SIGTERM", help="Signal that asks for checkpoint and exit.")
     parser.add_argument("--marker", type=Path, default=None, help="File written once the checkpoint is done.")
     parser.add_argument("--checkpoint-delay-s", type=float, default=0.0, help="Time the checkpoint takes.")
+    parser.add_argument(
+        "--events", type=Path, default=None, help="Append a line per start and per signal received here."
+    )
     parser.add_argument(
         "--gpu-memory-gib",
         type=float,
@@ -96,10 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s standin-trainer %(message)s", stream=sys.stderr
     )
     stop_signal = signal.Signals[args.signal if args.signal.startswith("SIG") else f"SIG{args.signal}"]
-    request = _StopRequest(ignore_first=args.ignore_first_signal)
+    request = _StopRequest(ignore_first=args.ignore_first_signal, events=args.events)
     signal.signal(stop_signal, request.handle)
     args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     args.pidfile.parent.mkdir(parents=True, exist_ok=True)
+    record_event(args.events, f"start {os.getpid()}")
     # Written after the handler is installed: once the pid is visible, a signal is handled.
     temporary = args.pidfile.with_name(args.pidfile.name + ".tmp")
     temporary.write_text(f"{os.getpid()}\n")

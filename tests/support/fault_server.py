@@ -69,6 +69,8 @@ class FaultServer:
         self.plan = plan or FaultPlan()
         self.port = port
         self.healthy = True
+        # GET /health requests answered so far (a fleet waiting for readiness polls it).
+        self.health_checks = 0
         # Answers wait until this is set; a test clears it to hold a run mid-generation, then sets it.
         self.answering = threading.Event()
         self.answering.set()
@@ -188,6 +190,7 @@ class FaultServer:
 
     async def _respond(self, method: str, path: str, raw: bytes, writer: asyncio.StreamWriter) -> bool:
         if path == "/health":
+            self.health_checks += 1
             status = 200 if self.healthy else 503
             await send_json(writer, status, {"status": "ok" if self.healthy else "starting"})
             return True

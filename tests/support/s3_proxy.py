@@ -14,7 +14,9 @@ upstream server or injects one fault:
   connection (a download cut short mid-stream; without a body it behaves like ``reset_after``).
 
 Faults come from a scripted queue first (``inject_next``, deterministic tests), then from seeded random
-``rates``. The proxy counts what it injected and what it forwarded. It is bounded (connections, header
+``rates``. Apart from faults, ``add_delay`` holds matching requests for some seconds before they are handled
+(a slow S3: a test can tell from :class:`DelayRule` when a request is being held, and drive a run into the
+stage that waits on it). The proxy counts what it injected and what it forwarded. It is bounded (connections, header
 and body sizes) and ``stop()`` closes every socket and joins every thread. Test infrastructure, not
 datagen code.
 """
@@ -30,7 +32,7 @@ import threading
 import uuid
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 FAULTS = ("500", "503", "409", "reset_before", "reset_after", "truncate")
@@ -54,6 +56,29 @@ ERROR_BODIES = {
 HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "expect", "proxy-connection", "te", "upgrade"}
 
 RequestMatcher = Callable[[str, str], bool]
+
+
+@dataclass
+class DelayRule:
+    """Holds requests matching ``method`` and ``path_contains`` for ``seconds`` (the first ``times`` only)."""
+
+    seconds: float
+    method: str | None = None
+    path_contains: str = ""
+    times: int | None = None
+    hits: int = 0
+    held_now: int = 0
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def matches(self, method: str, path: str) -> bool:
+        """Whether a request is held by this rule (while it has holds left)."""
+        if self.released.is_set() or (self.times is not None and self.hits >= self.times):
+            return False
+        return (self.method is None or method == self.method) and self.path_contains in path
+
+    def release(self) -> None:
+        """Let every held request through now, and hold no more."""
+        self.released.set()
 
 
 @dataclass(frozen=True)
@@ -154,6 +179,7 @@ class S3FaultProxy:
         self.seen: list[SeenRequest] = []
         self._random = random.Random(seed)
         self._scripted: list[tuple[str, RequestMatcher]] = []
+        self._delays: list[DelayRule] = []
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._threads: set[threading.Thread] = set()
@@ -177,6 +203,7 @@ class S3FaultProxy:
     def stop(self) -> None:
         """Stop accepting, close every connection, join every thread."""
         self._stopping.set()
+        self.clear_delays()
         self._accept_thread.join(JOIN_TIMEOUT_S)
         self._listener.close()
         with self._lock:
@@ -212,6 +239,45 @@ class S3FaultProxy:
         with self._lock:
             self._scripted.append((fault, matches))
 
+    def add_delay(
+        self, seconds: float, *, method: str | None = None, path_contains: str = "", times: int | None = None
+    ) -> DelayRule:
+        """Hold each request matching ``method`` and ``path_contains`` for ``seconds`` before handling it.
+
+        Args:
+            seconds: How long each matching request is held (then handled as usual).
+            method: Only requests of this HTTP method (any when None).
+            path_contains: Only requests whose path contains this.
+            times: Hold only the first ``times`` matching requests (every one when None).
+
+        Returns:
+            The rule: its ``hits`` and ``held_now`` say what it held; ``release()`` ends it.
+        """
+        rule = DelayRule(seconds, method, path_contains, times)
+        with self._lock:
+            self._delays.append(rule)
+        return rule
+
+    def clear_delays(self) -> None:
+        """Release every delay rule (held requests go through now)."""
+        with self._lock:
+            rules, self._delays = self._delays, []
+        for rule in rules:
+            rule.release()
+
+    def _hold(self, method: str, path: str) -> None:
+        with self._lock:
+            rule = next((rule for rule in self._delays if rule.matches(method, path)), None)
+            if rule is None:
+                return
+            rule.hits += 1
+            rule.held_now += 1
+        try:
+            rule.released.wait(rule.seconds)
+        finally:
+            with self._lock:
+                rule.held_now -= 1
+
     # --- serving --------------------------------------------------------------------------------
 
     def _accept_loop(self) -> None:
@@ -237,6 +303,7 @@ class S3FaultProxy:
             reader = _Reader(client)
             while not self._stopping.is_set():
                 request = self._read_request(client, reader)
+                self._hold(request.method, request.target)
                 fault = self._choose_fault(request.method, request.target)
                 with self._lock:
                     self.seen.append(
