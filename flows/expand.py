@@ -17,7 +17,6 @@ import queue
 import time
 from collections import deque
 from datetime import UTC
-from pathlib import Path
 from typing import Any, cast
 from uuid import UUID
 
@@ -28,6 +27,7 @@ from prefect.context import FlowRunContext
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
+from pydantic import BaseModel
 
 import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
@@ -35,15 +35,15 @@ from datagen.config import RunConfig
 from datagen.errors import ShardsFailedError
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
-from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
-from datagen.settings import get_settings, server_api_key
+from datagen.settings import server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
+from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.credentials import configure_s3_credentials
 from tasks.data import (
     CorpusIds,
@@ -52,14 +52,6 @@ from tasks.data import (
     merge_and_tokenize,
     prepare_prompts,
     prompt_scans,
-)
-from tasks.host import (
-    halt_training,
-    hand_back_gpus,
-    plan_servers,
-    probe_environment,
-    start_fleet,
-    stop_fleet,
 )
 from tasks.run import (
     check_prompts,
@@ -92,8 +84,6 @@ MAX_SHARD_TASKS = 224
 SCHEDULE_INTERVAL_S = 0.2
 # How often the flow refreshes the progress bar and the terminal progress line.
 PROGRESS_INTERVAL_S = 5.0
-# Seconds between checks that restart a server whose process died mid-run.
-FLEET_MONITOR_INTERVAL_S = 5.0
 
 
 def _generated_run_id() -> str:
@@ -131,19 +121,9 @@ def _flow_run_name() -> str:
     return f"expand-{run_id or _generated_run_id()}"
 
 
-def _fleets_root() -> Path:
-    """Host-local folder holding one subfolder per flow run's servers."""
-    return Path(get_settings().state_dir).expanduser() / "fleets"
-
-
-def _fleet_state_dir(flow_run_id: str) -> Path:
-    """Host-local folder of one flow run's servers (pidfile, logs), known to the hooks too."""
-    return _fleets_root() / flow_run_id
-
-
 def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
     """Cancellation/crash hook: may run in another process, so it stops servers through the pidfile."""
-    state_dir = _fleet_state_dir(str(flow_run.id))
+    state_dir = fleet_state_dir(str(flow_run.id))
     logger = flow_run_logger(flow_run, flow)
     stopped = stop_fleet_from_pidfile(fleet_pidfile(state_dir))
     logger.warning("stopped servers after %s count=%d", state.type.value, stopped)
@@ -480,7 +460,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     logger = get_run_logger()
     configure_s3_credentials()
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
-    state_dir = _fleet_state_dir(flow_run_id)
+    state_dir = fleet_state_dir(flow_run_id)
 
     # `stage=<name>` lines mark where a run is (in the terminal, the run log and the Prefect UI): a run that
     # seems stuck says which step it waits in.
@@ -532,36 +512,20 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     else:
         logger.info("stage=gpu-lock")
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
-        fleet: Fleet | None = None
-        try:
-            # Inside the try: a signal mid-halt still hands training back (once it has stopped).
-            logger.info("stage=halt-training kind=%s", config.training.kind)
-            halt = halt_training(config.training, gpus.halt_record, run.run_id)
-            write_attempt_record(config, run, attempt_id, "training", halt)
-            logger.info("stage=probe")
-            env = probe_environment()
-            write_attempt_record(config, run, attempt_id, "env", env)
-            plan = plan_servers(env, config, state_dir)
-            write_attempt_record(config, run, attempt_id, "plan", plan)
-            servers = len(plan.servers)
-            fleet = Fleet(
-                plan,
-                state_dir,
-                ready_timeout_s=config.fleet.ready_timeout_s,
-                max_restarts_per_server=config.fleet.max_restarts_per_server,
-                api_key=server_api_key(),
-            )
-            logger.info("stage=start-servers servers=%d engine=%s", servers, plan.engine)
-            urls = start_fleet(fleet, _fleets_root())
-            fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
+
+        def record(name: str, value: BaseModel) -> str:
+            return write_attempt_record(config, run, attempt_id, name, value)
+
+        with serve_on_this_box(config, gpus, run.run_id, state_dir, record) as serving:
+            servers = len(serving.plan.servers)
             logger.info("stage=generate")
             with Dispatcher(
-                urls,
-                model=plan.served_model_name,
+                serving.urls,
+                model=serving.plan.served_model_name,
                 engine=config.fleet.engine,
-                max_inflight_per_server=plan.dispatcher_inflight,
+                max_inflight_per_server=serving.plan.dispatcher_inflight,
                 generation=config.generation,
-                liveness=fleet.is_alive,
+                liveness=serving.fleet.is_alive,
                 api_key=server_api_key(),
                 exact_tokens=datagen.engines.exact_tokens_enabled(config),
             ) as dispatcher:
@@ -578,13 +542,6 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                     _record_generation_window(
                         config, layout, attempt_id, generation_wall_s, servers, finished
                     )
-        finally:
-            if fleet is not None:
-                stop_fleet(fleet)
-            # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
-            restarted = hand_back_gpus(gpus.halt_record)
-            if restarted is not None:
-                write_attempt_record(config, run, attempt_id, "training-restart", restarted)
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]}); everything else is stored. "

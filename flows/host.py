@@ -25,7 +25,6 @@ from pydantic import BaseModel
 import datagen.app.preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
-from datagen.host.fleet import Fleet
 from datagen.output.hosts import (
     FLEET,
     GO,
@@ -41,10 +40,9 @@ from datagen.output.hosts import (
 from datagen.output.layout import RunLayout
 from datagen.output.runs import open_store
 from datagen.output.store import Store
-from datagen.settings import server_api_key
-from flows.expand import FLEET_MONITOR_INTERVAL_S, _fleet_state_dir, _fleets_root, _stop_servers_hook
+from flows.expand import _stop_servers_hook
+from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.credentials import configure_s3_credentials
-from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
 from tasks.hosts import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
@@ -134,50 +132,38 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         logger.warning("host part not started host=%s reason=%s; nothing was halted", host, reason)
         return f"host {host}: nothing halted ({reason})"
 
-    state_dir = _fleet_state_dir(flow_run_id)
-    with hold_host_gpus(layout.run_id) as gpus:
-        fleet: Fleet | None = None
-        try:
-            halt = halt_training(local.training, gpus.halt_record, layout.run_id)
-            _record(store, layout, attempt_id, f"host-{host}-training", halt)
-            env = probe_environment()
-            _record(store, layout, attempt_id, f"host-{host}-env", env)
-            plan = plan_servers(env, local, state_dir)
-            _record(store, layout, attempt_id, f"host-{host}-plan", plan)
-            fleet = Fleet(
-                plan,
-                state_dir,
-                ready_timeout_s=local.fleet.ready_timeout_s,
-                max_restarts_per_server=local.fleet.max_restarts_per_server,
-                api_key=server_api_key(),
-            )
-            urls = start_fleet(fleet, _fleets_root())
-            fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
-            published = HostFleet(
-                host=host,
-                flow_run_id=flow_run_id,
-                hostname=hostname,
-                pid=os.getpid(),
-                urls=urls,
-                max_inflight_per_server=plan.dispatcher_inflight,
-                served_model_name=plan.served_model_name,
-            )
-            write_host_object(store, layout, attempt_id, FLEET, published, host=host)
-            logger.info("host serving host=%s servers=%d; until the parent releases it", host, len(urls))
-            started = time.monotonic()
-            released = wait_for_host_object(
-                store, layout, attempt_id, RELEASE, HostsRelease, poll_s=poll_s, give_up=parent_ended
-            )
-            why = released if isinstance(released, str) else released.reason
-            logger.info("host released host=%s after_s=%.0f reason=%s", host, time.monotonic() - started, why)
-        finally:
-            if fleet is not None:
-                stop_fleet(fleet)
-            restarted = hand_back_gpus(gpus.halt_record)
-            if restarted is not None:
-                with contextlib.suppress(Exception):
-                    _record(store, layout, attempt_id, f"host-{host}-training-restart", restarted)
-    return f"host {host}: served {len(urls)} server(s) ({why})"
+    state_dir = fleet_state_dir(flow_run_id)
+
+    def record(name: str, value: BaseModel) -> None:
+        _record(store, layout, attempt_id, f"host-{host}-{name}", value)
+
+    def record_restart(name: str, value: BaseModel) -> None:
+        # The GPUs are already handed back: a store that fails now must not hide how the part ended.
+        with contextlib.suppress(Exception):
+            record(name, value)
+
+    with (
+        hold_host_gpus(layout.run_id) as gpus,
+        serve_on_this_box(local, gpus, layout.run_id, state_dir, record, record_restart) as serving,
+    ):
+        published = HostFleet(
+            host=host,
+            flow_run_id=flow_run_id,
+            hostname=hostname,
+            pid=os.getpid(),
+            urls=serving.urls,
+            max_inflight_per_server=serving.plan.dispatcher_inflight,
+            served_model_name=serving.plan.served_model_name,
+        )
+        write_host_object(store, layout, attempt_id, FLEET, published, host=host)
+        logger.info("host serving host=%s servers=%d; until the parent releases it", host, len(serving.urls))
+        started = time.monotonic()
+        released = wait_for_host_object(
+            store, layout, attempt_id, RELEASE, HostsRelease, poll_s=poll_s, give_up=parent_ended
+        )
+        why = released if isinstance(released, str) else released.reason
+        logger.info("host released host=%s after_s=%.0f reason=%s", host, time.monotonic() - started, why)
+    return f"host {host}: served {len(serving.urls)} server(s) ({why})"
 
 
 def _record(store: Store, layout: RunLayout, attempt_id: str, name: str, value: BaseModel) -> None:

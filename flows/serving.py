@@ -1,0 +1,102 @@
+"""One box's serving sequence, the same in the single-box flow and in each host part of a multi-host run.
+
+Halt training -> probe -> plan -> start the fleet (and its monitor); on the way out, however the block ends
+(success, failure, signal, cancellation): stop the fleet, then hand the GPUs back, restarting training once
+when configured. The caller holds the box's GPU lock (:func:`tasks.runtime.hold_host_gpus`) around it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prefect import get_run_logger
+from pydantic import BaseModel
+
+from datagen.config import RunConfig
+from datagen.host.fleet import Fleet
+from datagen.host.plan import ServerPlan
+from datagen.settings import get_settings, server_api_key
+from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
+from tasks.runtime import HostGpus
+
+# Seconds between checks that restart a server whose process died mid-run.
+FLEET_MONITOR_INTERVAL_S = 5.0
+
+Record = Callable[[str, BaseModel], object]
+
+
+def fleets_root() -> Path:
+    """Host-local folder holding one subfolder per flow run's servers."""
+    return Path(get_settings().state_dir).expanduser() / "fleets"
+
+
+def fleet_state_dir(flow_run_id: str) -> Path:
+    """Host-local folder of one flow run's servers (pidfile, logs), known to the hooks too."""
+    return fleets_root() / flow_run_id
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The box's servers, up: their plan, their owner, and the URLs requests go to."""
+
+    plan: ServerPlan
+    fleet: Fleet
+    urls: list[str]
+
+
+@contextlib.contextmanager
+def serve_on_this_box(
+    config: RunConfig,
+    gpus: HostGpus,
+    run_id: str | None,
+    state_dir: Path,
+    record: Record,
+    record_restart: Record | None = None,
+) -> Iterator[Serving]:
+    """Halt training, probe, plan and start this box's servers for the block; stop them and hand back after.
+
+    Args:
+        config: The run's config as this box runs it (its fleet and training job).
+        gpus: The GPU lock the caller holds (where the halt is recorded).
+        run_id: The run, recorded with the halt.
+        state_dir: This flow run's fleet folder (:func:`fleet_state_dir`).
+        record: Stores one record of the sequence (``training``, ``env``, ``plan``) under the attempt.
+        record_restart: Stores the ``training-restart`` record; ``record`` when None.
+
+    Yields:
+        The servers, ready and monitored.
+
+    """
+    logger = get_run_logger()
+    fleet: Fleet | None = None
+    try:
+        # Inside the try: a signal mid-halt still hands training back (once it has stopped).
+        logger.info("stage=halt-training kind=%s", config.training.kind)
+        halt = halt_training(config.training, gpus.halt_record, run_id)
+        record("training", halt)
+        logger.info("stage=probe")
+        env = probe_environment()
+        record("env", env)
+        plan = plan_servers(env, config, state_dir)
+        record("plan", plan)
+        fleet = Fleet(
+            plan,
+            state_dir,
+            ready_timeout_s=config.fleet.ready_timeout_s,
+            max_restarts_per_server=config.fleet.max_restarts_per_server,
+            api_key=server_api_key(),
+        )
+        logger.info("stage=start-servers servers=%d engine=%s", len(plan.servers), plan.engine)
+        urls = start_fleet(fleet, fleets_root())
+        fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
+        yield Serving(plan=plan, fleet=fleet, urls=urls)
+    finally:
+        if fleet is not None:
+            stop_fleet(fleet)
+        # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
+        restarted = hand_back_gpus(gpus.halt_record)
+        if restarted is not None:
+            (record_restart or record)("training-restart", restarted)
