@@ -48,8 +48,8 @@ def _shard_files(root: Path) -> list[Path]:
 
 def run_datagen(root: Path, tokenizer: Path, procs: int, out: Path) -> None:
     from datagen.config import RunConfig
+    from datagen.dataset.merge import merge_and_tokenize
     from datagen.output.layout import RunLayout
-    from datagen.output.merge import merge_and_tokenize
     from datagen.output.store import Store
 
     config = RunConfig.model_validate(

@@ -61,8 +61,8 @@ def datagen_rows(records_path: Path, tokenizer: Path, work: Path) -> dict[tuple[
     import pyarrow.parquet as pq
 
     from datagen.config import RunConfig
+    from datagen.dataset.merge import merge_and_tokenize
     from datagen.output.layout import RunLayout
-    from datagen.output.merge import merge_and_tokenize
     from datagen.output.store import Store
     from datagen.records import ShardSummary
 

@@ -16,7 +16,7 @@ from datagen.app import cli
 if TYPE_CHECKING:
     from datagen.app.runner import ExpandFlow
     from datagen.config import RunConfig
-    from datagen.output.report import RunSummary
+    from datagen.dataset.report import RunSummary
 
 
 def load_expand_flow() -> ExpandFlow:

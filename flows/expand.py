@@ -32,13 +32,13 @@ from pydantic import BaseModel
 import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
+from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.errors import ShardsFailedError
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
-from datagen.output.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.output.runs import make_run_id, open_store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import server_api_key

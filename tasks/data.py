@@ -11,8 +11,8 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
 
+import datagen.dataset.merge
 import datagen.generation.shard
-import datagen.output.merge
 import datagen.output.runs
 import datagen.prompts.datasets.corpus
 import datagen.prompts.ledger
@@ -202,7 +202,7 @@ def generate_shard(
 )
 def merge_and_tokenize(config: RunConfig, run: RunHandle, shards: list[ShardSummary]) -> dict[str, Any]:
     """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""
-    summary = datagen.output.merge.merge_and_tokenize(
+    summary = datagen.dataset.merge.merge_and_tokenize(
         datagen.output.runs.open_store(config), run.layout, config
     )
     data: dict[str, Any] = summary.model_dump(mode="json")

@@ -10,16 +10,16 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 import datagen.app.preflight
+import datagen.dataset.report
 import datagen.output.manifest
-import datagen.output.report
 import datagen.output.runs
 import datagen.prompts.mix
 from datagen.app.preflight import Check, PreflightReport
 from datagen.config import RunConfig
+from datagen.dataset.report import RunReport
 from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import RunManifest
-from datagen.output.report import RunReport
 from datagen.output.runs import RunHandle
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
@@ -88,9 +88,9 @@ def write_report(
     rows_by_dataset: dict[str, int] = dict(tokenize_summary.get("rows_by_dataset") or {})
     # Every attempt's generation time (this one's was recorded as it ended): a resumed run's completions
     # come from all of them.
-    wall_s, attempts = datagen.output.report.generation_time_over_attempts(store, layout)
-    hosts, lost_hosts = datagen.output.report.hosts_over_attempts(store, layout)
-    report = datagen.output.report.build_report(
+    wall_s, attempts = datagen.dataset.report.generation_time_over_attempts(store, layout)
+    hosts, lost_hosts = datagen.dataset.report.hosts_over_attempts(store, layout)
+    report = datagen.dataset.report.build_report(
         run_id=run.run_id,
         config=config,
         prepared=prepared,

@@ -351,8 +351,8 @@ def corpus_adopt(
     from pydantic import ValidationError
 
     from datagen.config import TokenizeConfig
+    from datagen.dataset.corpus import AdoptTokenize, CategoryRule, adopt_corpus
     from datagen.errors import DatagenError
-    from datagen.output.corpus import AdoptTokenize, CategoryRule, adopt_corpus
     from datagen.output.store import Store
 
     try:
@@ -398,10 +398,10 @@ def corpus_adopt(
 
 def _print_training(version_url: str, output: str, tokenizer: str | None, *, export: bool) -> None:
     """Export a version when asked (or find its export) and print each trainer's command, or how to export."""
+    from datagen.dataset.export import export_version, find_export, parquet_hint, training_commands
+    from datagen.dataset.versions import ExportRecord, read_base_version
     from datagen.errors import DatagenError
-    from datagen.output.export import export_version, find_export, parquet_hint, training_commands
     from datagen.output.store import Store
-    from datagen.output.versions import ExportRecord, read_base_version
 
     store = Store(output)
     record: ExportRecord | None = None
@@ -438,7 +438,7 @@ def export(
     ] = None,
 ) -> None:
     """Write (once) the JSONL that SpecForge and speculators read as-is beside a version's Parquet parts."""
-    from datagen.output.export import version_store_root
+    from datagen.dataset.export import version_store_root
 
     root = output or version_store_root(version)
     if root is None:

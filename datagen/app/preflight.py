@@ -226,7 +226,7 @@ def _check_model(config: RunConfig, store: Store) -> str:
             f"model directory {model_path} has no config.json; set `model.path` to a local model directory "
             "(download it before the run: GPU hosts may not reach the hub)"
         )
-    from datagen.output.tokenizer import shared_spec
+    from datagen.dataset.tokenizer import shared_spec
 
     location = Path(config.model.tokenizer)
     if location.is_dir() and not any((location / name).is_file() for name in TOKENIZER_FILES):
@@ -403,7 +403,7 @@ def _check_external_servers(config: RunConfig, store: Store) -> str:
 def _check_base_version(config: RunConfig, store: Store) -> str:
     if not config.tokenize.base_version:
         return "none (a first dataset version)"
-    from datagen.output.versions import read_base_version
+    from datagen.dataset.versions import read_base_version
 
     url, version = read_base_version(store, config.tokenize.base_version)
     return f"extends {url} ({version.rows} rows)"

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import typer
 
 from datagen.config import RunConfig
-from datagen.output.report import RunSummary
+from datagen.dataset.report import RunSummary
 
 ExpandFlow = Callable[[RunConfig], RunSummary]
 """The `expand` flow as the runner calls it: a run config in, the run's summary out."""

@@ -1,7 +1,7 @@
 """SGLang's native ``/generate`` wire format: exact token ids in, exact token ids out (exact-token mode).
 
 The prompt is rendered with the target's chat template here, by the function the tokenize step renders a
-training row's prompt with (:func:`datagen.output.tokenizer.render_prompt`), and sent as ``input_ids`` with
+training row's prompt with (:func:`datagen.dataset.tokenizer.render_prompt`), and sent as ``input_ids`` with
 ``sampling_params``; the answer's ``output_ids`` are kept verbatim with its finish reason and token counts, so
 tokenization uses them without re-tokenizing text (zero drift). Reasoning and tool calls are split from the
 raw text for the record (:mod:`datagen.generation.markup`); ``/generate`` applies no chat template and no
@@ -19,6 +19,7 @@ from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, ValidationError
 
+from datagen.dataset.tokenizer import TokenizerSpec, render_prompt, shared_spec
 from datagen.errors import TokenizeError
 from datagen.generation.markup import (
     opens_reasoning,
@@ -33,7 +34,6 @@ from datagen.generation.wire import (
     excerpt,
     optional_sampling_fields,
 )
-from datagen.output.tokenizer import TokenizerSpec, render_prompt, shared_spec
 from datagen.records import AssistantCompletion, FailureRecord, FinishReason, PromptRecord, TokenUsage
 
 GENERATE_PATH = "/generate"

@@ -158,7 +158,7 @@ def dataset_version(name: str, version: int) -> str:
 def dataset_export(name: str, digest: str) -> tuple[str, str]:
     """The keys of a trainer export of dataset ``name``: its rows, and its record (written after the rows).
 
-    ``digest`` names the exported list of parts (:func:`datagen.output.export.export_keys`); the rows' folder
+    ``digest`` names the exported list of parts (:func:`datagen.dataset.export.export_keys`); the rows' folder
     holds nothing else, so a trainer given the folder reads only rows.
     """
     folder = f"datasets/{name}/exports/{digest}"

@@ -15,13 +15,13 @@ from typer.testing import CliRunner
 
 from datagen.app.cli import app
 from datagen.config import RunConfig
+from datagen.dataset.merge import merge_and_tokenize
+from datagen.dataset.tokenize import TokenizedRow, tokenize_completion
+from datagen.dataset.tokenizer import load_tokenizer
+from datagen.dataset.versions import DatasetVersion
 from datagen.output.layout import RunLayout
-from datagen.output.merge import merge_and_tokenize
 from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store
-from datagen.output.tokenize import TokenizedRow, tokenize_completion
-from datagen.output.tokenizer import load_tokenizer
-from datagen.output.versions import DatasetVersion
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -121,7 +121,7 @@ def _request_keys(run_root: Path, kind: str) -> list[str]:
 def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_nothing(
     tmp_path: Path, tiny_model_dir: Path, state_dir: Path
 ) -> None:
-    from datagen.output.tokenizer import load_tokenizer
+    from datagen.dataset.tokenizer import load_tokenizer
     from flows.expand import expand
 
     trainer, pidfile, checkpoints = _start_trainer(tmp_path)

@@ -13,12 +13,12 @@ from typer.testing import CliRunner
 
 from datagen.app.cli import app
 from datagen.config import RunConfig
+from datagen.dataset.export import export_keys, find_export, training_commands
+from datagen.dataset.versions import DatasetVersion, ExportRecord
 from datagen.errors import OutputExistsError
-from datagen.output.export import export_keys, find_export, training_commands
 from datagen.output.s3 import S3Backend
 from datagen.output.s3_client import make_s3_client
 from datagen.output.store import Store
-from datagen.output.versions import DatasetVersion, ExportRecord
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.support.trainer_rows import merge_run, parquet_rows
 
@@ -223,7 +223,7 @@ def test_s3_export_prints_a_download_before_the_trainer_commands() -> None:
 
 
 def test_the_report_shows_each_trainers_command_or_how_to_export(tmp_path: Path, qwen3_dir: Path) -> None:
-    from datagen.output.report import build_report
+    from datagen.dataset.report import build_report
 
     root = tmp_path / "store"
     plain = merge_run(root, qwen3_dir, "run-a", "alpha", 0)

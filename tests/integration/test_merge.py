@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.config import RunConfig
+from datagen.dataset.merge import TokenizeSummary, merge_and_tokenize
+from datagen.dataset.tokenizer import load_tokenizer
+from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from datagen.errors import TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
-from datagen.output.merge import TokenizeSummary, merge_and_tokenize
 from datagen.output.store import Store
-from datagen.output.tokenizer import load_tokenizer
-from datagen.output.versions import DatasetVersion, TokenizedPartRef
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from datagen.output.versions import DatasetVersion, TokenizedPartRef
+from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_stack import PrefectStack, copy_checkout
 

@@ -22,9 +22,9 @@ import pytest
 from typer.testing import CliRunner
 
 from datagen.app.cli import app
-from datagen.output.export import find_export
+from datagen.dataset.export import find_export
+from datagen.dataset.versions import DatasetVersion, ExportRecord
 from datagen.output.store import Store
-from datagen.output.versions import DatasetVersion, ExportRecord
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.support.trainer_rows import merge_run, parquet_rows
 from tests.support.trainer_venvs import ensure_venv

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from datagen.config import RunConfig
+from datagen.dataset.merge import TokenizeSummary, merge_and_tokenize
+from datagen.dataset.versions import DatasetVersion
 from datagen.output.layout import RunLayout
-from datagen.output.merge import TokenizeSummary, merge_and_tokenize
 from datagen.output.store import Store
-from datagen.output.versions import DatasetVersion
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from datagen.config import SamplingParams
+from datagen.dataset.tokenize import TokenizedRow, tokenize_completion
+from datagen.dataset.tokenizer import load_tokenizer
 from datagen.generation.generate_api import (
     UNRENDERABLE_PROMPT,
     PromptEncoder,
@@ -24,8 +26,6 @@ from datagen.generation.wire import (
     PromptTokens,
     UnusableResponseError,
 )
-from datagen.output.tokenize import TokenizedRow, tokenize_completion
-from datagen.output.tokenizer import load_tokenizer
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

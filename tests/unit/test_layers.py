@@ -20,15 +20,16 @@ FORBIDDEN_PACKAGES = frozenset({"prefect", "flows", "tasks"})
 # The modules every stage shares, at the top of the package.
 SHARED = "shared"
 SHARED_MODULES = frozenset({"config", "settings", "errors", "records", "samples", "templates"})
-STAGES = ("output", "engines", "host", "prompts", "generation", "app")
+STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")
 # What each layer may import (itself included); the app layer composes everything.
 ALLOWED_LAYERS: Mapping[str, frozenset[str]] = {
     SHARED: frozenset({SHARED}),
     "output": frozenset({SHARED, "output"}),
+    "dataset": frozenset({SHARED, "output", "dataset"}),
     "engines": frozenset({SHARED, "engines"}),
     "host": frozenset({SHARED, "engines", "output", "host"}),
-    "prompts": frozenset({SHARED, "output", "prompts"}),
-    "generation": frozenset({SHARED, "engines", "output", "generation"}),
+    "prompts": frozenset({SHARED, "output", "dataset", "prompts"}),
+    "generation": frozenset({SHARED, "engines", "output", "dataset", "generation"}),
     "app": frozenset({SHARED, *STAGES}),
 }
 
@@ -164,7 +165,7 @@ def test_the_core_has_no_import_cycle_even_through_imports_inside_functions() ->
         ("datagen.host.fleet", "def f():\n    import prefect\n", "the core never imports prefect"),
         ("datagen.records", "from tasks.data import prepare_prompts\n", "the core never imports tasks"),
         ("datagen.output.x", "from datagen.app.cli import main\n", "imports datagen.app.cli (app)"),
-        ("datagen.output.report", "from datagen.prompts.mix import mix_table\n", "(output) imports datagen"),
+        ("datagen.dataset.report", "from datagen.prompts.mix import mix_table\n", "(dataset) imports datagen"),
         ("datagen.records", "def f():\n    from datagen.config import RunConfig\n", None),
         ("datagen.config", "from datagen.prompts import mix\n", "imports datagen.prompts.mix (prompts)"),
         ("datagen.prompts.prepare", "from ..generation import shard\n", "imports datagen.generation.shard"),

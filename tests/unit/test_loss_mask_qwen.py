@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from datagen.output.tokenize import EncodedRow, RowTokenizer, TokenizedRow, tokenize_completion
-from datagen.output.tokenizer import TokenizerSpec, load_tokenizer
+from datagen.dataset.tokenize import EncodedRow, RowTokenizer, TokenizedRow, tokenize_completion
+from datagen.dataset.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from datagen.config import RunConfig, parse_run_config
+from datagen.dataset.report import build_report
 from datagen.errors import ConfigError
-from datagen.output.report import build_report
 from datagen.prompts.mix import (
     apportion,
     dataset_mix,

@@ -5,13 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from datagen.config import RunConfig
-from datagen.output.layout import RunLayout
-from datagen.output.report import (
+from datagen.dataset.report import (
     GenerationWindow,
     build_report,
     generation_time_over_attempts,
     record_generation_window,
 )
+from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import ShardSummary
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from datagen.dataset.tokenize import EncodedRow, RejectedRow, RowTokenizer, TokenizedRow, tokenize_completion
+from datagen.dataset.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.errors import ConfigError, TokenizeError
-from datagen.output.tokenize import EncodedRow, RejectedRow, RowTokenizer, TokenizedRow, tokenize_completion
-from datagen.output.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,

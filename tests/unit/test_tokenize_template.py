@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from datagen.output.tokenize import APPEND_PROBES, assistant_message
-from datagen.output.tokenize_template import read_tokenizer_files, render_chat_template
-from datagen.output.tokenizer import TokenizerSpec, load_tokenizer
+from datagen.dataset.tokenize import APPEND_PROBES, assistant_message
+from datagen.dataset.tokenize_template import read_tokenizer_files, render_chat_template
+from datagen.dataset.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.records import Message
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.unit.test_tokenize import make_record

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from datagen.output.tokenize_text import PIECE_CACHE_ENTRIES, TextEncoder
+from datagen.dataset.tokenize_text import PIECE_CACHE_ENTRIES, TextEncoder
 from tests.support.qwen import build_qwen_tokenizer_dir
 
 ADDED = ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>", "<|endoftext|>"]
@@ -81,7 +81,7 @@ def test_last_added_end_is_just_past_the_last_added_token(backend: Any) -> None:
 def test_full_piece_cache_is_emptied_and_results_stay_exact(
     backend: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("datagen.output.tokenize_text.PIECE_CACHE_ENTRIES", 8)
+    monkeypatch.setattr("datagen.dataset.tokenize_text.PIECE_CACHE_ENTRIES", 8)
     texts = _texts(2, 300, ASCII_ATOMS + UNICODE_ATOMS)
     encoder = TextEncoder(backend)
     assert encoder.encode_batch(texts) == _reference(backend, texts)

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from datagen.dataset.tokenize_workers import TokenizeJob, tokenize_shards
+from datagen.dataset.tokenizer import TokenizerSpec
 from datagen.output.store import Store
-from datagen.output.tokenize_workers import TokenizeJob, tokenize_shards
-from datagen.output.tokenizer import TokenizerSpec
 
 
 def test_workers_that_cannot_start_fail_the_merge_instead_of_restarting_forever(store_root: Path) -> None:

@@ -130,7 +130,7 @@ def _iter_dataset_version(path: str) -> Iterator[str]:
     import fsspec
     from pydantic import ValidationError
 
-    from datagen.output.versions import DatasetVersion
+    from datagen.dataset.versions import DatasetVersion
 
     try:
         with fsspec.open(path, "rb", **storage_options_for(path)) as handle:

@@ -2,7 +2,7 @@
 
 Each task is one finished completions shard, read by the parent (so workers need no storage credentials) and
 sent as bytes: a worker splits its JSON lines, validates them, drops what
-must not be trained on (counting why), tokenizes the rest in batches (:class:`~datagen.output.tokenize.RowTokenizer`)
+must not be trained on (counting why), tokenizes the rest in batches (:class:`~datagen.dataset.tokenize.RowTokenizer`)
 and returns the rows in columnar form (flat ``int32`` token ids, an ``int8`` mask, row lengths), which the
 parent turns into Arrow without touching Python ints. The parent consumes results in shard order, with at
 most ``2 x workers`` shards in flight, so the output order is deterministic and memory does not grow with the
@@ -25,10 +25,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from datagen.dataset.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
+from datagen.dataset.tokenizer import TokenizerSpec
 from datagen.errors import TokenizeError
 from datagen.output.store import Store
-from datagen.output.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
-from datagen.output.tokenizer import TokenizerSpec
 from datagen.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
@@ -60,7 +60,7 @@ class TokenizeJob:
         spec: The target tokenizer (:class:`TokenizerSpec`).
         max_length_tokens: Longer rows are dropped as ``too_long``.
         include_truncated: Keep completions that hit max_tokens.
-        answer_render: See :class:`~datagen.output.tokenize.RowTokenizer`.
+        answer_render: See :class:`~datagen.dataset.tokenize.RowTokenizer`.
 
     """
 

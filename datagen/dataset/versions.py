@@ -2,8 +2,8 @@
 
 A version lists every Parquet part of the training set, its base versions' included by reference (never
 copied or rewritten). Numbers are claimed write-once: a writer that finds its number taken steps to the next
-(:func:`claim_version`). The merge (:mod:`datagen.output.merge`), ``datagen corpus adopt``
-(:mod:`datagen.output.corpus`) and the trainer export (:mod:`datagen.output.export`) all build on these.
+(:func:`claim_version`). The merge (:mod:`datagen.dataset.merge`), ``datagen corpus adopt``
+(:mod:`datagen.dataset.corpus`) and the trainer export (:mod:`datagen.dataset.export`) all build on these.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class DatasetVersion(BaseModel):
     exports: list[ExportRecord] = Field(
         default_factory=list,
         description="Trainer exports written with the version (`tokenize.formats`); a later `datagen export` "
-        "writes its record beside the version instead (see datagen/output/export.py).",
+        "writes its record beside the version instead (see datagen/dataset/export.py).",
     )
 
     def parquet_urls(self) -> list[str]:

@@ -274,7 +274,7 @@ def build_report(
         _add_counts(totals.rejections, report.rejections)
         _add_counts(totals.finish_reasons, report.finish_reasons)
         _add_counts(totals.failure_reasons, report.failure_reasons)
-    from datagen.output.export import summary_training_lines
+    from datagen.dataset.export import summary_training_lines
 
     training = summary_training_lines(tokenize_summary or {}, config.model.tokenizer)
     mix_counts = Counter({name: report.tokenized_rows for name, report in by_name.items()})

@@ -5,7 +5,7 @@
 and :func:`shared_spec` keep one per process while its files stay unchanged. :class:`TokenizerSpec` is what
 tokenizing needs (the Rust tokenizer serialized, the template, its special tokens), small enough for worker
 processes; it renders the template in transformers' own sandboxed jinja environment
-(:mod:`datagen.output.tokenize_template`) without importing transformers. :func:`render_prompt` is the one
+(:mod:`datagen.dataset.tokenize_template`) without importing transformers. :func:`render_prompt` is the one
 prompt render: training rows and exact-token requests both use it.
 """
 
@@ -188,7 +188,7 @@ class TokenizerSpec:
     """What tokenizing needs from the target's tokenizer, small enough to send to worker processes.
 
     Workers rebuild the Rust tokenizer from its serialized form and render the chat template in transformers'
-    own sandboxed jinja environment (:mod:`datagen.output.tokenize_template`), without importing transformers.
+    own sandboxed jinja environment (:mod:`datagen.dataset.tokenize_template`), without importing transformers.
 
     Attributes:
         backend_json: The Rust tokenizer, serialized (empty when only rendering is needed).
@@ -206,14 +206,14 @@ class TokenizerSpec:
         """The spec of the tokenizer at ``path``, read without transformers when its layout allows.
 
         Read from its files when they are a layout known exactly
-        (:func:`~datagen.output.tokenize_template.read_tokenizer_files`), else loaded through transformers
+        (:func:`~datagen.dataset.tokenize_template.read_tokenizer_files`), else loaded through transformers
         (:func:`shared_tokenizer`: once per process).
 
         Raises:
             ConfigError: As :func:`load_tokenizer`.
 
         """
-        from datagen.output.tokenize_template import read_tokenizer_files
+        from datagen.dataset.tokenize_template import read_tokenizer_files
 
         files = read_tokenizer_files(path) if Path(path).is_dir() else None
         if files is None:
@@ -250,7 +250,7 @@ class TokenizerSpec:
             TokenizeError: The template failed to render these messages.
 
         """
-        from datagen.output.tokenize_template import render_chat_template
+        from datagen.dataset.tokenize_template import render_chat_template
 
         variables: dict[str, Any] = dict(self.special_tokens)
         if enable_thinking is not None:

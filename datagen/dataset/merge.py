@@ -3,8 +3,8 @@
 Reads every final completions shard whose done marker exists (sorted keys, so the row order is
 deterministic), drops what must not be trained on (truncated, empty, too long, not renderable), counting
 each drop by reason, tokenizes the rest with the target's tokenizer on ``tokenize.workers`` processes
-(:mod:`datagen.output.tokenize_workers`, results consumed in shard order), and writes write-once Parquet parts of
-``tokenize.rows_per_part`` rows in row groups of ``tokenize.row_group_rows`` (:mod:`datagen.output.parts`),
+(:mod:`datagen.dataset.tokenize_workers`, results consumed in shard order), and writes write-once Parquet parts of
+``tokenize.rows_per_part`` rows in row groups of ``tokenize.row_group_rows`` (:mod:`datagen.dataset.parts`),
 holding at most one part and a few shards in memory.
 Then it writes a dataset version manifest (``datasets/<name>/vNNNN.json``) listing the base version's
 shards (referenced, never rewritten) plus the new parts, and finally the tokenize summary.
@@ -25,13 +25,10 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig, TokenizeConfig
-from datagen.errors import OutputExistsError, TokenizeError
-from datagen.output.layout import RunLayout
-from datagen.output.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
-from datagen.output.store import Store
-from datagen.output.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
-from datagen.output.tokenizer import shared_spec
-from datagen.output.versions import (
+from datagen.dataset.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
+from datagen.dataset.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
+from datagen.dataset.tokenizer import shared_spec
+from datagen.dataset.versions import (
     JSONL_FORMAT,
     CompletionSourceRef,
     DatasetVersion,
@@ -40,6 +37,9 @@ from datagen.output.versions import (
     claim_version,
     read_base_version,
 )
+from datagen.errors import OutputExistsError, TokenizeError
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
 from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
@@ -372,7 +372,7 @@ def _write_dataset_version(
     exports: list[ExportRecord] = []
     if JSONL_FORMAT in config.tokenize.formats:
         # Written before the manifest (its keys depend only on the parts), so the manifest can list it.
-        from datagen.output.export import write_export
+        from datagen.dataset.export import write_export
 
         exports.append(write_export(store, name, shards))
     key, version = claim_version(

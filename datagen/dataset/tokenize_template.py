@@ -86,7 +86,7 @@ def read_tokenizer_files(path: str) -> TokenizerFiles | None:
         The files, or None.
 
     """
-    from datagen.output.tokenize_text import TextEncoder
+    from datagen.dataset.tokenize_text import TextEncoder
 
     folder = Path(path)
     if not (folder / TOKENIZER_FILE).is_file() or not (folder / TOKENIZER_CONFIG_FILE).is_file():

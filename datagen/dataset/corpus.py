@@ -1,7 +1,7 @@
 """Adopt the existing corpus as a base dataset version, without copying or modifying a byte of it.
 
 ``adopt_corpus`` lists every object under the corpus URL (the protected prefix), reads each one where it is,
-validates and counts it, and writes a :class:`~datagen.output.versions.DatasetVersion` manifest into the output
+validates and counts it, and writes a :class:`~datagen.dataset.versions.DatasetVersion` manifest into the output
 store (never under the corpus URL) that references every object by URL, size and SHA-256:
 
 * tokenized Parquet parts (``*.parquet``): ``input_ids`` and ``loss_mask`` list columns of equal length per row;
@@ -30,12 +30,12 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from datagen.config import TokenizeConfig
+from datagen.dataset.merge import write_tokenized_parts
+from datagen.dataset.versions import CompletionSourceRef, DatasetVersion, TokenizedPartRef, claim_version
 from datagen.errors import DatasetError
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import HASH_CHUNK_BYTES
-from datagen.output.merge import write_tokenized_parts
 from datagen.output.store import Store
-from datagen.output.versions import CompletionSourceRef, DatasetVersion, TokenizedPartRef, claim_version
 from datagen.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
@@ -187,7 +187,7 @@ def _adopted_parts_id(corpus_url: str, sources: list[CompletionSourceRef], token
     A digest of the corpus URL, every completions file's checksum, the tokenizer (its files as read) and the
     settings that change rows, so adopting again finds (and resumes) its own parts and never another's.
     """
-    from datagen.output.tokenizer import TokenizerSpec
+    from datagen.dataset.tokenizer import TokenizerSpec
 
     spec = TokenizerSpec.load(tokenize.tokenizer)
     settings = tokenize.settings

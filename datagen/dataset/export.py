@@ -30,10 +30,7 @@ from typing import Any
 
 import orjson
 
-from datagen.errors import ConfigError, DatasetError, OutputExistsError
-from datagen.output.layout import dataset_export
-from datagen.output.store import Store
-from datagen.output.versions import (
+from datagen.dataset.versions import (
     EXPORT_SCHEMA,
     JSONL_FORMAT,
     DatasetVersion,
@@ -41,6 +38,9 @@ from datagen.output.versions import (
     TokenizedPartRef,
     read_base_version,
 )
+from datagen.errors import ConfigError, DatasetError, OutputExistsError
+from datagen.output.layout import dataset_export
+from datagen.output.store import Store
 
 logger = logging.getLogger(__name__)
 

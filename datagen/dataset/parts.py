@@ -12,9 +12,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from datagen.dataset.tokenize_workers import ShardRows
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
-from datagen.output.tokenize_workers import ShardRows
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ tail's own ids, the answer starts on a token boundary and the mask starts right 
 merged the tail with the answer's first characters, rare) the window's character offsets from the Rust tokenizer
 decide by the overlap rule above. The mask ends at the last ``<|im_end|>`` id. Both cases equal the overlap rule
 on the full render; the tests check it against full-render offsets. The ids come from
-:class:`~datagen.output.tokenize_text.TextEncoder`: exactly the Rust tokenizer's ids, several times faster.
+:class:`~datagen.dataset.tokenize_text.TextEncoder`: exactly the Rust tokenizer's ids, several times faster.
 
 Exact-ids path: when the engine returned the generated token ids, the row is the tokenized prompt render
 followed by those ids (plus ``<|im_end|>`` when generation stopped but the ids end on no stop token), and the
@@ -36,9 +36,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from datagen.dataset.tokenize_text import TextEncoder
+from datagen.dataset.tokenizer import TokenizerSpec, render_prompt
 from datagen.errors import TokenizeError
-from datagen.output.tokenize_text import TextEncoder
-from datagen.output.tokenizer import TokenizerSpec, render_prompt
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
