@@ -11,6 +11,7 @@ prompt render: training rows and exact-token requests both use it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable
@@ -37,12 +38,14 @@ TOKENIZER_SOURCE_FILES = (
 )
 
 
-def load_tokenizer(path: str) -> Any:
-    """Load the target's tokenizer from local files only (never the network).
+def load_tokenizer(path: str, *, download: bool = False) -> Any:
+    """Load the target's tokenizer from local files only (never the network, unless ``download``).
 
     Args:
         path: A local directory (or a hub id already in the local cache) holding a fast tokenizer
             with a chat template.
+        download: Fetch a hub id that is not cached yet (prompt preparation, which runs first, may; the
+            merge then finds it in the cache).
 
     Returns:
         A ``transformers`` fast tokenizer.
@@ -54,7 +57,7 @@ def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=not download)
     except (OSError, ValueError) as error:
         where = "directory" if Path(path).exists() else "path (it does not exist locally)"
         raise ConfigError(
@@ -98,14 +101,16 @@ _loaded_tokenizers = _FilesCache()
 _loaded_specs = _FilesCache()
 
 
-def shared_tokenizer(path: str) -> Any:
+def shared_tokenizer(path: str, *, download: bool = False) -> Any:
     """:func:`load_tokenizer`, loaded once per process while its files stay unchanged.
 
-    Preflight, the exact-token prompt renders of every shard task and the merge all run in the flow
-    process: one load (seconds for a real vocabulary) serves them all. Callers must not modify it.
+    Preflight, prompt preparation's length rule, the exact-token prompt renders of every shard task and the
+    merge all run in the flow process: one load (seconds for a real vocabulary) serves them all. Callers
+    must not modify it.
 
     Args:
         path: As for :func:`load_tokenizer`.
+        download: As for :func:`load_tokenizer`.
 
     Returns:
         The loaded tokenizer, the same object for every caller until a tokenizer file changes.
@@ -114,7 +119,7 @@ def shared_tokenizer(path: str) -> Any:
         ConfigError: As for :func:`load_tokenizer`.
 
     """
-    return _loaded_tokenizers.get(path, load_tokenizer)
+    return _loaded_tokenizers.get(path, functools.partial(load_tokenizer, download=download))
 
 
 def shared_spec(path: str) -> TokenizerSpec:

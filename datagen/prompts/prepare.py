@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from datagen.config import DatasetConfig, RunConfig
-from datagen.errors import DatasetError, OutputExistsError
+from datagen.dataset.tokenizer import shared_tokenizer
+from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.prompts.datasets.corpus import load_corpus_ids
@@ -62,16 +63,12 @@ __all__ = [
 
 
 def _load_tokenizer(location: str) -> Any:
+    # The one loader of the target's tokenizer (the merge's), once per process; a hub id may download here.
     try:
-        from transformers import AutoTokenizer
-    except ImportError as error:  # pragma: no cover - transformers is a core dependency
-        raise DatasetError("max_prompt_tokens needs transformers: pip install 'datagen'") from error
-    try:
-        return AutoTokenizer.from_pretrained(location)
-    except (OSError, ValueError) as error:
+        return shared_tokenizer(location, download=True)
+    except ConfigError as error:
         raise DatasetError(
-            f"Cannot load the tokenizer {location} to count prompt tokens (max_prompt_tokens): {error}. "
-            "Set model.tokenizer_path to a local tokenizer directory."
+            f"Cannot load the tokenizer {location} to count prompt tokens (max_prompt_tokens): {error}"
         ) from error
 
 

@@ -24,6 +24,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from datagen.dataset.tokenizer import TokenizerSpec, render_prompt
 from datagen.prompts.datasets.identity import prompt_id_for
 from datagen.prompts.datasets.model import NormalisedPrompt, RejectionReason
 from datagen.records import PromptRecord
@@ -220,29 +221,32 @@ class QuotaRule:
 
 
 def count_prompt_tokens(
-    tokenizer: Any, prompt: NormalisedPrompt | PromptRecord, *, enable_thinking: bool | None = None
+    tokenizer: Any,
+    prompt: NormalisedPrompt | PromptRecord,
+    *,
+    enable_thinking: bool | None = None,
+    spec: TokenizerSpec | None = None,
 ) -> int:
     """Tokens of the prompt as the target renders it: its chat template, tools, generation prompt.
+
+    The render is the one the training rows and exact-token requests use
+    (:func:`datagen.dataset.tokenizer.render_prompt`), so a prompt is measured as the server will see it.
 
     Args:
         tokenizer: A ``transformers`` tokenizer with a chat template.
         prompt: The prompt.
         enable_thinking: Passed to the template when set (it changes the generation prompt).
+        spec: ``tokenizer``'s template and special tokens, when the caller keeps them (built here otherwise).
 
     Returns:
         The token count.
 
+    Raises:
+        TokenizeError: The template failed to render the prompt.
+
     """
-    kwargs: dict[str, Any] = {}
-    if enable_thinking is not None:
-        kwargs["enable_thinking"] = enable_thinking
-    text = tokenizer.apply_chat_template(
-        [message.to_chat_dict() for message in prompt.messages],
-        tools=prompt.tools or None,
-        add_generation_prompt=True,
-        tokenize=False,
-        **kwargs,
-    )
+    template = spec or TokenizerSpec.from_tokenizer(tokenizer, with_backend=False)
+    text = render_prompt(template, prompt.messages, prompt.tools or None, enable_thinking)
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -254,12 +258,18 @@ class LengthRule:
     max_tokens: int
     enable_thinking: bool | None
     name: str = "length"
+    spec: TokenizerSpec | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # The template and special tokens, read from the tokenizer once for every prompt of the dataset.
+        if self.spec is None:
+            self.spec = TokenizerSpec.from_tokenizer(self.tokenizer, with_backend=False)
 
     def check(self, candidate: Candidate) -> RuleRejection | None:
         """Reject a prompt that is too long, or that the template refuses to render."""
         try:
             tokens = count_prompt_tokens(
-                self.tokenizer, candidate.record(), enable_thinking=self.enable_thinking
+                self.tokenizer, candidate.record(), enable_thinking=self.enable_thinking, spec=self.spec
             )
         except Exception as error:  # a template refusing one prompt must not stop the dataset
             return RuleRejection("template_error", f"{type(error).__name__}: {error}", candidate.preview)

@@ -179,6 +179,23 @@ def test_length_filter_counts_tokens_of_the_target_template_render(
     assert prepared.prompts == 3
 
 
+def test_a_tokenizer_that_cannot_load_is_one_dataset_error_naming_max_prompt_tokens(
+    store_root: Path, tmp_path: Path
+) -> None:
+    empty = tmp_path / "no-tokenizer"
+    empty.mkdir()
+    path = str(FIXTURES / "infinity_instruct_hostile.jsonl")
+    config = make_config(
+        [{"name": "ii", "format": "infinity_instruct", "path": path, "max_prompt_tokens": 200}],
+        model=str(empty),
+    )
+
+    with pytest.raises(
+        DatasetError, match=r"(?s)to count prompt tokens \(max_prompt_tokens\).*model.tokenizer_path"
+    ):
+        prepare_prompts(Store(str(store_root)), RunLayout("r1"), config, "ii")
+
+
 def test_inspect_reports_counts_and_samples_without_writing(tmp_path: Path) -> None:
     report = inspect_dataset("hermes_fc", sample_path("hermes_fc"))
     assert (report.rows_read, report.prompts) == (5, 4)
