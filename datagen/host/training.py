@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -121,6 +121,19 @@ class GpuQueries:
         self.gpu_memory = gpu_memory
 
 
+def _halt_record(cfg: TrainingJobConfig, target: JobTarget, **outcome: Any) -> HaltRecord:
+    """What was found (and done) about the training job: its target, newest checkpoint, and ``outcome``."""
+    return HaltRecord(
+        kind=cfg.kind,
+        target=target.description,
+        pid=target.pids[0] if target.pids else None,
+        pids=target.pids,
+        flow_run_ids=target.ids,
+        last_checkpoint=newest_checkpoint(cfg.checkpoint_glob),
+        **outcome,
+    )
+
+
 def halt_training(
     cfg: TrainingJobConfig,
     *,
@@ -157,14 +170,10 @@ def halt_training(
     queries = gpu or GpuQueries()
     target = handle.find()
     if not target.running:
-        record = HaltRecord(
-            kind=cfg.kind,
-            target=target.description,
-            pid=target.pids[0] if target.pids else None,
-            pids=target.pids,
-            flow_run_ids=target.ids,
+        record = _halt_record(
+            cfg,
+            target,
             already_gone=True,
-            last_checkpoint=newest_checkpoint(cfg.checkpoint_glob),
             checkpoint_marker=find_marker(cfg.checkpoint_marker, since_epoch_s=None),
             # No wait: nothing was stopped now, so there is no release in progress to wait for.
             gpu_memory_released=gpu_memory_released(target, queries),
@@ -227,18 +236,14 @@ def halt_training(
             "the last checkpoint may be incomplete"
         )
         logger.warning("training exited without its checkpoint marker pattern=%s", cfg.checkpoint_marker)
-    record = HaltRecord(
-        kind=cfg.kind,
-        target=target.description,
-        pid=target.pids[0] if target.pids else None,
-        pids=target.pids,
-        flow_run_ids=target.ids,
+    record = _halt_record(
+        cfg,
+        target,
         signal=signum.name,
         stopped=True,
         escalated=escalated,
         waited_s=round(time.monotonic() - started, 3),
         stopped_at=_now(),
-        last_checkpoint=newest_checkpoint(cfg.checkpoint_glob),
         checkpoint_marker=marker,
         gpu_memory_released=wait_gpu_released(target, queries),
         notes=notes,

@@ -165,7 +165,11 @@ def test_the_core_has_no_import_cycle_even_through_imports_inside_functions() ->
         ("datagen.host.fleet", "def f():\n    import prefect\n", "the core never imports prefect"),
         ("datagen.records", "from tasks.data import prepare_prompts\n", "the core never imports tasks"),
         ("datagen.output.x", "from datagen.app.cli import main\n", "imports datagen.app.cli (app)"),
-        ("datagen.dataset.report", "from datagen.prompts.mix import mix_table\n", "(dataset) imports datagen"),
+        (
+            "datagen.dataset.report",
+            "from datagen.prompts.mix import mix_table\n",
+            "(dataset) imports datagen",
+        ),
         ("datagen.records", "def f():\n    from datagen.config import RunConfig\n", None),
         ("datagen.config", "from datagen.prompts import mix\n", "imports datagen.prompts.mix (prompts)"),
         ("datagen.prompts.prepare", "from ..generation import shard\n", "imports datagen.generation.shard"),
