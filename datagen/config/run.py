@@ -26,6 +26,12 @@ def _repeated(values: list[str]) -> list[str]:
     return sorted({value for value in values if values.count(value) > 1})
 
 
+def _refuse_repeated(values: list[str], what: str, fix: str = "") -> None:
+    repeated = _repeated(values)
+    if repeated:
+        raise ValueError(f"{what} must be unique; repeated: {', '.join(repeated)}{fix}")
+
+
 def _named(items: list[Named], name: str, missing: str) -> Named:
     found = next((item for item in items if item.name == name), None)
     if found is None:
@@ -67,17 +73,13 @@ class RunConfig(StrictModel):
     @field_validator("datasets")
     @classmethod
     def _unique_dataset_names(cls, datasets: list[DatasetConfig]) -> list[DatasetConfig]:
-        duplicates = _repeated([dataset.name for dataset in datasets])
-        if duplicates:
-            raise ValueError(f"dataset names must be unique; repeated: {', '.join(duplicates)}")
+        _refuse_repeated([dataset.name for dataset in datasets], "dataset names")
         return datasets
 
     @field_validator("hosts")
     @classmethod
     def _hosts_are_consistent(cls, hosts: list[HostConfig]) -> list[HostConfig]:
-        duplicates = _repeated([host.name for host in hosts])
-        if duplicates:
-            raise ValueError(f"host names must be unique; repeated: {', '.join(duplicates)}: rename them")
+        _refuse_repeated([host.name for host in hosts], "host names", ": rename them")
         shared = _repeated([host.work_queue for host in hosts])
         if shared:
             raise ValueError(
