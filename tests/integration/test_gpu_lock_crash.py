@@ -101,8 +101,11 @@ class _Run:
         os.killpg(self.process.pid, signum)
 
     def finish(self, timeout_s: float = STEP_TIMEOUT_S) -> int:
+        """Wait for the run to end; past ``timeout_s`` (0: at once) kill its whole process group."""
         try:
-            return self.process.wait(timeout_s)
+            return self.process.wait(timeout_s) if timeout_s > 0 else self.process.returncode
+        except subprocess.TimeoutExpired:
+            return -1
         finally:
             if self.process.poll() is None:
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -153,24 +156,32 @@ def test_a_killed_run_never_locks_the_host_and_a_run_waiting_for_the_gpus_obeys_
         "PYTHONUNBUFFERED": "1",
     }
     env.pop("PREFECT_API_URL", None)  # the CLI's own temporary server, as on a fresh host
-    with FaultServer(FaultPlan(base_delay_s=0.1)) as server:
+    runs: list[_Run] = []
+
+    def start(run_id: str) -> _Run:
+        runs.append(_Run(config, run_id, env))
+        return runs[-1]
+
+    with FaultServer(FaultPlan(base_delay_s=0.1)) as server, contextlib.ExitStack() as cleanup:
+        # Whatever fails below, no run of this test is left running (each is its own process group).
+        cleanup.callback(lambda: [run.finish(0) for run in runs if run.process.poll() is None])
         config = _config(tmp_path, server.url, tiny_model_dir)
 
         # 1. Killed outright a third of the way through.
-        killed = _Run(config, "lock-1", env)
+        killed = start("lock-1")
         _wait_for_requests(server, KILL_AFTER_REQUESTS, killed)
         killed.signal_group(signal.SIGKILL)
         killed.finish(30)
         sent_before = len(server.chat_requests())
 
         # 2. The resume takes the GPUs at once and sends its first request within the budget.
-        resume = _Run(config, "lock-1", env)
+        resume = start("lock-1")
         first_request_at = _wait_for_requests(server, sent_before + 1, resume)
         server.answering.clear()  # keep the resume mid-generation (holding the GPUs) while a second run waits
         assert first_request_at - resume.started <= RESUME_FIRST_REQUEST_BUDGET_S, resume.text[-4000:]
 
         # 3. Another run waits for the GPUs, names the holder, and SIGTERM ends it at once.
-        waiting = _Run(config, "lock-2", env)
+        waiting = start("lock-2")
         line = waiting.wait_for_line("another run holds this host's GPUs")
         assert "held by run lock-1" in line, line
         api_pids = _api_server_pids(waiting.text)
