@@ -206,11 +206,14 @@ def test_a_killed_run_never_locks_the_host_and_a_run_waiting_for_the_gpus_obeys_
 
 
 def test_a_slot_left_taken_by_the_old_prefect_limit_lock_is_released_with_a_log_line(
-    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+    prefect_api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from prefect import flow
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.context import FlowRunContext
+    from prefect.logging.handlers import APILogHandler
 
     from datagen.settings import get_settings
     from tasks.runtime import hold_host_gpus
@@ -226,16 +229,26 @@ def test_a_slot_left_taken_by_the_old_prefect_limit_lock_is_released_with_a_log_
         )
 
     @flow
-    def takes_the_gpus() -> str:
+    def takes_the_gpus() -> tuple[str, str]:
+        context = FlowRunContext.get()
+        assert context is not None and context.flow_run is not None
         with hold_host_gpus("stale-run") as gpus:
-            return str(gpus.lock_file)
+            return str(gpus.lock_file), str(context.flow_run.id)
 
     try:
-        lock_file = takes_the_gpus()
+        lock_file, flow_run_id = takes_the_gpus()
+        APILogHandler().flush()
         with get_client(sync_client=True) as client:
             assert client.read_global_concurrency_limit_by_name(name).active_slots == 0
+            # The run's log, as the UI shows it (logs reach the API in batches: poll briefly).
+            wanted = f"released 1 slot(s) of the Prefect global concurrency limit {name} left taken"
+            deadline = time.monotonic() + 30
+            while True:
+                logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+                if any(wanted in log.message for log in logs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
     finally:
         get_settings.cache_clear()
     assert lock_file == str(tmp_path / "state" / "locks" / f"{name}.lock")
-    said = capfd.readouterr().err  # the run logger's console handler
-    assert f"released 1 slot(s) of the Prefect global concurrency limit {name} left taken" in said, said
+    assert any(wanted in log.message for log in logs), [log.message for log in logs]
