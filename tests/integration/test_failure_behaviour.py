@@ -32,7 +32,8 @@ EXIT_RUN_FAILED = 1
 EXIT_REFUSED = 2
 # The CLI starts its own Prefect API server (8-12 s on a 2-core box) before the flow; generous for CI.
 CLI_TIMEOUT_S = 300
-INTERRUPT_EXIT_BUDGET_S = 10.0
+# The budget every state is held to (P13: within 30 s); 10 s was seen to run out under load.
+INTERRUPT_EXIT_BUDGET_S = 30.0
 UNREACHABLE_S3_BUDGET_S = 30.0
 
 
