@@ -7,6 +7,7 @@ The :class:`datagen.host.fleet.Fleet` owns the processes.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from collections.abc import Mapping
 from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
@@ -179,9 +180,76 @@ class Engine(Protocol):
         ...
 
 
+class EngineRecipe:
+    """Defaults every engine shares; an engine overrides what it does differently.
+
+    The defaults describe the plainest engine: it serves the OpenAI API only, on one device per server,
+    needs nothing installed, has no API key option, reports nothing about the host, and keeps
+    ``fleet.max_inflight_per_server`` as its in-flight cap (``configured_cap_note`` says why, in the plan).
+    """
+
+    name: str
+    health_path = "/health"
+    metrics_path: str | None = None
+    unsupported_sampling_fields: frozenset[str] = frozenset()
+    supports_generate = False
+    allows_exact_tokens = False
+    fatal_log_patterns: tuple[re.Pattern[str], ...] = ()
+    supports_tensor_parallel = False
+    launches_processes = True
+    configured_cap_note = "fleet.max_inflight_per_server"
+    """Why the configured cap stands, shown in the plan's in-flight reason."""
+
+    def launch_command(self, argv: list[str], slot: ServerSlot, fleet: FleetConfig) -> LaunchCommand:
+        """``argv`` with the environment every launched server gets, later entries winning.
+
+        The slot's GPU pinning (or hidden GPUs and thread caps on CPU), then the plan's variables (JIT
+        fixes), then ``fleet.env``: the user's word is last.
+        """
+        return LaunchCommand(argv=argv, env={**gpu_env(slot), **slot.extra_env, **fleet.env})
+
+    def check_available(self) -> list[str]:
+        """Nothing to install."""
+        return []
+
+    def served_model_name(self, model: ModelConfig) -> str:
+        """The configured served name, else the model path."""
+        return model.served_name or model.path
+
+    def api_key_args(self, key_file: str) -> list[str] | None:
+        """No API key option: None."""
+        return None
+
+    def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
+        """The engine sizes itself: the dispatcher keeps ``fleet.max_inflight_per_server``."""
+        return CapacityPlan(
+            max_inflight=request.configured_inflight,
+            inflight_reason=f"in flight per server: {request.configured_inflight} ({self.configured_cap_note})",
+        )
+
+    def host_problems(
+        self, packages: Mapping[str, str | None], compute_capabilities: list[str]
+    ) -> list[EngineProblem]:
+        """Nothing to report about the host."""
+        return []
+
+
+def module_importable(module: str) -> bool:
+    """Whether ``module`` can be imported here, found without importing it (importing torch costs seconds)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def compile_patterns(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
     """Compile log patterns in multi-line mode so ``^`` anchors at every line start."""
     return tuple(re.compile(pattern, re.MULTILINE) for pattern in patterns)
+
+
+def compile_fatal_patterns(*engine_patterns: str) -> tuple[re.Pattern[str], ...]:
+    """An engine's fatal log patterns: the ones every engine shares, then its own, compiled."""
+    return compile_patterns((*COMMON_FATAL_LOG_PATTERNS, *engine_patterns))
 
 
 def gpu_env(slot: ServerSlot) -> dict[str, str]:

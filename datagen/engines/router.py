@@ -6,11 +6,10 @@ its in-flight cap carries every server's share (:func:`datagen.engines.capacity.
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 
 from datagen.config import FleetConfig
-from datagen.engines.base import LaunchCommand
+from datagen.engines.base import LaunchCommand, module_importable
 
 ROUTER_MODULE = "sglang_router"
 ROUTER_INSTALL_HINT = "pip install sglang-router (the `gpu` extra installs it with sglang)"
@@ -20,11 +19,7 @@ def router_problems(fleet: FleetConfig) -> list[str]:
     """Why ``fleet.router`` cannot work here (for preflight); empty when it can or is off."""
     if not fleet.router:
         return []
-    try:
-        found = importlib.util.find_spec(ROUTER_MODULE) is not None
-    except (ImportError, ValueError):
-        found = False
-    if not found:
+    if not module_importable(ROUTER_MODULE):
         return [
             f"fleet.router is on but sglang-router is not installed in {sys.executable}: {ROUTER_INSTALL_HINT}"
         ]

@@ -8,7 +8,6 @@ never guessed from its version: the hybrid-model cache strategy flag was renamed
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import sys
 from collections.abc import Collection, Mapping
@@ -16,14 +15,14 @@ from typing import Any
 
 from datagen.config import FleetConfig, ModelConfig
 from datagen.engines.base import (
-    COMMON_FATAL_LOG_PATTERNS,
     CapacityPlan,
     CapacityRequest,
     EngineProblem,
+    EngineRecipe,
     LaunchCommand,
     ServerSlot,
-    compile_patterns,
-    gpu_env,
+    compile_fatal_patterns,
+    module_importable,
 )
 from datagen.engines.sglang_flags import sglang_flags
 from datagen.engines.sglang_tuning import cuda_graph_flag, plan_sglang_capacity
@@ -40,8 +39,8 @@ SM120_ATTENTION_BACKEND = "flashinfer"
 # On SM90 hybrid models run their full-attention layers on FlashAttention 3.
 SM90_HYBRID_ATTENTION_BACKEND = "fa3"
 
+# Its own fatal log lines; COMMON_FATAL_LOG_PATTERNS are added by compile_fatal_patterns.
 SGLANG_FATAL_LOG_PATTERNS: tuple[str, ...] = (
-    *COMMON_FATAL_LOG_PATTERNS,
     r"Not enough memory",
     r"RuntimeError: Initialization failed",
     r"launch_server\.py: error:",
@@ -80,7 +79,7 @@ def attention_backend_for(capability: str | None, hybrid: bool) -> tuple[str | N
     return None, ""
 
 
-class SGLangEngine:
+class SGLangEngine(EngineRecipe):
     """Launch recipe for ``python -m sglang.launch_server``.
 
     Args:
@@ -91,14 +90,11 @@ class SGLangEngine:
     """
 
     name = "sglang"
-    health_path = "/health"
     metrics_path: str | None = "/metrics"
-    unsupported_sampling_fields: frozenset[str] = frozenset()
     supports_generate = True
     allows_exact_tokens = True
-    fatal_log_patterns = compile_patterns(SGLANG_FATAL_LOG_PATTERNS)
+    fatal_log_patterns = compile_fatal_patterns(*SGLANG_FATAL_LOG_PATTERNS)
     supports_tensor_parallel = True
-    launches_processes = True
 
     def __init__(
         self, mamba_strategy_flag: str | None = MAMBA_FLAG_NEW, accepted_flags: Collection[str] | None = None
@@ -123,11 +119,7 @@ class SGLangEngine:
             One problem line with the install command when sglang is missing; empty otherwise.
 
         """
-        try:
-            found = importlib.util.find_spec("sglang") is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not module_importable("sglang"):
             return [f"sglang is not installed in {sys.executable}: {INSTALL_HINT}"]
         return []
 
@@ -251,7 +243,7 @@ class SGLangEngine:
         argv += speculative_args(options.speculative or {})
         argv += fleet.extra_args
         self._check_flags(argv)
-        return LaunchCommand(argv=argv, env={**gpu_env(slot), **slot.extra_env, **fleet.env})
+        return self.launch_command(argv, slot, fleet)
 
     def _check_flags(self, argv: list[str]) -> None:
         if self.accepted_flags is None:
@@ -264,10 +256,6 @@ class SGLangEngine:
                 f"the target sglang does not accept {', '.join(unknown)}: remove them from fleet.extra_args / "
                 "fleet.sglang, or upgrade sglang"
             )
-
-    def served_model_name(self, model: ModelConfig) -> str:
-        """The configured served name, else the model path."""
-        return model.served_name or model.path
 
     def api_key_args(self, key_file: str) -> list[str]:
         """``--config KEY_FILE``: sglang reads ``api-key`` from that YAML file (0.5.14 and later).

@@ -5,48 +5,42 @@ Only flags present in both transformers 5.17 (the H200 hosts) and 5.24 (the proj
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from collections.abc import Mapping
 
 from datagen.config import FleetConfig, ModelConfig
 from datagen.engines.base import (
-    COMMON_FATAL_LOG_PATTERNS,
-    CapacityPlan,
-    CapacityRequest,
-    EngineProblem,
+    EngineRecipe,
     LaunchCommand,
     ServerSlot,
-    compile_patterns,
-    gpu_env,
+    compile_fatal_patterns,
+    module_importable,
 )
 
 # What `transformers[serving]` adds on top of transformers (see transformers.utils.is_serve_available).
 SERVING_MODULES: tuple[str, ...] = ("torch", "fastapi", "uvicorn", "openai", "pydantic")
 INSTALL_HINT = "pip install 'datagen[local]'"
 
-TRANSFORMERS_FATAL_LOG_PATTERNS: tuple[str, ...] = (
-    *COMMON_FATAL_LOG_PATTERNS,
-    r"Missing dependencies for serving",
-)
+# Its own fatal log lines; COMMON_FATAL_LOG_PATTERNS are added by compile_fatal_patterns.
+TRANSFORMERS_FATAL_LOG_PATTERNS: tuple[str, ...] = (r"Missing dependencies for serving",)
 
 
-class TransformersEngine:
-    """Launch recipe for ``python -m transformers.cli.transformers serve``."""
+class TransformersEngine(EngineRecipe):
+    """Launch recipe for ``python -m transformers.cli.transformers serve``.
+
+    It has no API key option (its servers must stay on the loopback address), and continuous batching
+    sizes itself from free memory, so the dispatcher keeps the configured cap (``datagen tune`` measures
+    the best in-flight count on a live fleet). Missing transformers is reported by preflight (engine
+    availability), not by the probe.
+    """
 
     name = "transformers"
-    health_path = "/health"
     # `transformers serve` has no Prometheus endpoint: `datagen tune` measures throughput client-side.
-    metrics_path: str | None = None
     # `transformers serve` answers 422 to top_k and min_p in chat completions.
     unsupported_sampling_fields = frozenset({"top_k", "min_p"})
     # `transformers serve` speaks only the OpenAI API: no token ids in or out.
-    supports_generate = False
-    allows_exact_tokens = False
-    fatal_log_patterns = compile_patterns(TRANSFORMERS_FATAL_LOG_PATTERNS)
-    # One server is one model on one device: transformers serve has no tensor parallelism.
-    supports_tensor_parallel = False
-    launches_processes = True
+    fatal_log_patterns = compile_fatal_patterns(*TRANSFORMERS_FATAL_LOG_PATTERNS)
+    # One server is one model on one device: transformers serve has no tensor parallelism (the default).
+    configured_cap_note = "fleet.max_inflight_per_server; `datagen tune` measures the best value"
 
     def check_available(self) -> list[str]:
         """Report missing serving packages, with the install command.
@@ -55,7 +49,7 @@ class TransformersEngine:
             One problem line per missing module group; empty when the engine can start.
 
         """
-        missing = [module for module in ("transformers", *SERVING_MODULES) if not _importable(module)]
+        missing = [module for module in ("transformers", *SERVING_MODULES) if not module_importable(module)]
         if missing:
             return [f"transformers serving deps missing ({', '.join(missing)}): {INSTALL_HINT}"]
         return []
@@ -99,39 +93,8 @@ class TransformersEngine:
             argv += ["--cb-max-batch-tokens", str(slot.max_batch_tokens)]
         # Last, so a flag repeated in extra_args overrides the recipe's (click keeps the last value).
         argv += fleet.extra_args
-        return LaunchCommand(argv=argv, env={**gpu_env(slot), **slot.extra_env, **fleet.env})
+        return self.launch_command(argv, slot, fleet)
 
     def served_model_name(self, model: ModelConfig) -> str:
         """The name ``transformers serve`` gives the preloaded model: the path it was given."""
         return model.path
-
-    def api_key_args(self, key_file: str) -> None:
-        """`transformers serve` has no API key option: its servers must stay on the loopback address."""
-        return None
-
-    def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
-        """Continuous batching sizes itself from free memory: the dispatcher keeps the configured cap.
-
-        ``datagen tune`` measures the best in-flight count on a live fleet (no /metrics here).
-        """
-        return CapacityPlan(
-            max_inflight=request.configured_inflight,
-            inflight_reason=(
-                f"in flight per server: {request.configured_inflight} (fleet.max_inflight_per_server; "
-                "`datagen tune` measures the best value)"
-            ),
-        )
-
-    def host_problems(
-        self, packages: Mapping[str, str | None], compute_capabilities: list[str]
-    ) -> list[EngineProblem]:
-        """Missing transformers is reported by preflight (engine availability), not by the probe."""
-        return []
-
-
-def _importable(module: str) -> bool:
-    # find_spec locates the package without importing it (importing torch costs seconds).
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
