@@ -314,7 +314,7 @@ def tune_setting_by_restart(
 
     """
     from datagen.engines.sglang_tuning import inflight_with_margin
-    from datagen.host.processes import terminate_groups
+    from datagen.processes import terminate_groups
 
     metrics_path = _metrics_path(engine)
     points = []

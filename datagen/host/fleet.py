@@ -18,8 +18,8 @@ import threading
 from contextlib import suppress
 from pathlib import Path
 
+from datagen import processes
 from datagen.errors import ServerStartError
-from datagen.host import processes
 from datagen.host.fleet_registry import STOP_GRACE_S, fleet_pidfile, mark_live, mark_stopped
 from datagen.host.plan import ServerPlan, ServerSpec
 from datagen.host.server_process import (

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.host import processes
+from datagen import processes
 
 logger = logging.getLogger(__name__)
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from datagen.config import TrainingJobConfig
-from datagen.host.processes import is_running
 from datagen.host.training import RestartRecord, restart_training
+from datagen.processes import is_running
 
 logger = logging.getLogger(__name__)
 

@@ -24,10 +24,10 @@ from typing import IO
 
 import httpx
 
+from datagen import processes
 from datagen.engines import get_engine
 from datagen.engines.base import LaunchCommand
 from datagen.errors import ServerStartError
-from datagen.host import processes
 from datagen.host.fleet_registry import FleetRegistry, ServerRecord, write_registry
 from datagen.host.plan import ServerSpec
 

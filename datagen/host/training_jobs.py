@@ -24,9 +24,9 @@ from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen import processes
 from datagen.config import TrainingJobConfig
 from datagen.errors import TrainingHaltError
-from datagen.host import processes
 from datagen.host.nvidia_smi import parse_compute_apps_csv, query_compute_apps
 
 # A process that started this long after the pidfile was written cannot be the one that wrote it.

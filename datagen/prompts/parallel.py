@@ -35,6 +35,7 @@ from types import TracebackType
 
 import datagen
 from datagen.errors import DatasetError
+from datagen.processes import is_running
 from datagen.prompts.scan import ScanEvent, ScanRequest, merge_parts, read_spool, scan_dataset
 
 logger = logging.getLogger(__name__)
@@ -102,16 +103,6 @@ def plan_parts(sizes: Mapping[str, int], cores: int, min_part_bytes: int = MIN_P
     return parts
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_orphaned_scan_dirs(work_dir: Path) -> None:
     """Remove spool folders left by processes that died (a SIGKILLed run never cleans up after itself)."""
     if not work_dir.is_dir():
@@ -120,7 +111,7 @@ def remove_orphaned_scan_dirs(work_dir: Path) -> None:
         if not entry.name.startswith(SCAN_DIR_PREFIX):
             continue
         pid_text = entry.name[len(SCAN_DIR_PREFIX) :].split("-", 1)[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not is_running(int(pid_text)):
             shutil.rmtree(entry, ignore_errors=True)
 
 

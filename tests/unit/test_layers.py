@@ -19,7 +19,7 @@ CORE = REPO / "datagen"
 FORBIDDEN_PACKAGES = frozenset({"prefect", "flows", "tasks"})
 # The modules every stage shares, at the top of the package.
 SHARED = "shared"
-SHARED_MODULES = frozenset({"config", "settings", "errors", "records", "samples", "templates"})
+SHARED_MODULES = frozenset({"config", "settings", "errors", "records", "samples", "templates", "processes"})
 STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")
 # What each layer may import (itself included); the app layer composes everything.
 ALLOWED_LAYERS: Mapping[str, frozenset[str]] = {
