@@ -146,9 +146,7 @@ class S3Backend:
             self.create(key, bytes(buffer))
             return len(buffer)
         full_key = self._key(key)
-        upload = self._call(
-            "write", key, self.client.create_multipart_upload, Bucket=self.bucket, Key=full_key
-        )
+        upload = self._object_call("write", key, self.client.create_multipart_upload)
         upload_id = upload["UploadId"]
         parts: list[dict[str, Any]] = []
         digests: list[bytes] = []
@@ -157,15 +155,8 @@ class S3Backend:
 
             def send(data: bytes) -> None:
                 number = len(parts) + 1
-                answer = self._call(
-                    "write",
-                    key,
-                    self.client.upload_part,
-                    Bucket=self.bucket,
-                    Key=full_key,
-                    UploadId=upload_id,
-                    PartNumber=number,
-                    Body=data,
+                answer = self._object_call(
+                    "write", key, self.client.upload_part, UploadId=upload_id, PartNumber=number, Body=data
                 )
                 parts.append({"PartNumber": number, "ETag": answer["ETag"]})
                 digests.append(hashlib.md5(data, usedforsecurity=False).digest())
@@ -195,7 +186,7 @@ class S3Backend:
             except ClientError as error:
                 code, status = error_facts(error)
                 if status == HTTP_PRECONDITION_FAILED or code == "PreconditionFailed":
-                    head = self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=full_key)
+                    head = self._object_call("head", key, self.client.head_object)
                     if str(head.get("ETag", "")).strip('"') == etag:
                         return size
                     raise OutputExistsError(self.url(key)) from None
@@ -210,7 +201,7 @@ class S3Backend:
 
     def _holds(self, key: str, data: bytes) -> bool:
         """Tell whether the object ``key`` holds exactly ``data`` (size, then MD5 ETag, then the bytes)."""
-        head = self._call("read", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+        head = self._object_call("read", key, self.client.head_object)
         if int(head.get("ContentLength", -1)) != len(data):
             return False
         # A single-part upload without KMS encryption has its MD5 as ETag; anything else is compared byte
@@ -218,6 +209,10 @@ class S3Backend:
         if str(head.get("ETag", "")).strip('"') == hashlib.md5(data, usedforsecurity=False).hexdigest():
             return True
         return self.read(key) == data
+
+    def _object_call(self, action: str, key: str, method: Any, **params: Any) -> Any:
+        """:meth:`_call` on the object ``key`` of this store's bucket (its Bucket and full Key filled in)."""
+        return self._call(action, key, method, Bucket=self.bucket, Key=self._key(key), **params)
 
     def _call(self, action: str, key: str, method: Any, **params: Any) -> Any:
         """Call a read-side S3 operation, mapping what is left after botocore's retries to our errors."""
@@ -245,19 +240,10 @@ class S3Backend:
         body streams, the stream asks again for the rest (a ranged GET from the last byte received), up
         to ``S3_BODY_READ_ATTEMPTS`` times, then raises TransientStorageError.
         """
-        full_key = self._key(key)
-        response = self._call("read", key, self.client.get_object, Bucket=self.bucket, Key=full_key)
+        response = self._object_call("read", key, self.client.get_object)
 
         def rest_from(offset: int) -> Any:
-            ranged = self._call(
-                "read",
-                key,
-                self.client.get_object,
-                Bucket=self.bucket,
-                Key=full_key,
-                Range=f"bytes={offset}-",
-            )
-            return ranged["Body"]
+            return self._object_call("read", key, self.client.get_object, Range=f"bytes={offset}-")["Body"]
 
         body = _ResumingBody(
             response["Body"], int(response.get("ContentLength", 0)), rest_from, self.url(key)
@@ -267,7 +253,7 @@ class S3Backend:
     def exists(self, key: str) -> bool:
         """Tell whether ``key`` exists (a HEAD request)."""
         try:
-            self._call("head", key, self.client.head_object, Bucket=self.bucket, Key=self._key(key))
+            self._object_call("head", key, self.client.head_object)
         except FileNotFoundError:
             return False
         return True
