@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from datagen.config import CorpusSource, ExistingCorpusConfig
 from datagen.errors import DatasetError
 from datagen.prompts.datasets.identity import PROMPT_ID_HEX_CHARS, prompt_id_for
+from datagen.prompts.datasets.inputs import input_filesystem, open_input
 from datagen.prompts.datasets.model import Rejection
 from datagen.prompts.datasets.registry import normalise_row
 from datagen.prompts.datasets.sources import (
     GLOB_CHARACTERS,
     PARQUET_BATCH_ROWS,
     iter_rows,
-    storage_options_for,
 )
 
 logger = logging.getLogger(__name__)
@@ -39,9 +39,7 @@ _PROMPT_SHARD_KEY = re.compile(r"^prompts/[^/]+/shard-\d+\.jsonl$")
 
 
 def _id_files(path: str) -> list[str]:
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(path, **storage_options_for(path))
+    fs, root = input_filesystem(path)
     if any(char in path for char in GLOB_CHARACTERS):
         files = sorted(str(item) for item in fs.glob(root))
     else:
@@ -54,10 +52,8 @@ def _id_files(path: str) -> list[str]:
 
 
 def _iter_id_file(path: str) -> Iterator[str]:
-    import fsspec
-
     for file in _id_files(path):
-        with fsspec.open(file, "rt", compression="infer", encoding="utf-8", **storage_options_for(file)) as f:
+        with open_input(file, "rt", compression="infer", encoding="utf-8") as f:
             for line_number, raw in enumerate(f, start=1):
                 line = raw.strip().lower()
                 if not line or line.startswith("#"):
@@ -104,11 +100,10 @@ def _iter_run(path: str) -> Iterator[str]:
 
 
 def _iter_parquet_ids(url: str) -> Iterator[str]:
-    import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with fsspec.open(url, "rb", **storage_options_for(url)) as handle:
+    with open_input(url, "rb") as handle:
         try:
             parquet = pq.ParquetFile(handle)
             if "prompt_id" not in parquet.schema_arrow.names:
@@ -127,13 +122,12 @@ def _iter_parquet_ids(url: str) -> Iterator[str]:
 def _iter_dataset_version(path: str) -> Iterator[str]:
     import json
 
-    import fsspec
     from pydantic import ValidationError
 
     from datagen.dataset.versions import DatasetVersion
 
     try:
-        with fsspec.open(path, "rb", **storage_options_for(path)) as handle:
+        with open_input(path, "rb") as handle:
             version = DatasetVersion.model_validate(json.loads(handle.read()))
     except FileNotFoundError:
         raise DatasetError(f"existing_corpus: dataset version manifest {path} does not exist.") from None

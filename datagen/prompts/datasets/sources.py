@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from datagen.errors import DatasetError
+from datagen.prompts.datasets.inputs import input_filesystem, open_input
 from datagen.prompts.datasets.jsonstream import iter_json_array
 
 logger = logging.getLogger(__name__)
@@ -69,15 +70,6 @@ class _Skipped:
 Wanted = Callable[[int], bool]
 
 
-def storage_options_for(path: str) -> dict[str, Any]:
-    """Fsspec options for ``path``: for s3:// URLs the same endpoint, region and credentials as the store."""
-    if not path.startswith("s3://"):
-        return {}
-    from datagen.output.s3_client import s3_storage_options
-
-    return s3_storage_options()
-
-
 def _file_kind(name: str) -> str | None:
     lowered = name.lower()
     for suffix in COMPRESSION_SUFFIXES:
@@ -115,8 +107,6 @@ def resolve_files(path: str) -> list[str]:
         DatasetError: Nothing matches, or a named file has an unsupported type.
 
     """
-    import fsspec
-
     if looks_like_hub_id(path):
         repo = path.split(":")[0].removeprefix("hf://datasets/").removeprefix("hf://")
         raise DatasetError(
@@ -126,7 +116,7 @@ def resolve_files(path: str) -> list[str]:
             "copy them to local disk or S3, and set the dataset's `path` to that copy."
         )
     try:
-        fs, root = fsspec.core.url_to_fs(path, **storage_options_for(path))
+        fs, root = input_filesystem(path)
         if any(char in path for char in GLOB_CHARACTERS):
             candidates = [str(item) for item in fs.glob(root)]
         elif fs.isdir(root):
@@ -246,11 +236,10 @@ def _iter_file(file: str, first: int, wanted: Wanted | None) -> Iterator[_FileIt
 
 
 def _iter_parquet(file: str, first: int = 0, wanted: Wanted | None = None) -> Iterator[_FileItem]:
-    import fsspec
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with fsspec.open(file, "rb", **storage_options_for(file)) as handle:
+    with open_input(file, "rb") as handle:
         try:
             parquet = pq.ParquetFile(handle)
             index = first
@@ -267,10 +256,8 @@ def _iter_parquet(file: str, first: int = 0, wanted: Wanted | None = None) -> It
 
 
 def _iter_jsonl(file: str, first: int = 0, wanted: Wanted | None = None) -> Iterator[_FileItem]:
-    import fsspec
-
     index = first
-    with fsspec.open(file, "rb", compression="infer", **storage_options_for(file)) as handle:
+    with open_input(file, "rb", compression="infer") as handle:
         for line_number, raw in enumerate(handle, start=1):
             line = raw.strip()
             if not line:
@@ -286,8 +273,6 @@ def _iter_jsonl(file: str, first: int = 0, wanted: Wanted | None = None) -> Iter
 
 
 def _iter_json(file: str) -> Iterator[_FileItem]:
-    import fsspec
-
-    with fsspec.open(file, "rb", compression="infer", **storage_options_for(file)) as handle:
+    with open_input(file, "rb", compression="infer") as handle:
         for element in iter_json_array(handle, file):
             yield element, None
