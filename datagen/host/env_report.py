@@ -98,15 +98,6 @@ class EnvReport(ReportModel):
         """Server environment that fixes the found JIT problems (empty when none or not probed)."""
         return jit_env_fixes(self.cuda_toolkit) if self.cuda_toolkit is not None else {}
 
-    def package_version(self, name: str) -> str | None:
-        """The installed version of a distribution (e.g. ``sglang``), None when absent."""
-        return self.packages.get(name)
-
-    @property
-    def sglang_version(self) -> str | None:
-        """Installed sglang version."""
-        return self.packages.get("sglang")
-
     def to_markdown(self) -> str:
         """A human-readable report (Prefect artifact, runbook)."""
         lines = [

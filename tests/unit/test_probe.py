@@ -145,7 +145,7 @@ def test_probe_of_this_host_matches_whether_nvidia_smi_exists() -> None:
     report = probe_environment()
 
     assert report.hostname
-    assert report.package_version("transformers") is not None
+    assert report.packages.get("transformers") is not None
     if shutil.which("nvidia-smi") is None:
         assert report.gpus == []
         assert any(problem.severity == "info" for problem in report.problems)
@@ -172,7 +172,7 @@ def test_sm120_workstation_reports_each_jit_trap_with_its_fix() -> None:
     assert report.compute_capabilities == ["12.0"]
     assert report.interconnect.kind == "single"
     assert report.torch is not None and report.torch.cuda == "12.6"
-    assert report.sglang_version == "0.5.23"
+    assert report.packages.get("sglang") == "0.5.23"
     assert report.sglang_flags is not None and "--mamba-radix-cache-strategy" in report.sglang_flags
     by_topic = {problem.message.split(" ")[0]: problem for problem in report.problems}
     sm_problem = next(problem for problem in report.problems if "no kernels" in problem.message)
