@@ -26,10 +26,6 @@ import datagen.app.preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
 from datagen.output.hosts import (
-    FLEET,
-    GO,
-    PREFLIGHT,
-    RELEASE,
     HostFleet,
     HostPreflight,
     HostsGo,
@@ -101,7 +97,6 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         store,
         layout,
         attempt_id,
-        PREFLIGHT,
         HostPreflight(host=host, flow_run_id=flow_run_id, hostname=hostname, problems=problems),
         host=host,
     )
@@ -121,7 +116,6 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         store,
         layout,
         attempt_id,
-        GO,
         HostsGo,
         poll_s=poll_s,
         timeout_s=config.multi_host.ready_timeout_s,
@@ -155,11 +149,11 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
             max_inflight_per_server=serving.plan.dispatcher_inflight,
             served_model_name=serving.plan.served_model_name,
         )
-        write_host_object(store, layout, attempt_id, FLEET, published, host=host)
+        write_host_object(store, layout, attempt_id, published, host=host)
         logger.info("host serving host=%s servers=%d; until the parent releases it", host, len(serving.urls))
         started = time.monotonic()
         released = wait_for_host_object(
-            store, layout, attempt_id, RELEASE, HostsRelease, poll_s=poll_s, give_up=parent_ended
+            store, layout, attempt_id, HostsRelease, poll_s=poll_s, give_up=parent_ended
         )
         why = released if isinstance(released, str) else released.reason
         logger.info("host released host=%s after_s=%.0f reason=%s", host, time.monotonic() - started, why)

@@ -29,10 +29,6 @@ from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightEr
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.hosts import HostWatch
 from datagen.output.hosts import (
-    FLEET,
-    GO,
-    PREFLIGHT,
-    RELEASE,
     HostFleet,
     HostPreflight,
     HostsGo,
@@ -127,7 +123,6 @@ def run_on_hosts(
                     store,
                     layout,
                     attempt_id,
-                    RELEASE,
                     HostsRelease(reason=release, lost_hosts=dict(sorted(outcome.lost.items()))),
                 )
             _await_hosts_stopped(started, outcome)
@@ -153,7 +148,7 @@ def _await_preflights(config: RunConfig, layout: RunLayout, attempt_id: str, sta
     while True:
         for name in started:
             if name not in reports:
-                found = read_host_object(store, layout, attempt_id, PREFLIGHT, HostPreflight, host=name)
+                found = read_host_object(store, layout, attempt_id, HostPreflight, host=name)
                 if found is not None:
                     reports[name] = found
         ended = ended_flow_runs({name: run for name, run in started.items() if name not in reports})
@@ -174,9 +169,9 @@ def _await_preflights(config: RunConfig, layout: RunLayout, attempt_id: str, sta
             break
         time.sleep(config.multi_host.poll_interval_s)
     if problems:
-        write_host_object(store, layout, attempt_id, GO, HostsGo(go=False, reason="; ".join(problems)))
+        write_host_object(store, layout, attempt_id, HostsGo(go=False, reason="; ".join(problems)))
         raise PreflightError(problems)
-    write_host_object(store, layout, attempt_id, GO, HostsGo(go=True))
+    write_host_object(store, layout, attempt_id, HostsGo(go=True))
     get_run_logger().info(
         "every host passed its preflight hosts=%s: halting training and starting servers there",
         ",".join(f"{r.host}@{r.hostname}" for r in reports.values()),
@@ -199,7 +194,7 @@ def _await_fleets(
     ready: list[HostFleet] = []
     while waiting and len(ready) < wanted:
         for name in list(waiting):
-            found = read_host_object(store, layout, attempt_id, FLEET, HostFleet, host=name)
+            found = read_host_object(store, layout, attempt_id, HostFleet, host=name)
             if found is not None:
                 del waiting[name]
                 ready.append(found)
@@ -240,7 +235,7 @@ def _watch_hosts(
     while not stop.wait(config.multi_host.poll_interval_s):
         try:
             for name in list(waiting):
-                found = read_host_object(store, layout, attempt_id, FLEET, HostFleet, host=name)
+                found = read_host_object(store, layout, attempt_id, HostFleet, host=name)
                 if found is not None:
                     del waiting[name]
                     _join(watch, found, outcome)

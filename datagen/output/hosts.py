@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
+from typing import ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,18 +29,22 @@ from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
 
-PREFLIGHT = "preflight.json"
-GO = "go.json"
-FLEET = "fleet.json"
-RELEASE = "release.json"
 
-ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-class HostPreflight(BaseModel):
-    """A host part's checks, run on its box before anything there is halted."""
+class HostObject(BaseModel):
+    """One kind of handshake object; each kind owns its object name, so no caller pairs a name with a model."""
 
     model_config = ConfigDict(extra="forbid")
+
+    object_name: ClassVar[str]
+
+
+ObjectT = TypeVar("ObjectT", bound=HostObject)
+
+
+class HostPreflight(HostObject):
+    """A host part's checks, run on its box before anything there is halted."""
+
+    object_name = "preflight.json"
 
     host: str
     flow_run_id: str
@@ -48,19 +52,19 @@ class HostPreflight(BaseModel):
     problems: list[str] = Field(default_factory=list, description="Empty when every check passed.")
 
 
-class HostsGo(BaseModel):
+class HostsGo(HostObject):
     """The parent's decision once every host reported its preflight."""
 
-    model_config = ConfigDict(extra="forbid")
+    object_name = "go.json"
 
     go: bool
     reason: str = ""
 
 
-class HostFleet(BaseModel):
+class HostFleet(HostObject):
     """A host's ready servers, as the parent's dispatcher needs them."""
 
-    model_config = ConfigDict(extra="forbid")
+    object_name = "fleet.json"
 
     host: str
     flow_run_id: str
@@ -72,10 +76,10 @@ class HostFleet(BaseModel):
     created_at: str = Field(default_factory=lambda: utc_now().isoformat())
 
 
-class HostsRelease(BaseModel):
+class HostsRelease(HostObject):
     """Generation is over: hosts stop their servers."""
 
-    model_config = ConfigDict(extra="forbid")
+    object_name = "release.json"
 
     reason: str
     lost_hosts: dict[str, str] = Field(
@@ -84,17 +88,17 @@ class HostsRelease(BaseModel):
 
 
 def write_host_object(
-    store: Store, layout: RunLayout, attempt_id: str, name: str, value: BaseModel, host: str | None = None
+    store: Store, layout: RunLayout, attempt_id: str, value: HostObject, host: str | None = None
 ) -> str:
-    """Create one handshake object (write-once); returns its URL."""
-    return store.write_json(layout.hosts_object(attempt_id, name, host), value).url
+    """Create one handshake object (write-once, under its kind's name); returns its URL."""
+    return store.write_json(layout.hosts_object(attempt_id, value.object_name, host), value).url
 
 
 def read_host_object(
-    store: Store, layout: RunLayout, attempt_id: str, name: str, model: type[ModelT], host: str | None = None
-) -> ModelT | None:
-    """The handshake object if it exists yet, else None."""
-    key = layout.hosts_object(attempt_id, name, host)
+    store: Store, layout: RunLayout, attempt_id: str, model: type[ObjectT], host: str | None = None
+) -> ObjectT | None:
+    """The handshake object of kind ``model`` if it exists yet, else None."""
+    key = layout.hosts_object(attempt_id, model.object_name, host)
     if not store.exists(key):
         return None
     return model.model_validate(store.read_json(key))
@@ -104,14 +108,13 @@ def wait_for_host_object(
     store: Store,
     layout: RunLayout,
     attempt_id: str,
-    name: str,
-    model: type[ModelT],
+    model: type[ObjectT],
     *,
     host: str | None = None,
     poll_s: float,
     timeout_s: float | None = None,
     give_up: Callable[[], str | None] = lambda: None,
-) -> ModelT | str:
+) -> ObjectT | str:
     """Poll until the object exists, ``give_up`` returns a reason, or ``timeout_s`` passes.
 
     Returns:
@@ -119,12 +122,12 @@ def wait_for_host_object(
     """
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     while True:
-        found = read_host_object(store, layout, attempt_id, name, model, host)
+        found = read_host_object(store, layout, attempt_id, model, host)
         if found is not None:
             return found
         reason = give_up()
         if reason:
             return reason
         if deadline is not None and time.monotonic() >= deadline:
-            return f"{layout.hosts_object(attempt_id, name, host)} did not appear within {timeout_s:.0f}s"
+            return f"{layout.hosts_object(attempt_id, model.object_name, host)} did not appear within {timeout_s:.0f}s"
         time.sleep(poll_s)

@@ -14,8 +14,6 @@ from datagen.errors import ConfigError, OutputExistsError
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.hosts import HostWatch
 from datagen.output.hosts import (
-    FLEET,
-    GO,
     HostFleet,
     HostsGo,
     wait_for_host_object,
@@ -96,15 +94,15 @@ def test_handshake_objects_are_write_once_and_a_wait_ends_by_object_give_up_or_d
     layout = RunLayout("r1")
 
     assert wait_for_host_object(
-        store, layout, "a1", GO, HostsGo, poll_s=0.01, give_up=lambda: "parent ended"
+        store, layout, "a1", HostsGo, poll_s=0.01, give_up=lambda: "parent ended"
     ) == ("parent ended")
-    waited = wait_for_host_object(store, layout, "a1", GO, HostsGo, poll_s=0.01, timeout_s=0.05)
+    waited = wait_for_host_object(store, layout, "a1", HostsGo, poll_s=0.01, timeout_s=0.05)
     assert isinstance(waited, str) and "did not appear" in waited
-    write_host_object(store, layout, "a1", GO, HostsGo(go=True))
+    write_host_object(store, layout, "a1", HostsGo(go=True))
     with pytest.raises(OutputExistsError):
-        write_host_object(store, layout, "a1", GO, HostsGo(go=False, reason="too late"))
-    assert wait_for_host_object(store, layout, "a1", GO, HostsGo, poll_s=0.01) == HostsGo(go=True)
-    assert layout.hosts_object("a1", FLEET, "box-1") == "runs/r1/hosts/a1/box-1/fleet.json"
+        write_host_object(store, layout, "a1", HostsGo(go=False, reason="too late"))
+    assert wait_for_host_object(store, layout, "a1", HostsGo, poll_s=0.01) == HostsGo(go=True)
+    assert layout.hosts_object("a1", HostFleet.object_name, "box-1") == "runs/r1/hosts/a1/box-1/fleet.json"
 
 
 def _fleet(host: str, urls: list[str]) -> HostFleet:
