@@ -224,26 +224,44 @@ class MixRow(Record):
     combined_share: float = Field(description="Share of existing + new rows.")
 
 
-class ShardSummary(Record):
+class GenerationCounts(Record):
+    """What generation did with a set of requests: one shard's (its summary) or summed over shards (the report)."""
+
+    requests: int = Field(default=0, description="Requests of the prompts (prompts x samples).")
+    completions: int = Field(default=0, description="Requests that ended in a completion.")
+    failures: int = Field(default=0, description="Requests that failed for good (stored as failure records).")
+    prompt_tokens: int = Field(
+        default=0, description="Prompt tokens of the completions, as the server counted."
+    )
+    completion_tokens: int = Field(default=0, description="Output tokens of the completions.")
+    resent_requests: int = Field(
+        default=0,
+        description="Requests sent again because an earlier attempt of their shard was interrupted.",
+    )
+    retried_attempts: int = Field(default=0, description="Extra attempts spent on transient errors.")
+    finish_reasons: dict[str, int] = Field(default_factory=dict, description="Completions by finish reason.")
+    failure_reasons: dict[str, int] = Field(default_factory=dict, description="Failures by reason.")
+
+    def add(self, other: GenerationCounts) -> None:
+        """Add ``other``'s counts to these."""
+        for name in GenerationCounts.model_fields:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if isinstance(mine, dict):
+                for key, value in theirs.items():
+                    mine[key] = mine.get(key, 0) + value
+            else:
+                setattr(self, name, mine + theirs)
+
+
+class ShardSummary(GenerationCounts):
     """The small result of one generate_shard task (and the content of its done marker)."""
 
     schema_version: Literal[1] = RECORD_SCHEMA_VERSION
     dataset: str
     shard_index: int
-    requests: int
-    completions: int
-    failures: int
-    prompt_tokens: int
-    completion_tokens: int
-    resent_requests: int = Field(
-        default=0, description="Requests sent again because an earlier attempt of this shard was interrupted."
-    )
-    retried_attempts: int = Field(default=0, description="Extra attempts spent on transient errors.")
     generation_s: float
     completions_path: str
     failures_path: str
-    finish_reasons: dict[str, int] = Field(default_factory=dict)
-    failure_reasons: dict[str, int] = Field(default_factory=dict)
     skipped: bool = Field(default=False, description="True when the shard was already complete in storage.")
 
 

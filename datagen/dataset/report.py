@@ -18,13 +18,11 @@ from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
-from datagen.records import DatasetMix, MixRow, PreparedDataset, ShardSummary, utc_now
+from datagen.records import DatasetMix, GenerationCounts, MixRow, PreparedDataset, ShardSummary, utc_now
 
 
-class DatasetReport(BaseModel):
-    """Counts of one dataset through every stage."""
-
-    model_config = ConfigDict(extra="forbid")
+class DatasetReport(GenerationCounts):
+    """Counts of one dataset through every stage (generation's summed over its shards)."""
 
     dataset: str
     category: str | None = None
@@ -34,15 +32,6 @@ class DatasetReport(BaseModel):
     shortfall: int = Field(default=0, description="Quota minus prompts, when the dataset had too few.")
     rejections: dict[str, int] = Field(default_factory=dict)
     shards: int = 0
-    requests: int = 0
-    completions: int = 0
-    failures: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    resent_requests: int = 0
-    retried_attempts: int = 0
-    finish_reasons: dict[str, int] = Field(default_factory=dict)
-    failure_reasons: dict[str, int] = Field(default_factory=dict)
     tokenized_rows: int = 0
 
 
@@ -241,39 +230,17 @@ def build_report(
         by_name[entry.dataset].quota = entry.quota
         by_name[entry.dataset].shortfall = entry.shortfall
     for shard in shards:
-        report = by_name[shard.dataset]
-        report.requests += shard.requests
-        report.completions += shard.completions
-        report.failures += shard.failures
-        report.prompt_tokens += shard.prompt_tokens
-        report.completion_tokens += shard.completion_tokens
-        report.resent_requests += shard.resent_requests
-        report.retried_attempts += shard.retried_attempts
-        _add_counts(report.finish_reasons, shard.finish_reasons)
-        _add_counts(report.failure_reasons, shard.failure_reasons)
+        by_name[shard.dataset].add(shard)
     rows_by_dataset: dict[str, int] = dict((tokenize_summary or {}).get("rows_by_dataset") or {})
     for name, rows in rows_by_dataset.items():
         if name in by_name:
             by_name[name].tokenized_rows = rows
     totals = DatasetReport(dataset="total")
     for report in by_name.values():
-        for field in (
-            "rows_read",
-            "prompts",
-            "shards",
-            "requests",
-            "completions",
-            "failures",
-            "prompt_tokens",
-            "completion_tokens",
-            "resent_requests",
-            "retried_attempts",
-            "tokenized_rows",
-        ):
+        totals.add(report)
+        for field in ("rows_read", "prompts", "shards", "tokenized_rows"):
             setattr(totals, field, getattr(totals, field) + getattr(report, field))
         _add_counts(totals.rejections, report.rejections)
-        _add_counts(totals.finish_reasons, report.finish_reasons)
-        _add_counts(totals.failure_reasons, report.failure_reasons)
     from datagen.dataset.export import summary_training_lines
 
     training = summary_training_lines(tokenize_summary or {}, config.model.tokenizer)

@@ -272,26 +272,18 @@ def _read_records(
     return [model.model_validate_json(line) for line in store.iter_lines(key)]  # type: ignore[return-value]
 
 
+@dataclass
 class _PartWriter:
     """Writes checkpoint parts at the next free index, stepping over indices another writer took."""
 
-    def __init__(
-        self,
-        store: Store,
-        layout: RunLayout,
-        dataset: str,
-        index: int,
-        next_completions: int,
-        next_failures: int,
-    ) -> None:
-        self.store = store
-        self.layout = layout
-        self.dataset = dataset
-        self.index = index
-        self.next_completions = next_completions
-        self.next_failures = next_failures
-        # What this writer stored, by key: the shard's final assembly reuses it instead of reading it back.
-        self.written: dict[str, list[CompletionRecord] | list[FailureRecord]] = {}
+    store: Store
+    layout: RunLayout
+    dataset: str
+    index: int
+    next_completions: int
+    next_failures: int
+    # What this writer stored, by key: the shard's final assembly reuses it instead of reading it back.
+    written: dict[str, list[CompletionRecord] | list[FailureRecord]] = field(default_factory=dict)
 
     def flush(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
         if completions:
@@ -407,18 +399,19 @@ def _run_requests(
 def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter) -> None:
     if not unserved:
         return
-    where = f"shard {writer.dataset}/{writer.index}"
+    # No live server is fatal until the fleet is back; a dispatcher that closed mid-shard is transient.
+    count = sum(unserved.values())
+    error: type[NoLiveServersError | TransientRequestError] = TransientRequestError
+    what, fix = f"the dispatcher closed before {count} requests finished", "Rerun the shard"
     if unserved["no_live_servers"]:
-        raise NoLiveServersError(
-            f"{where}: {sum(unserved.values())} requests found no live server; every other result is "
-            "checkpointed. Bring the fleet back (check the server logs) and rerun: only these requests "
-            "are sent.",
-            dataset=writer.dataset,
-            shard=writer.index,
+        error = NoLiveServersError
+        what, fix = (
+            f"{count} requests found no live server",
+            "Bring the fleet back (check the server logs) and rerun",
         )
-    raise TransientRequestError(
-        f"{where}: the dispatcher closed before {sum(unserved.values())} requests finished; every other "
-        "result is checkpointed. Rerun the shard: only these requests are sent.",
+    raise error(
+        f"shard {writer.dataset}/{writer.index}: {what}; every other result is checkpointed. "
+        f"{fix}: only these requests are sent.",
         dataset=writer.dataset,
         shard=writer.index,
     )
