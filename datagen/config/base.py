@@ -14,6 +14,8 @@ CONFIG_SCHEMA_VERSION: Final = 1
 # A run id or dataset name becomes part of an object key: keep it to characters safe everywhere.
 SLUG_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,79}$"
 Slug = Annotated[str, Field(pattern=SLUG_PATTERN)]
+# A part of a whole: more than none, at most all (a dataset's share of the prompts, a memory fraction).
+Share = Annotated[float, Field(gt=0, le=1)]
 RUN_ID_EXAMPLE: Final = "20261201-nightly-1"
 
 

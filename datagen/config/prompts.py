@@ -6,7 +6,7 @@ from typing import Annotated, Final, Literal
 
 from pydantic import Field, model_validator
 
-from datagen.config.base import Slug, StrictModel
+from datagen.config.base import Share, Slug, StrictModel
 from datagen.config.ui_json import UI_MAPPING, UNWRAP_UI_JSON
 from datagen.records import SamplingParams
 
@@ -56,10 +56,8 @@ class DatasetConfig(StrictModel):
     max_prompts: int | None = Field(
         default=None, gt=0, description="Quota: prompts taken from this dataset (a seeded sample)."
     )
-    share: float | None = Field(
+    share: Share | None = Field(
         default=None,
-        gt=0,
-        le=1,
         description="Quota as a share of `mix.total_prompts` (instead of `max_prompts`), e.g. 0.3.",
     )
     shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
@@ -92,9 +90,6 @@ class DatasetConfig(StrictModel):
         return self.category or UNCATEGORISED
 
 
-CategoryShare = Annotated[float, Field(gt=0, le=1)]
-
-
 class MixConfig(StrictModel):
     """The target mix of the new prompts: shares of a total, caps per category, what to do on shortfall.
 
@@ -105,7 +100,7 @@ class MixConfig(StrictModel):
     total_prompts: int | None = Field(
         default=None, gt=0, description="New prompts across the datasets that set `share`."
     )
-    category_caps: Annotated[dict[str, CategoryShare], UNWRAP_UI_JSON, UI_MAPPING] = Field(
+    category_caps: Annotated[dict[str, Share], UNWRAP_UI_JSON, UI_MAPPING] = Field(
         default={},  # explicit (not a factory) so the UI's form has a value: see FleetConfig.env
         description="Most a category may be of the new prompts, e.g. {code: 0.2}; needs a quota on every "
         "dataset. Lowers that category's quotas, never raises others'.",

@@ -25,7 +25,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -59,9 +59,7 @@ class _Tally:
     loss_tokens: int = 0
     longest: int = 0
     size: int = 0
-
-    def __post_init__(self) -> None:
-        self.digest = hashlib.sha256()
+    digest: Any = field(default_factory=hashlib.sha256)
 
 
 def export_keys(name: str, shards: list[TokenizedPartRef]) -> tuple[str, str]:

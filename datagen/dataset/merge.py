@@ -20,7 +20,7 @@ import datetime as dt
 import logging
 import re
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -97,12 +97,10 @@ class PartsTally:
     rows: int = 0
     total_tokens: int = 0
     loss_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        self.rows_by_dataset: Counter[str] = Counter()
-        self.tokens_by_dataset: Counter[str] = Counter()
-        self.rows_by_file: Counter[str] = Counter()
-        self.dropped: Counter[str] = Counter()
+    rows_by_dataset: Counter[str] = field(default_factory=Counter)
+    tokens_by_dataset: Counter[str] = field(default_factory=Counter)
+    rows_by_file: Counter[str] = field(default_factory=Counter)
+    dropped: Counter[str] = field(default_factory=Counter)
 
     def add(self, shard: ShardRows) -> None:
         """Count one tokenized shard."""

@@ -14,7 +14,7 @@ from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from datagen.config import FleetConfig, ModelConfig
+from datagen.config import FleetConfig, ModelConfig, Share
 from datagen.engines.model_size import ModelShape
 
 DeviceKind = Literal["cpu", "cuda"]
@@ -61,10 +61,8 @@ class ServerSlot(BaseModel):
     cpu_threads: int | None = Field(
         default=None, gt=0, description="Intra-op threads of a CPU server, so servers share the cores."
     )
-    cache_memory_fraction: float | None = Field(
+    cache_memory_fraction: Share | None = Field(
         default=None,
-        gt=0,
-        le=1,
         description="Share of the device's free memory for the KV cache; the engine default when unset.",
     )
     cache_num_blocks: int | None = Field(
