@@ -43,6 +43,17 @@ def shard_name(index: int) -> str:
     return f"shard-{index:0{SHARD_DIGITS}d}"
 
 
+class _RunObject:
+    """A fixed object of every run, read as an attribute: its key below the run's root."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name = name
+        self.__doc__ = doc
+
+    def __get__(self, layout: RunLayout, owner: type[RunLayout]) -> str:
+        return f"{layout.root}/{self.name}"
+
+
 @dataclass(frozen=True)
 class RunLayout:
     """Object keys of one run, relative to the store root."""
@@ -54,10 +65,19 @@ class RunLayout:
         """The run's prefix."""
         return f"runs/{self.run_id}"
 
-    @property
-    def config(self) -> str:
-        """The resolved config, the run's first object."""
-        return f"{self.root}/config.json"
+    # The fixed objects of a run, one row each: (key below the root, what it holds).
+    config = _RunObject("config.json", "The resolved config, the run's first object.")
+    tokenized_summary = _RunObject("tokenized/summary.json", "The tokenize summary, written after all parts.")
+    report_json = _RunObject("report.json", "The machine-readable report.")
+    report_md = _RunObject("report.md", "The human-readable report.")
+    manifest = _RunObject("manifest.json", "The run manifest, written last.")
+    series_entry = _RunObject(
+        "series.json", "A series run's place in its series, written before its prompts are chosen."
+    )
+
+    def _shard_key(self, folder: str, dataset: str, index: int, suffix: str) -> str:
+        # Every per-shard object: <root>/<folder>/<dataset>/shard-00000<suffix>.
+        return f"{self.root}/{folder}/{dataset}/{shard_name(index)}{suffix}"
 
     def attempt_object(self, attempt_id: str, name: str) -> str:
         """A record of one flow attempt (preflight, training, env, plan): reruns add, never overwrite."""
@@ -70,7 +90,7 @@ class RunLayout:
 
     def prompt_shard(self, dataset: str, index: int) -> str:
         """One prompt shard."""
-        return f"{self.root}/prompts/{dataset}/{shard_name(index)}.jsonl"
+        return self._shard_key("prompts", dataset, index, ".jsonl")
 
     def prompts_summary(self, dataset: str) -> str:
         """The prepare summary of one dataset, written after all its shards."""
@@ -78,7 +98,7 @@ class RunLayout:
 
     def shard_parts_prefix(self, dataset: str, index: int) -> str:
         """The folder of one shard's in-progress checkpoint parts."""
-        return f"{self.root}/parts/{dataset}/{shard_name(index)}"
+        return self._shard_key("parts", dataset, index, "")
 
     def completions_part(self, dataset: str, index: int, part: int) -> str:
         """One checkpoint part of completions inside a shard."""
@@ -90,15 +110,15 @@ class RunLayout:
 
     def completions(self, dataset: str, index: int) -> str:
         """The final completions of one shard."""
-        return f"{self.root}/completions/{dataset}/{shard_name(index)}.jsonl"
+        return self._shard_key("completions", dataset, index, ".jsonl")
 
     def failures(self, dataset: str, index: int) -> str:
         """The final failures of one shard."""
-        return f"{self.root}/failures/{dataset}/{shard_name(index)}.jsonl"
+        return self._shard_key("failures", dataset, index, ".jsonl")
 
     def shard_done(self, dataset: str, index: int) -> str:
         """The done marker of one shard (a ShardSummary), written after its two final files."""
-        return f"{self.root}/done/{dataset}/{shard_name(index)}.json"
+        return self._shard_key("done", dataset, index, ".json")
 
     @property
     def completions_prefix(self) -> str:
@@ -108,31 +128,6 @@ class RunLayout:
     def tokenized_part(self, index: int) -> str:
         """One Parquet part of tokenized training rows."""
         return f"{self.root}/tokenized/part-{index:0{SHARD_DIGITS}d}.parquet"
-
-    @property
-    def tokenized_summary(self) -> str:
-        """The tokenize summary, written after all parts."""
-        return f"{self.root}/tokenized/summary.json"
-
-    @property
-    def report_json(self) -> str:
-        """The machine-readable report."""
-        return f"{self.root}/report.json"
-
-    @property
-    def report_md(self) -> str:
-        """The human-readable report."""
-        return f"{self.root}/report.md"
-
-    @property
-    def manifest(self) -> str:
-        """The run manifest, written last."""
-        return f"{self.root}/manifest.json"
-
-    @property
-    def series_entry(self) -> str:
-        """A series run's place in its series, written before its prompts are chosen."""
-        return f"{self.root}/series.json"
 
     def hosts_object(self, attempt_id: str, name: str, host: str | None = None) -> str:
         """A multi-host handshake object of one parent attempt: the parent's (no ``host``) or a host's."""
