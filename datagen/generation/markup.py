@@ -11,13 +11,13 @@ this text in exact-token mode: they take the ids verbatim.
 
 from __future__ import annotations
 
-import ast
 import json
 import logging
 import re
 from typing import Any, Final
 
 from datagen.generation.wire import BadToolArgumentsError, excerpt
+from datagen.literals import parse_loose
 from datagen.records import FunctionCall, ToolCall
 
 logger = logging.getLogger(__name__)
@@ -225,14 +225,10 @@ def _typed_value(value: str, schema: Any) -> Any:
         return int(number) if written_as_integer and number.is_integer() else number
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
-    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            pass
+    structured = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
     try:
-        return ast.literal_eval(value)
-    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        return parse_loose(value, json_first=structured)
+    except ValueError:
         return value
 
 

@@ -19,7 +19,9 @@ CORE = REPO / "datagen"
 FORBIDDEN_PACKAGES = frozenset({"prefect", "flows", "tasks"})
 # The modules every stage shares, at the top of the package.
 SHARED = "shared"
-SHARED_MODULES = frozenset({"config", "settings", "errors", "records", "samples", "templates", "processes"})
+SHARED_MODULES = frozenset(
+    {"config", "settings", "errors", "records", "samples", "templates", "processes", "literals"}
+)
 STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")
 # What each layer may import (itself included); the app layer composes everything.
 ALLOWED_LAYERS: Mapping[str, frozenset[str]] = {

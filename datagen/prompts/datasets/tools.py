@@ -8,11 +8,11 @@ dict arguments.
 
 from __future__ import annotations
 
-import ast
 import json
 import re
 from typing import Any
 
+from datagen.literals import parse_loose
 from datagen.prompts.datasets.model import RowRejected
 from datagen.records import FunctionCall, ToolCall
 
@@ -35,24 +35,6 @@ def strip_hermes_boilerplate(system: str) -> str:
         system = pattern.sub("", system)
     system = TOOLS_BLOCK.sub("", system)
     return re.sub(r"\n{3,}", "\n\n", system).strip()
-
-
-def parse_loose(text: str) -> Any:
-    """Parse JSON, or failing that a Python literal (single quotes, True/False/None).
-
-    Raises:
-        ValueError: ``text`` is neither.
-
-    """
-    stripped = text.strip()
-    try:
-        return json.loads(stripped)
-    except json.JSONDecodeError:
-        pass
-    try:
-        return ast.literal_eval(stripped)
-    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError) as error:
-        raise ValueError(f"neither JSON nor a Python literal: {error}") from None
 
 
 def _parse_object_sequence(text: str) -> list[Any]:
@@ -114,7 +96,7 @@ def parse_tools(value: Any) -> list[dict[str, Any]] | None:
         if not value.strip():
             return None
         try:
-            value = parse_loose(value)
+            value = parse_loose(value.strip())
         except ValueError:
             try:
                 value = _parse_object_sequence(value)
@@ -163,7 +145,7 @@ def make_tool_call(name: Any, arguments: Any, call_id: Any = None) -> ToolCall:
         arguments = {}
     if isinstance(arguments, str):
         try:
-            arguments = parse_loose(arguments)
+            arguments = parse_loose(arguments.strip())
         except ValueError as error:
             raise RowRejected(
                 "unparseable_tool_call", f"arguments of {name!r} are not parseable: {error}"
@@ -207,7 +189,7 @@ def split_tool_call_blocks(text: str) -> tuple[str | None, list[ToolCall]]:
     calls: list[ToolCall] = []
     for body in bodies:
         try:
-            parsed = parse_loose(body)
+            parsed = parse_loose(body.strip())
         except ValueError as error:
             raise RowRejected(
                 "unparseable_tool_call", f"a <tool_call> block is not parseable: {error}"
