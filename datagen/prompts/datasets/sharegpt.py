@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from datagen.config import MultiTurnPolicy
-from datagen.literals import parse_loose
-from datagen.prompts.datasets.model import NormalisedPrompt, RowRejected
+from datagen.prompts.datasets.model import NormalisedPrompt
 from datagen.prompts.datasets.tools import (
+    parse_tool_text,
     parse_tools,
     split_tool_call_blocks,
     split_tool_responses,
@@ -63,12 +63,7 @@ def sharegpt_turns(conversations: Any, *, tool_markup: bool = False) -> list[Tur
 
 def _function_call_turn(value: str) -> Converter:
     def convert() -> list[Message]:
-        try:
-            parsed = parse_loose(value.strip())
-        except ValueError as error:
-            raise RowRejected(
-                "unparseable_tool_call", f"a function_call turn is not parseable: {error}"
-            ) from None
+        parsed = parse_tool_text(value, "a function_call turn is")
         items = parsed if isinstance(parsed, list) else [parsed]
         return [
             Message(role="assistant", content=None, tool_calls=[tool_call_from_dict(item) for item in items])

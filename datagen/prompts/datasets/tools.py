@@ -37,6 +37,26 @@ def strip_hermes_boilerplate(system: str) -> str:
     return re.sub(r"\n{3,}", "\n\n", system).strip()
 
 
+def parse_tool_text(text: str, what: str) -> Any:
+    """A tool call written as text (JSON or a Python literal, white space around it ignored), parsed.
+
+    Args:
+        text: The text.
+        what: The start of the rejection's message, e.g. ``"a <tool_call> block is"``.
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        RowRejected: ``unparseable_tool_call`` when the text is neither.
+
+    """
+    try:
+        return parse_loose(text.strip())
+    except ValueError as error:
+        raise RowRejected("unparseable_tool_call", f"{what} not parseable: {error}") from None
+
+
 def _parse_object_sequence(text: str) -> list[Any]:
     """Parse several JSON/Python values written one after another (``{...} {...}``)."""
     decoder = json.JSONDecoder()
@@ -144,12 +164,7 @@ def make_tool_call(name: Any, arguments: Any, call_id: Any = None) -> ToolCall:
     if arguments is None or (isinstance(arguments, str) and not arguments.strip()):
         arguments = {}
     if isinstance(arguments, str):
-        try:
-            arguments = parse_loose(arguments.strip())
-        except ValueError as error:
-            raise RowRejected(
-                "unparseable_tool_call", f"arguments of {name!r} are not parseable: {error}"
-            ) from None
+        arguments = parse_tool_text(arguments, f"arguments of {name!r} are")
     if not isinstance(arguments, dict):
         raise RowRejected("unparseable_tool_call", f"arguments of {name!r} are a {type(arguments).__name__}")
     return ToolCall(
@@ -188,12 +203,7 @@ def split_tool_call_blocks(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     calls: list[ToolCall] = []
     for body in bodies:
-        try:
-            parsed = parse_loose(body.strip())
-        except ValueError as error:
-            raise RowRejected(
-                "unparseable_tool_call", f"a <tool_call> block is not parseable: {error}"
-            ) from None
+        parsed = parse_tool_text(body, "a <tool_call> block is")
         for item in parsed if isinstance(parsed, list) else [parsed]:
             calls.append(tool_call_from_dict(item))
     remaining = TOOL_CALL_BLOCK.sub("", text).strip()
