@@ -144,7 +144,7 @@ def tune(
     import shlex
 
     from datagen.app.tune import tune_inflight, tune_result_json, tune_setting_by_restart
-    from datagen.host.tune_result import TuneResult
+    from datagen.engines.tune_result import TuneResult
 
     try:
         if vary_flag:

@@ -25,9 +25,9 @@ from pathlib import Path
 import httpx
 
 from datagen.engines import engine_class
+from datagen.engines.tune_result import TunePoint, TuneResult
 from datagen.errors import ConfigError
 from datagen.generation.wire import CHAT_COMPLETIONS_PATH
-from datagen.host.tune_result import TunePoint, TuneResult
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def parse_prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
 def choose_best(curve: list[TunePoint]) -> TunePoint:
     """The smallest level within :data:`SATURATION_SHARE` of the best throughput.
 
-    Levels that lost more than :data:`~datagen.host.tune_result.MAX_FAILED_SHARE` of their requests are not
+    Levels that lost more than :data:`~datagen.engines.tune_result.MAX_FAILED_SHARE` of their requests are not
     candidates (unless every level did).
     """
     usable = [point for point in curve if not point.disqualified and point.output_tokens_per_s > 0] or curve

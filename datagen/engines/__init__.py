@@ -4,8 +4,9 @@
 per-request state from its ``config.json``; :mod:`sglang_flags` asks the installed sglang's own parser for
 its flags; :mod:`sglang_tuning` sizes SGLang servers, :mod:`cpu_sizing` CPU servers; :mod:`router` is
 sglang-router's argv; :mod:`capacity` decides the dispatcher's in-flight cap per server, once, for every
-engine (tuned, explicit config, the engine's sizing). Nothing here imports an engine package:
-availability is checked with ``importlib.util.find_spec`` so the orchestrator stays light.
+engine (tuned, explicit config, the engine's sizing), reading ``datagen tune``'s result (:mod:`tune_result`).
+Nothing here imports an engine package: availability is checked with ``importlib.util.find_spec`` so the
+orchestrator stays light.
 """
 
 from __future__ import annotations

@@ -14,24 +14,16 @@ and stores the answer in the plan (``ServerSpec.max_inflight``); the flows read 
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.engines.base import CapacityPlan
 from datagen.engines.sglang_tuning import CUDA_GRAPH_MAX_BS_CAP
+from datagen.engines.tune_result import TuneResult
 
 InflightSource = Literal["tuned", "config", "engine"]
 RUNNING_REQUESTS_FLAG = "--max-running-requests"
-
-
-class TunedInflight(NamedTuple):
-    """What ``datagen tune`` measured (the planner reads it from ``fleet.tune_result``)."""
-
-    per_server: int
-    output_tokens_per_s: float
-    setting_flag: str | None = None
-    setting: int | None = None
 
 
 class InflightCap(BaseModel):
@@ -44,17 +36,17 @@ class InflightCap(BaseModel):
     reasons: list[str] = Field(default_factory=list, description="Lines for the plan's reasons, in order.")
 
 
-def tuned_reason(tuned: TunedInflight) -> str:
+def tuned_reason(tuned: TuneResult) -> str:
     """The plan's line for a tune measurement."""
     return (
-        f"in flight per server: {tuned.per_server}, measured by datagen tune "
-        f"({tuned.output_tokens_per_s:.0f} output tok/s, fleet.tune_result)"
-        + (f"; {tuned.setting_flag} {tuned.setting}" if tuned.setting_flag else "")
+        f"in flight per server: {tuned.best_inflight_per_server}, measured by datagen tune "
+        f"({tuned.best_output_tokens_per_s:.0f} output tok/s, fleet.tune_result)"
+        + (f"; {tuned.setting_flag} {tuned.best_setting}" if tuned.setting_flag else "")
     )
 
 
 def decide_inflight_cap(
-    engine: CapacityPlan | None, *, configured: int, explicit: bool, tuned: TunedInflight | None
+    engine: CapacityPlan | None, *, configured: int, explicit: bool, tuned: TuneResult | None
 ) -> InflightCap:
     """Decide the dispatcher's in-flight cap of one server (see the module docstring for the order).
 
@@ -63,7 +55,7 @@ def decide_inflight_cap(
             external servers).
         configured: ``fleet.max_inflight_per_server`` (its default when not set).
         explicit: Whether ``fleet.max_inflight_per_server`` was set in the config.
-        tuned: The ``datagen tune`` measurement, None without ``fleet.tune_result``.
+        tuned: The ``datagen tune`` result, None without ``fleet.tune_result``.
 
     Returns:
         The cap, its source and the reason lines (the engine's own line first when the engine sized it).
@@ -72,7 +64,9 @@ def decide_inflight_cap(
     engine_lines = [engine.inflight_reason] if engine is not None and engine.inflight_reason else []
     if tuned is not None:
         return InflightCap(
-            per_server=tuned.per_server, source="tuned", reasons=[*engine_lines, tuned_reason(tuned)]
+            per_server=tuned.best_inflight_per_server,
+            source="tuned",
+            reasons=[*engine_lines, tuned_reason(tuned)],
         )
     if explicit:
         return InflightCap(
@@ -93,13 +87,13 @@ def decide_inflight_cap(
     )
 
 
-def tuned_slot_fields(fields: dict[str, Any], tuned: TunedInflight | None) -> dict[str, Any]:
+def tuned_slot_fields(fields: dict[str, Any], tuned: TuneResult | None) -> dict[str, Any]:
     """The engine's slot fields with a measured ``--max-running-requests`` (and its CUDA-graph batch) applied."""
-    if tuned is None or tuned.setting_flag != RUNNING_REQUESTS_FLAG or not tuned.setting:
+    if tuned is None or tuned.setting_flag != RUNNING_REQUESTS_FLAG or not tuned.best_setting:
         return fields
-    updated = {**fields, "max_running_requests": tuned.setting}
+    updated = {**fields, "max_running_requests": tuned.best_setting}
     if updated.get("cuda_graph_max_bs"):
-        updated["cuda_graph_max_bs"] = min(tuned.setting, CUDA_GRAPH_MAX_BS_CAP)
+        updated["cuda_graph_max_bs"] = min(tuned.best_setting, CUDA_GRAPH_MAX_BS_CAP)
     return updated
 
 

@@ -29,15 +29,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from datagen.config import EngineKind, FleetConfig, RunConfig
 from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
 from datagen.engines.base import CapacityRequest
-from datagen.engines.capacity import TunedInflight, decide_inflight_cap, per_client_url, tuned_slot_fields
+from datagen.engines.capacity import decide_inflight_cap, per_client_url, tuned_slot_fields
 from datagen.engines.cpu_sizing import cpu_slot_fields
 from datagen.engines.model_size import BYTES_PER_GIB, ModelShape, read_model_shape
 from datagen.engines.router import router_launch, router_problems
+from datagen.engines.tune_result import TuneResult, load_tune_result
 from datagen.errors import PlanError
 from datagen.host.env_report import IDLE_GPU_MEMORY_MIB, EnvReport
 from datagen.host.gpu_groups import PlanMode, gpu_groups
 from datagen.host.ports import choose_ports, client_url, url_host, url_port
-from datagen.host.tune_result import load_tune_result
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +357,7 @@ def _sampling_budget_tokens(config: RunConfig, context: int | None, shape: Model
     return budget
 
 
-def _tuned(fleet: FleetConfig) -> TunedInflight | None:
+def _tuned(fleet: FleetConfig) -> TuneResult | None:
     """What ``datagen tune`` measured (``fleet.tune_result``), None when not given."""
     if fleet.tune_result is None:
         return None
@@ -373,12 +373,7 @@ def _tuned(fleet: FleetConfig) -> TunedInflight | None:
             f"fleet.tune_result was measured with engine {result.engine}, this run uses {fleet.engine}: "
             "tune this engine or unset fleet.tune_result"
         )
-    return TunedInflight(
-        per_server=result.best_inflight_per_server,
-        output_tokens_per_s=result.best_output_tokens_per_s,
-        setting_flag=result.setting_flag,
-        setting=result.best_setting,
-    )
+    return result
 
 
 def _capacity_request(

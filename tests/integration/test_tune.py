@@ -12,9 +12,9 @@ import pytest
 
 from datagen.app.tune import choose_best, parse_prometheus, tune_setting_by_restart, with_setting
 from datagen.config import RunConfig
+from datagen.engines.tune_result import TunePoint, TuneResult, load_tune_result
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report
-from datagen.host.tune_result import TunePoint, TuneResult, load_tune_result
 from tests.support.transformers_servers import TransformersServer, TransformersServerPool, free_port
 
 LEVELS = (1, 2, 4)

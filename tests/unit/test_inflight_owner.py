@@ -14,11 +14,11 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.engines.base import CapacityPlan
-from datagen.engines.capacity import TunedInflight, decide_inflight_cap, per_client_url
+from datagen.engines.capacity import decide_inflight_cap, per_client_url
+from datagen.engines.tune_result import TuneResult
 from datagen.host.env_report import EnvReport
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report, probe_from_dir
-from datagen.host.tune_result import TuneResult
 
 REPO = Path(__file__).resolve().parents[2]
 FIXTURES = REPO / "tests" / "fixtures"
@@ -39,6 +39,18 @@ def _env(engine: str) -> EnvReport:
     )
 
 
+def _tune_result(per_server: int, output_tokens_per_s: float, *, engine: str = "sglang") -> TuneResult:
+    return TuneResult(
+        engine=engine,
+        urls=["http://127.0.0.1:30000"],
+        max_tokens=256,
+        best_inflight_per_server=per_server,
+        best_output_tokens_per_s=output_tokens_per_s,
+        curve=[],
+        measured_with="client",
+    )
+
+
 def _config(engine: str, tmp_path: Path, *, tuned: bool, explicit: bool) -> RunConfig:
     fleet: dict[str, Any] = {"engine": engine, "base_port": BASE_PORT}
     if engine == "external":
@@ -48,15 +60,7 @@ def _config(engine: str, tmp_path: Path, *, tuned: bool, explicit: bool) -> RunC
     if explicit:
         fleet["max_inflight_per_server"] = CONFIGURED
     if tuned:
-        result = TuneResult(
-            engine=engine,
-            urls=["http://127.0.0.1:30000"],
-            max_tokens=256,
-            best_inflight_per_server=TUNED,
-            best_output_tokens_per_s=1000.0,
-            curve=[],
-            measured_with="client",
-        )
+        result = _tune_result(TUNED, 1000.0, engine=engine)
         tune_file = tmp_path / f"tune-{engine}.json"
         tune_file.write_text(result.model_dump_json())
         fleet["tune_result"] = str(tune_file)
@@ -89,7 +93,7 @@ def test_the_plan_carries_the_owners_answer(engine: str, tuned: bool, explicit: 
             CapacityPlan(max_inflight=engine_cap) if engine_sizes else None,
             configured=config.fleet.max_inflight_per_server,
             explicit=explicit,
-            tuned=TunedInflight(per_server=TUNED, output_tokens_per_s=1000.0) if tuned else None,
+            tuned=_tune_result(TUNED, 1000.0) if tuned else None,
         )
         assert server.max_inflight == owner.per_server
     expected = TUNED if tuned else CONFIGURED if explicit else None
@@ -101,8 +105,8 @@ def test_the_plan_carries_the_owners_answer(engine: str, tuned: bool, explicit: 
 
 def test_the_owner_orders_tuned_then_explicit_then_engine() -> None:
     engine = CapacityPlan(max_inflight=81, inflight_reason="engine says 81")
-    tuned = TunedInflight(
-        per_server=135, output_tokens_per_s=2000.0, setting_flag="--max-running-requests", setting=120
+    tuned = _tune_result(135, 2000.0).model_copy(
+        update={"setting_flag": "--max-running-requests", "best_setting": 120}
     )
 
     assert decide_inflight_cap(engine, configured=40, explicit=True, tuned=tuned).per_server == 135

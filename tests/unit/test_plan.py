@@ -564,7 +564,7 @@ def test_an_explicit_inflight_cap_wins_over_the_derived_one(tmp_path: Path, base
 def test_a_tune_result_sets_the_inflight_cap_and_the_measured_max_running_requests(
     tmp_path: Path, base_port: int
 ) -> None:
-    from datagen.host.tune_result import TunePoint, TuneResult
+    from datagen.engines.tune_result import TunePoint, TuneResult
 
     point = TunePoint(
         inflight_per_server=135,

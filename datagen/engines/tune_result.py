@@ -1,6 +1,7 @@
 """The result of ``datagen tune`` (:mod:`datagen.app.tune`): a throughput curve and the best in-flight count.
 
-It lives with the host's planning because the planner reads it back (``fleet.tune_result``).
+It lives with the engines because the in-flight cap's owner (:mod:`datagen.engines.capacity`) reads it back
+(``fleet.tune_result``).
 """
 
 from __future__ import annotations
