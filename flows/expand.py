@@ -40,11 +40,12 @@ from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.runs import make_run_id, open_store
+from datagen.output.store import Store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from flows.serving import fleet_state_dir, serve_on_this_box
-from tasks.credentials import configure_s3_credentials
+from tasks.credentials import load_s3_credentials
 from tasks.data import (
     CorpusIds,
     ShardProgress,
@@ -132,10 +133,7 @@ def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
         logger.warning("training restarted after %s pid=%d", state.type.value, restarted.pid)
 
 
-def _summary_from_report(
-    report: RunReport, config: RunConfig, layout: RunLayout, complete: bool
-) -> RunSummary:
-    store = open_store(config)
+def _summary_from_report(report: RunReport, store: Store, layout: RunLayout, complete: bool) -> RunSummary:
     return RunSummary(
         run_id=layout.run_id,
         run_url=store.url(layout.root),
@@ -170,7 +168,7 @@ def _prepared_outcomes(
 
 
 def _record_generation_window(
-    config: RunConfig,
+    store: Store,
     layout: RunLayout,
     attempt_id: str,
     wall_s: float,
@@ -187,7 +185,7 @@ def _record_generation_window(
         lost_hosts=dict(hosts.lost) if hosts else {},
     )
     try:
-        record_generation_window(open_store(config), layout, window)
+        record_generation_window(store, layout, window)
     except Exception as error:  # never mask why generation ended
         get_run_logger().warning("generation time not recorded attempt=%s error=%s", attempt_id, error)
 
@@ -206,8 +204,7 @@ def _progress_description(
     )
 
 
-def _all_shards_done(config: RunConfig, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
-    store = open_store(config)
+def _all_shards_done(store: Store, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
     return all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for p in prepared for s in p.shards)
 
 
@@ -276,6 +273,7 @@ def _generate_all(
     run: Any,
     prepared_futures: list[PrefectFuture[PreparedDataset]],
     dispatcher: Dispatcher,
+    store: Store,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
     """Run one task per shard, started as datasets are prepared, so the dispatcher's backlog never runs dry.
 
@@ -326,7 +324,9 @@ def _generate_all(
         take_prepared(block=not pending and not running)
         while pending and len(running) < max_tasks and backlog() < dispatcher.admission_limit:
             shard = pending.popleft()
-            future = generate_shard.submit(config, run, shard, dispatcher, shard_progress)
+            future = generate_shard.submit(
+                config, run, shard, dispatcher, shard_progress, credentials=store.credentials
+            )
             running[future] = shard
             future.add_done_callback(finished.put)
         if not running:
@@ -363,6 +363,7 @@ def _generate_on_hosts(
     prepared_futures: list[PrefectFuture[PreparedDataset]],
     attempt_id: str,
     flow_run_id: str,
+    store: Store,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
     """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
     outcome = HostsOutcome()
@@ -375,21 +376,22 @@ def _generate_on_hosts(
         nonlocal wall_s, finished
         started = time.monotonic()
         try:
-            result = _generate_all(config, run, prepared_futures, dispatcher)
+            result = _generate_all(config, run, prepared_futures, dispatcher, store)
             finished = True
             return result
         finally:
             wall_s = time.monotonic() - started
 
     try:
+        parent = flow_run_id if flow_run_id != "local" else None
         prepared, summaries, errors = run_on_hosts(
-            config, run.layout, attempt_id, flow_run_id if flow_run_id != "local" else None, generate, outcome
+            config, run.layout, attempt_id, parent, generate, outcome, store.credentials
         )
     finally:
         # Recorded once the hosts are released, so a box lost at the very end of generation is named too.
         if wall_s is not None:
             _record_generation_window(
-                config, run.layout, attempt_id, wall_s, outcome.servers, finished, outcome
+                store, run.layout, attempt_id, wall_s, outcome.servers, finished, outcome
             )
     if outcome.lost:
         get_run_logger().warning(
@@ -458,41 +460,47 @@ def expand(
 def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
     """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on."""
     logger = get_run_logger()
-    configure_s3_credentials()
+    # The Prefect block's S3 credentials (None: the AWS chain), passed to every store and S3-reading task.
+    credentials = load_s3_credentials()
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
     state_dir = fleet_state_dir(flow_run_id)
 
     # `stage=<name>` lines mark where a run is (in the terminal, the run log and the Prefect UI): a run that
     # seems stuck says which step it waits in.
     logger.info("stage=preflight run_id=%s", config.run_id)
-    preflight_report = preflight(config)
-    run = open_run(config)
+    preflight_report = preflight(config, credentials=credentials)
+    run = open_run(config, credentials=credentials)
     layout = run.layout
-    store = open_store(config)
+    store = open_store(config, credentials)
     if read_manifest(store, layout) is not None:
         logger.info("run run_id=%s is already complete: nothing to do", run.run_id)
         report = RunReport.model_validate(store.read_json(layout.report_json))
-        return _summary_from_report(report, config, layout, complete=True)
-    write_attempt_record(config, run, attempt_id, "preflight", preflight_report)
-    series_entry = open_series_entry(config, run) if config.series else None
+        return _summary_from_report(report, store, layout, complete=True)
+    write_attempt_record(config, run, attempt_id, "preflight", preflight_report, credentials=credentials)
+    series_entry = open_series_entry(config, run, credentials=credentials) if config.series else None
 
     logger.info("stage=prepare-prompts datasets=%d", len(config.datasets))
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     corpus = CorpusIds()
     # Every dataset is read and normalised at once in worker processes; each prepare task then waits for
     # (and dedupes against) the datasets before it, in config order.
-    with prompt_scans(config, run) as scans:
+    with prompt_scans(config, run, credentials) as scans:
         for dataset in config.datasets:
             earlier: Any = list(prepared_futures)
-            prepared_futures.append(prepare_prompts.submit(config, run, dataset.name, earlier, corpus, scans))
+            prepared_futures.append(
+                prepare_prompts.submit(
+                    config, run, dataset.name, earlier, corpus, scans, credentials=credentials
+                )
+            )
         # Every dataset is prepared before training is halted: one that yields too few prompts refuses the
         # run while training still runs, and the shards written here are the ones the run generates from.
         check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))
     if series_entry is not None:
         # Recorded before any GPU work: a later run of the series never takes these prompts again.
-        write_ledger(config, run, series_entry, [future.result() for future in prepared_futures])
+        taken = [future.result() for future in prepared_futures]
+        write_ledger(config, run, series_entry, taken, credentials=credentials)
 
-    if run.resumed and _all_shards_done(config, layout, [future.result() for future in prepared_futures]):
+    if run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures]):
         logger.info("every shard is already generated: training is not halted, no server is started")
         prepared = [future.result() for future in prepared_futures]
         shard_summaries = [
@@ -507,14 +515,14 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         # GPU lock and halts nothing itself, it only sends the requests.
         logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
-            config, run, prepared_futures, attempt_id, flow_run_id
+            config, run, prepared_futures, attempt_id, flow_run_id, store
         )
     else:
         logger.info("stage=gpu-lock")
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
 
         def record(name: str, value: BaseModel) -> str:
-            return write_attempt_record(config, run, attempt_id, name, value)
+            return write_attempt_record(config, run, attempt_id, name, value, credentials=credentials)
 
         with serve_on_this_box(config, gpus, run.run_id, state_dir, record) as serving:
             servers = len(serving.plan.servers)
@@ -533,15 +541,13 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 finished = False
                 try:
                     prepared, shard_summaries, errors = _generate_all(
-                        config, run, prepared_futures, dispatcher
+                        config, run, prepared_futures, dispatcher, store
                     )
                     finished = True
                 finally:
                     # Recorded even when interrupted: the report's throughput counts every attempt's time.
                     generation_wall_s = time.monotonic() - generation_started
-                    _record_generation_window(
-                        config, layout, attempt_id, generation_wall_s, servers, finished
-                    )
+                    _record_generation_window(store, layout, attempt_id, generation_wall_s, servers, finished)
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]}); everything else is stored. "
@@ -559,14 +565,21 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
             }
         )
     logger.info("stage=merge-and-tokenize")
-    tokenize_summary = merge_and_tokenize(merge_config, run, shard_summaries)
+    tokenize_summary = merge_and_tokenize(merge_config, run, shard_summaries, credentials=credentials)
     logger.info("stage=report")
     report = write_report(
-        config, run, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s
+        config,
+        run,
+        prepared,
+        shard_summaries,
+        tokenize_summary,
+        servers,
+        generation_wall_s,
+        credentials=credentials,
     )
     logger.info("stage=manifest")
-    finalize_manifest(config, run, report)
-    summary = _summary_from_report(report, config, layout, complete=False)
+    finalize_manifest(config, run, report, credentials=credentials)
+    summary = _summary_from_report(report, store, layout, complete=False)
     logger.info(
         "run complete run_id=%s completions=%d failures=%d tokenized_rows=%d url=%s",
         summary.run_id,

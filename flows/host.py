@@ -38,7 +38,7 @@ from datagen.output.runs import open_store
 from datagen.output.store import Store
 from flows.expand import _stop_servers_hook
 from flows.serving import fleet_state_dir, serve_on_this_box
-from tasks.credentials import configure_s3_credentials
+from tasks.credentials import load_s3_credentials
 from tasks.hosts import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
@@ -75,7 +75,6 @@ def expand_host(config: RunConfig, host: str, attempt_id: str, parent_flow_run_i
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     with forward_thread_logs(flow_run_id), explain_failure():
         verify_code_version(__file__)
-        configure_s3_credentials()
         return _serve(config, host, attempt_id, parent_flow_run_id, flow_run_id)
 
 
@@ -83,14 +82,16 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
     logger = get_run_logger()
     assert config.run_id is not None, "the parent resolves the run id before starting host parts"
     local = config.for_host(host)
-    store = open_store(config)
+    # The Prefect block's S3 credentials (None: the AWS chain): this box meets the parent in the run's store.
+    credentials = load_s3_credentials()
+    store = open_store(config, credentials)
     layout = RunLayout(config.run_id)
     poll_s = config.multi_host.poll_interval_s
     hostname = socket.gethostname()
 
     problems: list[str] = []
     try:
-        datagen.app.preflight.run_host_preflight(local)
+        datagen.app.preflight.run_host_preflight(local, credentials)
     except PreflightError as error:
         problems = error.problems
     write_host_object(

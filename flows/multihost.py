@@ -38,6 +38,8 @@ from datagen.output.hosts import (
 )
 from datagen.output.layout import RunLayout
 from datagen.output.runs import open_store
+from datagen.output.s3_client import S3Credentials
+from datagen.output.store import Store
 from datagen.settings import server_api_key
 from tasks.hosts import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
 
@@ -62,10 +64,12 @@ def run_on_hosts(
     parent_flow_run_id: str | None,
     generate: Callable[[Dispatcher], T],
     outcome: HostsOutcome,
+    credentials: S3Credentials | None = None,
 ) -> T:
     """Run ``generate`` with one dispatcher over the servers of every host of ``config.hosts``.
 
-    ``outcome`` is filled as hosts join and leave, also when generation raises.
+    ``outcome`` is filled as hosts join and leave, also when generation raises. The hosts and the parent meet
+    in the run's store, reached with ``credentials`` (None: the standard AWS chain).
 
     Raises:
         PreflightError: A host is misconfigured or its own checks failed; nothing was halted on any host.
@@ -76,14 +80,14 @@ def run_on_hosts(
     # Held until every host part has stopped: a parent killed outright lets it lapse, and the hosts stop.
     with hold_parent_lease(config.run_id, config.multi_host.parent_lease_s):
         logger = get_run_logger()
-        store = open_store(config)
+        store = open_store(config, credentials)
         poll_s = config.multi_host.poll_interval_s
         started = start_host_parts(config, attempt_id, parent_flow_run_id)
         release = "generation over"
         try:
-            _await_preflights(config, layout, attempt_id, started)
+            _await_preflights(config, store, layout, attempt_id, started)
             waiting = dict(started)
-            ready = _await_fleets(config, layout, attempt_id, waiting, outcome)
+            ready = _await_fleets(config, store, layout, attempt_id, waiting, outcome)
             first = ready[0]
             with Dispatcher(
                 first.urls,
@@ -100,7 +104,18 @@ def run_on_hosts(
                 stop = threading.Event()
                 watcher = threading.Thread(
                     target=contextvars.copy_context().run,
-                    args=(_watch_hosts, config, layout, attempt_id, started, waiting, watch, outcome, stop),
+                    args=(
+                        _watch_hosts,
+                        config,
+                        store,
+                        layout,
+                        attempt_id,
+                        started,
+                        waiting,
+                        watch,
+                        outcome,
+                        stop,
+                    ),
                     name="datagen-host-watch",
                     daemon=True,
                 )
@@ -139,9 +154,10 @@ def _join(watch: HostWatch, fleet: HostFleet, outcome: HostsOutcome) -> None:
         outcome.servers += len(fleet.urls)
 
 
-def _await_preflights(config: RunConfig, layout: RunLayout, attempt_id: str, started: dict[str, str]) -> None:
+def _await_preflights(
+    config: RunConfig, store: Store, layout: RunLayout, attempt_id: str, started: dict[str, str]
+) -> None:
     """Wait for every host's preflight; write go.json (go or not) once all passed or one failed."""
-    store = open_store(config)
     deadline = time.monotonic() + config.multi_host.ready_timeout_s
     reports: dict[str, HostPreflight] = {}
     problems: list[str] = []
@@ -179,7 +195,12 @@ def _await_preflights(config: RunConfig, layout: RunLayout, attempt_id: str, sta
 
 
 def _await_fleets(
-    config: RunConfig, layout: RunLayout, attempt_id: str, waiting: dict[str, str], outcome: HostsOutcome
+    config: RunConfig,
+    store: Store,
+    layout: RunLayout,
+    attempt_id: str,
+    waiting: dict[str, str],
+    outcome: HostsOutcome,
 ) -> list[HostFleet]:
     """The first ``multi_host.start_with_hosts`` host fleets to be ready (fewer when the others were lost).
 
@@ -188,7 +209,6 @@ def _await_fleets(
     Raises:
         HostsUnavailableError: Every host was lost before serving.
     """
-    store = open_store(config)
     wanted = config.multi_host.start_with_hosts
     deadline = time.monotonic() + config.multi_host.ready_timeout_s
     ready: list[HostFleet] = []
@@ -220,6 +240,7 @@ def _await_fleets(
 
 def _watch_hosts(
     config: RunConfig,
+    store: Store,
     layout: RunLayout,
     attempt_id: str,
     started: dict[str, str],
@@ -230,7 +251,6 @@ def _watch_hosts(
 ) -> None:
     """Until ``stop``: join hosts whose fleet appears, remove hosts that are gone."""
     logger = get_run_logger()
-    store = open_store(config)
     deadline = time.monotonic() + config.multi_host.ready_timeout_s
     while not stop.wait(config.multi_host.poll_interval_s):
         try:

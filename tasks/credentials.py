@@ -1,11 +1,12 @@
 """S3 credentials from a Prefect AwsCredentials block, handed to the Prefect-free core.
 
-``datagen/`` uses the standard AWS chain (environment, profile, instance role) unless told otherwise;
-it cannot read Prefect blocks itself. When ``DATAGEN_AWS_CREDENTIALS_BLOCK`` names an ``aws-credentials``
-block (the block type of the prefect-aws package), :func:`configure_s3_credentials` reads the block's
-document from the Prefect API (so prefect-aws need not be installed on the worker) and installs it as the
-process's default S3 credentials with :func:`datagen.output.s3_client.set_default_s3_credentials`. The flow calls
-it once, at its start, before any store is opened; task threads of the flow run share the process.
+``datagen/`` uses the standard AWS chain (environment, profile, instance role) unless it is given
+:class:`~datagen.output.s3_client.S3Credentials`; it cannot read Prefect blocks itself. When
+``DATAGEN_AWS_CREDENTIALS_BLOCK`` names an ``aws-credentials`` block (the block type of the prefect-aws
+package), :func:`load_s3_credentials` reads the block's document from the Prefect API (so prefect-aws need not
+be installed on the worker). The flow calls it once, at its start, and passes the result to every store it
+opens and to every task that touches S3 (keyword ``credentials``: no task's cache key reads it, and its
+secrets are ``SecretStr``). There is no process-wide default: a store opened without them uses the AWS chain.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import datagen.output.s3_client
 import datagen.settings
 from datagen.errors import ConfigError
 from datagen.output.s3_client import S3Credentials
@@ -65,18 +65,19 @@ def load_aws_credentials_block(name: str) -> S3Credentials:
     return credentials_from_block_data(dict(document.data))
 
 
-def configure_s3_credentials() -> S3Credentials | None:
-    """Install the block named by ``DATAGEN_AWS_CREDENTIALS_BLOCK`` as the default S3 credentials.
+def load_s3_credentials() -> S3Credentials | None:
+    """The credentials of the block named by ``DATAGEN_AWS_CREDENTIALS_BLOCK``, for the flow to pass down.
 
     Returns:
-        The installed credentials, or None when no block is configured (the standard AWS chain applies).
+        The credentials, or None when no block is configured (the standard AWS chain applies).
+
+    Raises:
+        ConfigError: The named block does not exist.
     """
     name = datagen.settings.get_settings().aws_credentials_block
     if not name:
-        datagen.output.s3_client.set_default_s3_credentials(None)
         return None
     credentials = load_aws_credentials_block(name)
-    datagen.output.s3_client.set_default_s3_credentials(credentials)
     logger.info(
         "s3 credentials from prefect block block=%s kind=%s endpoint=%s",
         name,

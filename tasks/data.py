@@ -20,6 +20,8 @@ import datagen.prompts.prepare
 from datagen.config import RunConfig
 from datagen.generation.dispatcher import Dispatcher
 from datagen.output.runs import RunHandle
+from datagen.output.s3_client import S3Credentials
+from datagen.output.store import Store
 from datagen.prompts.parallel import DatasetScans
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings
@@ -37,26 +39,27 @@ class CorpusIds:
         self._lock = threading.Lock()
         self._ids: frozenset[str] | None = None
 
-    def get(self, config: RunConfig, run: RunHandle) -> frozenset[str]:
-        """The existing corpus's prompt ids plus those earlier runs of the run's series took."""
+    def get(self, config: RunConfig, run: RunHandle, store: Store) -> frozenset[str]:
+        """The existing corpus's prompt ids plus those earlier runs of the run's series took.
+
+        ``store`` is the run's store: s3:// corpus sources are read with its credentials.
+        """
         with self._lock:
             if self._ids is None:
-                self._ids = _load_corpus_ids(config, run)
+                self._ids = _load_corpus_ids(config, run, store)
             return self._ids
 
 
-def _load_corpus_ids(config: RunConfig, run: RunHandle) -> frozenset[str]:
-    ids = set(datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus))
-    store = datagen.output.runs.open_store(config)
+def _load_corpus_ids(config: RunConfig, run: RunHandle, store: Store) -> frozenset[str]:
+    ids = set(datagen.prompts.datasets.corpus.load_corpus_ids(config.existing_corpus, store.credentials))
     entry = datagen.prompts.ledger.read_series_entry(store, run.run_id) if config.series else None
     if entry is not None:
         ids |= datagen.prompts.ledger.taken_prompt_ids(store, entry)
     return frozenset(ids)
 
 
-def _series_held(config: RunConfig, run: RunHandle) -> dict[str, int] | None:
+def _series_held(config: RunConfig, run: RunHandle, store: Store) -> dict[str, int] | None:
     """Prompts per category the run's series held before it (None: not a series run)."""
-    store = datagen.output.runs.open_store(config)
     entry = datagen.prompts.ledger.read_series_entry(store, run.run_id) if config.series else None
     return datagen.prompts.ledger.held_by_category(store, entry) if entry is not None else None
 
@@ -102,10 +105,12 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
 
 
 @contextlib.contextmanager
-def prompt_scans(config: RunConfig, run: RunHandle) -> Iterator[DatasetScans]:
+def prompt_scans(
+    config: RunConfig, run: RunHandle, credentials: S3Credentials | None
+) -> Iterator[DatasetScans]:
     """Scan every dataset not prepared yet in worker processes (spools under the state dir) while in use."""
     work_dir = Path(get_settings().state_dir).expanduser() / "prompt-scans"
-    store = datagen.output.runs.open_store(config)
+    store = datagen.output.runs.open_store(config, credentials)
     with datagen.prompts.prepare.start_dataset_scans(store, run.layout, config, work_dir) as scans:
         yield scans
 
@@ -123,14 +128,17 @@ def prepare_prompts(
     earlier: list[PreparedDataset],
     corpus: CorpusIds,
     scans: DatasetScans | None = None,
+    *,
+    credentials: S3Credentials | None = None,
 ) -> PreparedDataset:
     """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards.
 
     The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on; ``corpus``
     holds the ids no dataset of the run may take (shared by the run's prepare tasks). ``scans`` (from
-    :func:`prompt_scans`) has read and normalised it already, in a worker process.
+    :func:`prompt_scans`) has read and normalised it already, in a worker process. ``credentials`` reach the
+    store and the s3:// inputs (None: the standard AWS chain).
     """
-    store = datagen.output.runs.open_store(config)
+    store = datagen.output.runs.open_store(config, credentials)
     if store.exists(run.layout.prompts_summary(dataset)):
         # Prepared by an earlier attempt: the core returns the summary without reading anything.
         prepared = datagen.prompts.prepare.prepare_prompts(store, run.layout, config, dataset)
@@ -144,9 +152,9 @@ def prepare_prompts(
             config,
             dataset,
             exclude_prompt_ids=exclude,
-            corpus_ids=corpus.get(config, run),
+            corpus_ids=corpus.get(config, run, store),
             earlier=earlier,
-            held_by_category=_series_held(config, run),
+            held_by_category=_series_held(config, run, store),
             scans=scans,
         )
     get_run_logger().info(
@@ -167,14 +175,20 @@ def prepare_prompts(
     **TRANSIENT_RETRIES,
 )
 def generate_shard(
-    config: RunConfig, run: RunHandle, shard: PromptShardRef, dispatcher: Dispatcher, progress: ShardProgress
+    config: RunConfig,
+    run: RunHandle,
+    shard: PromptShardRef,
+    dispatcher: Dispatcher,
+    progress: ShardProgress,
+    *,
+    credentials: S3Credentials | None = None,
 ) -> ShardSummary:
     """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once.
 
     Its answered count goes to ``progress``, the scheduler's view of the running shards.
     """
     summary = datagen.generation.shard.generate_shard(
-        datagen.output.runs.open_store(config),
+        datagen.output.runs.open_store(config, credentials),
         run.layout,
         config,
         shard,
@@ -200,10 +214,12 @@ def generate_shard(
     cache_key_fn=run_cache_key,
     **TRANSIENT_RETRIES,
 )
-def merge_and_tokenize(config: RunConfig, run: RunHandle, shards: list[ShardSummary]) -> dict[str, Any]:
+def merge_and_tokenize(
+    config: RunConfig, run: RunHandle, shards: list[ShardSummary], *, credentials: S3Credentials | None = None
+) -> dict[str, Any]:
     """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""
     summary = datagen.dataset.merge.merge_and_tokenize(
-        datagen.output.runs.open_store(config), run.layout, config
+        datagen.output.runs.open_store(config, credentials), run.layout, config
     )
     data: dict[str, Any] = summary.model_dump(mode="json")
     get_run_logger().info(

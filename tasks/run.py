@@ -21,14 +21,15 @@ from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import RunManifest
 from datagen.output.runs import RunHandle
+from datagen.output.s3_client import S3Credentials
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
 
 
 @task(name="preflight", task_run_name="preflight-{config.run_id}", cache_policy=NO_CACHE)
-def preflight(config: RunConfig) -> PreflightReport:
+def preflight(config: RunConfig, *, credentials: S3Credentials | None = None) -> PreflightReport:
     """Check everything that needs no GPU before training is stopped; fail with every problem listed."""
-    report = datagen.app.preflight.run_preflight(config)
+    report = datagen.app.preflight.run_preflight(config, credentials=credentials)
     create_markdown_artifact(
         report.to_markdown(), key="preflight", description="Checks run before halting training"
     )
@@ -52,9 +53,9 @@ def check_prompts(
     cache_policy=NO_CACHE,
     **TRANSIENT_RETRIES,
 )
-def open_run(config: RunConfig) -> RunHandle:
+def open_run(config: RunConfig, *, credentials: S3Credentials | None = None) -> RunHandle:
     """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
-    run = datagen.output.runs.open_run(datagen.output.runs.open_store(config), config)
+    run = datagen.output.runs.open_run(datagen.output.runs.open_store(config, credentials), config)
     get_run_logger().info(
         "run run_id=%s resumed=%s config_hash=%s output=%s",
         run.run_id,
@@ -66,10 +67,18 @@ def open_run(config: RunConfig) -> RunHandle:
 
 
 @task(name="write-attempt-record", task_run_name="record-{name}", cache_policy=NO_CACHE)
-def write_attempt_record(config: RunConfig, run: RunHandle, attempt_id: str, name: str, value: Any) -> str:
+def write_attempt_record(
+    config: RunConfig,
+    run: RunHandle,
+    attempt_id: str,
+    name: str,
+    value: Any,
+    *,
+    credentials: S3Credentials | None = None,
+) -> str:
     """Store one record of this flow attempt (training, env, plan) under attempts/<attempt_id>/."""
     key = run.layout.attempt_object(attempt_id, f"{name}.json")
-    return datagen.output.runs.open_store(config).write_json(key, value).url
+    return datagen.output.runs.open_store(config, credentials).write_json(key, value).url
 
 
 @task(name="report", task_run_name="report-{run.run_id}", cache_policy=NO_CACHE)
@@ -81,9 +90,11 @@ def write_report(
     tokenize_summary: dict[str, Any],
     servers: int,
     generation_wall_s: float,
+    *,
+    credentials: S3Credentials | None = None,
 ) -> RunReport:
     """Build the report, store it (JSON + markdown) once, and publish it as table and markdown artifacts."""
-    store = datagen.output.runs.open_store(config)
+    store = datagen.output.runs.open_store(config, credentials)
     layout: RunLayout = run.layout
     rows_by_dataset: dict[str, int] = dict(tokenize_summary.get("rows_by_dataset") or {})
     # Every attempt's generation time (this one's was recorded as it ended): a resumed run's completions
@@ -121,10 +132,12 @@ def write_report(
 
 
 @task(name="manifest", task_run_name="manifest-{run.run_id}", cache_policy=NO_CACHE)
-def finalize_manifest(config: RunConfig, run: RunHandle, report: RunReport) -> RunManifest:
+def finalize_manifest(
+    config: RunConfig, run: RunHandle, report: RunReport, *, credentials: S3Credentials | None = None
+) -> RunManifest:
     """Write manifest.json last: every object of the run with size and checksum."""
     manifest = datagen.output.manifest.write_manifest(
-        datagen.output.runs.open_store(config),
+        datagen.output.runs.open_store(config, credentials),
         run.layout,
         config_hash=run.config_hash,
         counts=report.totals.model_dump(),

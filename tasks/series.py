@@ -9,6 +9,7 @@ import datagen.output.runs
 import datagen.prompts.ledger
 from datagen.config import RunConfig
 from datagen.output.runs import RunHandle
+from datagen.output.s3_client import S3Credentials
 from datagen.prompts.ledger import SeriesEntry
 from datagen.records import PreparedDataset
 from tasks.common import TRANSIENT_RETRIES
@@ -20,9 +21,12 @@ from tasks.common import TRANSIENT_RETRIES
     cache_policy=NO_CACHE,
     **TRANSIENT_RETRIES,
 )
-def open_series_entry(config: RunConfig, run: RunHandle) -> SeriesEntry:
+def open_series_entry(
+    config: RunConfig, run: RunHandle, *, credentials: S3Credentials | None = None
+) -> SeriesEntry:
     """Record once which earlier runs of the series this run excludes and which version it extends."""
-    entry = datagen.prompts.ledger.open_series_entry(datagen.output.runs.open_store(config), config)
+    store = datagen.output.runs.open_store(config, credentials)
+    entry = datagen.prompts.ledger.open_series_entry(store, config)
     get_run_logger().info(
         "series=%s run_id=%s earlier_runs=%s base_version=%s",
         entry.series,
@@ -40,9 +44,15 @@ def open_series_entry(config: RunConfig, run: RunHandle) -> SeriesEntry:
     **TRANSIENT_RETRIES,
 )
 def write_ledger(
-    config: RunConfig, run: RunHandle, entry: SeriesEntry, prepared: list[PreparedDataset]
+    config: RunConfig,
+    run: RunHandle,
+    entry: SeriesEntry,
+    prepared: list[PreparedDataset],
+    *,
+    credentials: S3Credentials | None = None,
 ) -> str:
     """Write the run's prompt ledger once, before any GPU work; refuse an overlap with a parallel run."""
-    url = datagen.prompts.ledger.write_ledger(datagen.output.runs.open_store(config), config, entry, prepared)
+    store = datagen.output.runs.open_store(config, credentials)
+    url = datagen.prompts.ledger.write_ledger(store, config, entry, prepared)
     get_run_logger().info("series ledger run_id=%s url=%s", run.run_id, url)
     return url

@@ -21,7 +21,7 @@ from datagen.errors import DatagenError, PreflightError, StorageUnreachableError
 from datagen.output.layout import RunLayout
 from datagen.output.runs import check_run_config, read_stored_config
 from datagen.output.s3 import S3Backend
-from datagen.output.s3_client import make_s3_client
+from datagen.output.s3_client import S3Credentials, make_s3_client
 from datagen.output.store import Store, normalise_url, overlaps
 from datagen.prompts.mix import validate_mix
 from datagen.records import PreparedDataset
@@ -86,17 +86,25 @@ def _check_mix(config: RunConfig, store: Store) -> str:
     return "quotas planned"
 
 
-def preflight_store(config: RunConfig) -> Store:
-    """The run's store with a quick S3 client: seconds to connect or answer, one retry."""
+def preflight_store(config: RunConfig, credentials: S3Credentials | None = None) -> Store:
+    """The run's store with a quick S3 client: seconds to connect or answer, one retry.
+
+    Args:
+        config: The run config.
+        credentials: S3 credentials (None: the standard AWS chain); the datasets are read with them too.
+    """
+    backend = None
     if config.output.startswith("s3://"):
         client = make_s3_client(
+            credentials=credentials,
             max_attempts=PREFLIGHT_S3_MAX_ATTEMPTS,
             connect_timeout_s=PREFLIGHT_S3_CONNECT_TIMEOUT_S,
             read_timeout_s=PREFLIGHT_S3_READ_TIMEOUT_S,
         )
         backend = S3Backend(config.output, client=client)
-        return Store(config.output, protected_prefixes=config.protected_prefixes, backend=backend)
-    return Store(config.output, protected_prefixes=config.protected_prefixes)
+    return Store(
+        config.output, protected_prefixes=config.protected_prefixes, backend=backend, credentials=credentials
+    )
 
 
 def _unreachable(error: Exception) -> bool:
@@ -211,7 +219,7 @@ def _check_datasets(config: RunConfig, store: Store) -> str:
     problems = []
     for dataset in config.datasets:
         try:
-            next(iter(iter_rows(dataset.path, limit=1)), None)
+            next(iter(iter_rows(dataset.path, limit=1, credentials=store.credentials)), None)
         except DatasetError as error:
             problems.append(f"{dataset.name}: {error}")
     if problems:
@@ -436,16 +444,22 @@ SERVING_ONLY_CHECKS: frozenset[str] = frozenset(
 )
 
 
-def run_host_preflight(config: RunConfig) -> PreflightReport:
+def run_host_preflight(config: RunConfig, credentials: S3Credentials | None = None) -> PreflightReport:
     """The checks of one box of a multi-host run (``config`` as :meth:`RunConfig.for_host` gives it).
+
+    Args:
+        config: The host part's config.
+        credentials: S3 credentials (None: the standard AWS chain).
 
     Raises:
         PreflightError: At least one check failed.
     """
-    return run_preflight(config, only=HOST_CHECKS)
+    return run_preflight(config, only=HOST_CHECKS, credentials=credentials)
 
 
-def run_preflight(config: RunConfig, only: frozenset[str] | None = None) -> PreflightReport:
+def run_preflight(
+    config: RunConfig, only: frozenset[str] | None = None, *, credentials: S3Credentials | None = None
+) -> PreflightReport:
     """Run every check and raise one error listing all failures.
 
     With ``config.hosts`` the checks of the serving box are left to each host part
@@ -454,6 +468,7 @@ def run_preflight(config: RunConfig, only: frozenset[str] | None = None) -> Pref
     Args:
         config: The run config with its run id resolved.
         only: Run only the checks with these names.
+        credentials: S3 credentials for the output and s3:// datasets (None: the standard AWS chain).
 
     Returns:
         The report (all checks passed).
@@ -463,7 +478,7 @@ def run_preflight(config: RunConfig, only: frozenset[str] | None = None) -> Pref
     """
     assert config.run_id is not None
     report = PreflightReport(run_id=config.run_id)
-    store = preflight_store(config)
+    store = preflight_store(config, credentials)
     unreachable = False
     for name, check, reads_output in CHECKS:
         if (only is not None and name not in only) or (

@@ -144,7 +144,7 @@ def adopt_corpus(
     corpus_url = corpus_url.rstrip("/")
     if corpus_url not in output.protected_prefixes:
         output.protected_prefixes.append(corpus_url)
-    corpus = Store(corpus_url)
+    corpus = Store(corpus_url, credentials=output.credentials)
     keys = [key for key in corpus.list("") if key.endswith((PARQUET_SUFFIX, JSONL_SUFFIX))]
     if not keys:
         raise DatasetError(

@@ -170,7 +170,7 @@ def _read_part(store: Store, shard: TokenizedPartRef) -> bytes:
         return store.read_bytes(shard.key)
     parent, _, name = shard.url.rstrip("/").rpartition("/")
     try:
-        return Store(parent or "/").read_bytes(name)
+        return Store(parent or "/", credentials=store.credentials).read_bytes(name)
     except FileNotFoundError:
         raise DatasetError(
             f"Part {shard.url} of the version is missing; the version cannot be exported."

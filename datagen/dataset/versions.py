@@ -122,7 +122,7 @@ def read_base_version(store: Store, reference: str) -> tuple[str, DatasetVersion
     try:
         if "://" in reference or reference.startswith("/"):
             parent, _, name = reference.rstrip("/").rpartition("/")
-            data = Store(parent or "/").read_json(name)
+            data = Store(parent or "/", credentials=store.credentials).read_json(name)
             url = reference
         else:
             data = store.read_json(reference)

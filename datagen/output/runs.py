@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 from datagen.config import RunConfig, is_valid_slug
 from datagen.errors import ConfigError, OutputExistsError, RunConfigMismatchError
 from datagen.output.layout import RunLayout
+from datagen.output.s3_client import S3Credentials
 from datagen.output.store import Store
 from datagen.records import utc_now
 
@@ -152,6 +153,11 @@ def open_run(store: Store, config: RunConfig) -> RunHandle:
     )
 
 
-def open_store(config: RunConfig) -> Store:
-    """The write-once store of a run's output, refusing its protected prefixes."""
-    return Store(config.output, protected_prefixes=config.protected_prefixes)
+def open_store(config: RunConfig, credentials: S3Credentials | None = None) -> Store:
+    """The write-once store of a run's output, refusing its protected prefixes.
+
+    Args:
+        config: The run config (``output``, ``protected_prefixes``).
+        credentials: S3 credentials (None: the standard AWS chain); the store keeps them for the run's inputs.
+    """
+    return Store(config.output, protected_prefixes=config.protected_prefixes, credentials=credentials)

@@ -1,13 +1,15 @@
 """S3 clients for every stage: endpoint, region and credentials resolved in one place for boto3 and s3fs.
 
-Credentials come from the standard AWS chain, or from explicit :class:`S3Credentials` (per client, or a
-process default set by the orchestration layer, e.g. from a Prefect AwsCredentials block). Secrets never
-reach reprs, logs or error messages. Every retry botocore makes is logged with its cause.
+Credentials come from the standard AWS chain, or from explicit :class:`S3Credentials` handed to each client
+(the orchestration layer reads them from a Prefect AwsCredentials block and passes them down: there is no
+process-wide default). Secrets never reach reprs, logs or error messages.
+Every retry botocore makes is logged with its cause.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -73,19 +75,16 @@ class S3Credentials(BaseModel):
             raise ValueError("give both access_key_id and secret_access_key, or neither")
         return self
 
+    def revealed_json(self) -> str:
+        """The credentials as JSON with the secrets in clear text (``model_validate_json`` reads it back).
 
-_default_credentials: S3Credentials | None = None
-
-
-def set_default_s3_credentials(credentials: S3Credentials | None) -> None:
-    """Make every S3 client this process creates without explicit credentials use ``credentials``.
-
-    The orchestration layer calls this once per process after resolving a credentials source that the
-    core cannot read itself (a Prefect AwsCredentials block: see ``tasks/credentials.py``); None goes back
-    to the standard AWS chain (environment, shared config/profile, instance or container role).
-    """
-    global _default_credentials
-    _default_credentials = credentials
+        Only for handing them to a child process (through its environment, never a file or a log).
+        """
+        data = self.model_dump(mode="python", exclude_none=True)
+        for name in ("secret_access_key", "session_token"):
+            if isinstance(data.get(name), SecretStr):
+                data[name] = data[name].get_secret_value()
+        return json.dumps(data)
 
 
 def _describe_failure(response: Any, caught_exception: BaseException | None) -> str | None:
@@ -161,7 +160,7 @@ def _resolve_s3_target(
     from datagen.settings import get_settings
 
     settings = get_settings()
-    chosen = credentials if credentials is not None else _default_credentials
+    chosen = credentials
     key_pair = None
     token = None
     if chosen is not None and chosen.access_key_id and chosen.secret_access_key:
@@ -187,16 +186,15 @@ def make_s3_client(
 ) -> Any:
     """A boto3 S3 client with botocore's standard retry mode and logged retries.
 
-    Credentials come from, in order: ``credentials``; the process default set by
-    :func:`set_default_s3_credentials` (e.g. from a Prefect AwsCredentials block); the standard AWS chain
-    (``AWS_*`` environment variables, ``AWS_PROFILE`` and the shared config files, an instance or
-    container role).
+    Credentials come from ``credentials`` when given (e.g. read from a Prefect AwsCredentials block by the
+    flow), else from the standard AWS chain (``AWS_*`` environment variables, ``AWS_PROFILE`` and the shared
+    config files, an instance or container role).
 
     Args:
         endpoint_url: An S3-compatible endpoint; else ``DATAGEN_S3_ENDPOINT_URL``, else the credentials'
             endpoint, else AWS.
         region: The region; else ``DATAGEN_S3_REGION``, else the credentials' region, else the chain's.
-        credentials: Explicit credentials for this client.
+        credentials: Explicit credentials for this client; None for the standard AWS chain.
         max_attempts: Attempts per request (botocore's standard retry mode); fewer for a quick probe.
         connect_timeout_s: Seconds to establish a connection; botocore's default (60) when None.
         read_timeout_s: Seconds to wait for an answer on a connection; botocore's default (60) when None.

@@ -14,9 +14,10 @@ Every write is an exclusive create enforced by the backend itself, never check-t
   write (success, an idempotent create), other bytes are someone else's (``OutputExistsError``).
   A download cut short mid-body resumes with a ranged GET from the last byte received.
 
-Credentials: the standard AWS chain, or explicit :class:`S3Credentials` (per client, or a process
-default set by the orchestration layer, e.g. from a Prefect AwsCredentials block). Secrets never reach
-reprs, logs or error messages.
+Credentials: the standard AWS chain, or explicit :class:`S3Credentials` given to the store (the flows read
+them from a Prefect AwsCredentials block); the store keeps them so that inputs read on its behalf
+(:attr:`Store.credentials`) reach S3 as the same principal. Secrets never reach reprs, logs or error
+messages.
 
 Protected prefixes (the existing training data) are refused before any byte is sent.
 """
@@ -39,6 +40,7 @@ from datagen.errors import (
 from datagen.output.local import LocalBackend
 from datagen.output.objects import Backend, ObjectInfo
 from datagen.output.s3 import S3Backend
+from datagen.output.s3_client import S3Credentials
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +66,25 @@ class Store:
         root: A local directory or ``s3://bucket/prefix``.
         protected_prefixes: Locations that must never be written.
         backend: A ready backend (tests); chosen from ``root`` when omitted.
+        credentials: S3 credentials for an ``s3://`` root (None: the standard AWS chain); kept as
+            :attr:`credentials` for reading the run's inputs as the same principal.
     """
 
     def __init__(
-        self, root: str, protected_prefixes: Iterable[str] = (), backend: Backend | None = None
+        self,
+        root: str,
+        protected_prefixes: Iterable[str] = (),
+        backend: Backend | None = None,
+        *,
+        credentials: S3Credentials | None = None,
     ) -> None:
         self.root = root
         self.protected_prefixes = list(protected_prefixes)
+        self.credentials = credentials
         if backend is not None:
             self.backend: Backend = backend
         elif root.startswith("s3://"):
-            self.backend = S3Backend(root)
+            self.backend = S3Backend(root, credentials=credentials)
         else:
             self.backend = LocalBackend(root)
 

@@ -35,8 +35,16 @@ from types import TracebackType
 
 import datagen
 from datagen.errors import DatasetError
+from datagen.output.s3_client import S3Credentials
 from datagen.processes import is_running
-from datagen.prompts.scan import ScanEvent, ScanRequest, merge_parts, read_spool, scan_dataset
+from datagen.prompts.scan import (
+    CREDENTIALS_ENV,
+    ScanEvent,
+    ScanRequest,
+    merge_parts,
+    read_spool,
+    scan_dataset,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +133,8 @@ class DatasetScans:
         work_dir: Where the spools go (a folder on local disk; created if missing).
         workers: Worker processes at once (0: scan nothing in workers, every dataset in :meth:`events`).
         parts: Parts to split a dataset into, each scanned by its own worker (default 1).
+        credentials: S3 credentials for s3:// datasets (None: the standard AWS chain); workers get them in
+            their environment (:data:`~datagen.prompts.scan.CREDENTIALS_ENV`), not in the request files.
     """
 
     def __init__(
@@ -133,8 +143,11 @@ class DatasetScans:
         work_dir: Path,
         workers: int,
         parts: Mapping[str, int] | None = None,
+        *,
+        credentials: S3Credentials | None = None,
     ) -> None:
         self._requests = {request.dataset: request for request in requests}
+        self._credentials = credentials
         self._closed = False
         self._lock = threading.Lock()
         self._processes: set[subprocess.Popen[bytes]] = set()
@@ -164,7 +177,11 @@ class DatasetScans:
         # The worker must import this very code (a checkout may shadow an installed copy).
         root = str(Path(datagen.__file__).resolve().parent.parent)
         path = os.environ.get("PYTHONPATH")
-        return {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+        env = {**os.environ, "PYTHONPATH": root + (os.pathsep + path if path else "")}
+        env.pop(CREDENTIALS_ENV, None)
+        if self._credentials is not None:
+            env[CREDENTIALS_ENV] = self._credentials.revealed_json()
+        return env
 
     def _scan(self, request: ScanRequest) -> Path | None:
         """Run one worker; the spool's path, or None when it failed (the dataset is then scanned in process)."""
@@ -236,7 +253,7 @@ class DatasetScans:
         spools = [future.result() for future in futures]
         scanned = self._requests.get(request.dataset)
         if not spools or None in spools or scanned is None or not scanned.same_dataset(request):
-            yield from scan_dataset(request)
+            yield from scan_dataset(request, credentials=self._credentials)
             return
         yield from merge_parts([read_spool(spool) for spool in spools if spool is not None])
         # Read to the end: a retry scans again rather than keeping the spools for it.

@@ -142,7 +142,8 @@ def start_dataset_scans(
     ``prepare_prompts``, as a worker would gain nothing.
 
     Args:
-        store: The run's output store (a dataset with a summary is prepared: not scanned).
+        store: The run's output store (a dataset with a summary is prepared: not scanned); s3:// datasets
+            are read with its credentials.
         layout: The run's layout.
         config: The run config.
         work_dir: A local folder for the workers' spools.
@@ -165,7 +166,7 @@ def start_dataset_scans(
     workers = min(cores, sum(parts.values()))
     if workers < 2:
         requests, workers = [], 0
-    return DatasetScans(requests, work_dir, workers, parts)
+    return DatasetScans(requests, work_dir, workers, parts, credentials=store.credentials)
 
 
 def prepare_prompts(
@@ -189,7 +190,7 @@ def prepare_prompts(
     length under the target's chat template), write shards of ``shard_size``, then the summary.
 
     Args:
-        store: The run's output store.
+        store: The run's output store; s3:// datasets and corpus sources are read with its credentials.
         layout: The run's layout.
         config: The run config; the dataset is ``config.dataset(dataset_name)``.
         dataset_name: Which dataset.
@@ -222,7 +223,7 @@ def prepare_prompts(
     get_normaliser(dataset.format)
     quota = quota_for(config, dataset, earlier, held_by_category)
     if corpus_ids is None:
-        corpus_ids = load_corpus_ids(config.existing_corpus)
+        corpus_ids = load_corpus_ids(config.existing_corpus, store.credentials)
     if dataset.max_prompt_tokens is not None and tokenizer is None:
         tokenizer = _load_tokenizer(config.model.tokenizer)
     tally = RejectionTally()
@@ -242,7 +243,10 @@ def prepare_prompts(
     )
     request = scan_request(config, dataset)
     rows_read = 0
-    for event in scans.events(request) if scans is not None else scan_dataset(request):
+    events = (
+        scans.events(request) if scans is not None else scan_dataset(request, credentials=store.credentials)
+    )
+    for event in events:
         if isinstance(event, RowRejection):
             tally.add(event.reason, event.detail, event.source_index, example_text=event.example)
             continue

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from datagen.config import MultiTurnPolicy
+from datagen.output.s3_client import S3Credentials
 from datagen.prompts.datasets.model import Rejection, RejectionReason
 from datagen.prompts.datasets.registry import normalise_row
 from datagen.prompts.datasets.sources import iter_rows
@@ -41,6 +42,8 @@ SCAN_BLOCK_ROWS = 2048  # a dataset split over several workers is dealt out in b
 SPOOL_CHUNK_EVENTS = 2048  # events per pickled chunk: big enough to amortise pickling, small in memory
 SPOOL_COMPRESSION = 1  # zlib level: the record JSON shrinks about 4x for little CPU
 PARENT_CHECK_ROWS = 4096  # a worker whose parent died stops within this many rows
+# A worker's S3 credentials (S3Credentials.revealed_json): in its environment, not in the request file on disk.
+CREDENTIALS_ENV = "DATAGEN_SCAN_S3_CREDENTIALS"
 
 
 @dataclass(frozen=True)
@@ -119,11 +122,14 @@ class ScanEnd:
 ScanEvent = RowRejection | Candidate | BlockEnd | ScanEnd
 
 
-def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Iterator[ScanEvent]:
+def scan_dataset(
+    request: ScanRequest, *, credentials: S3Credentials | None = None, stop_if_orphaned: bool = False
+) -> Iterator[ScanEvent]:
     """The events of one dataset in row order, ending with :class:`ScanEnd`.
 
     Args:
         request: The dataset and seed.
+        credentials: S3 credentials for an s3:// dataset (None: the standard AWS chain).
         stop_if_orphaned: Exit the process when its parent has died (a worker process).
 
     Yields:
@@ -145,7 +151,7 @@ def scan_dataset(request: ScanRequest, *, stop_if_orphaned: bool = False) -> Ite
         def wanted(index: int) -> bool:
             return (index // request.block_rows) % request.parts == request.part
 
-    for row in iter_rows(request.path, wanted=wanted):
+    for row in iter_rows(request.path, wanted=wanted, credentials=credentials):
         rows_read += 1
         if stop_if_orphaned and rows_read % PARENT_CHECK_ROWS == 0 and os.getppid() != parent:
             sys.exit(1)
@@ -234,7 +240,8 @@ def read_spool(path: Path) -> Iterator[ScanEvent]:
 def main(argv: list[str] | None = None) -> int:
     """Worker entry point: scan the dataset of ``argv[0]`` (a request JSON file) into the spool ``argv[1]``.
 
-    The spool appears under its name only once complete (written to a temporary name, then renamed).
+    The spool appears under its name only once complete (written to a temporary name, then renamed). S3
+    credentials come from :data:`CREDENTIALS_ENV` (set by the parent), never from the request file.
     """
     # The parent owns its workers: a Ctrl-C or SIGTERM to the process group is the parent's to handle (it
     # kills its workers as it stops); a worker whose parent died stops by itself (scan_dataset).
@@ -242,10 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     request_path, spool_path = (argv if argv is not None else sys.argv[1:])[:2]
     request = ScanRequest.from_json(Path(request_path).read_text())
+    revealed = os.environ.get(CREDENTIALS_ENV)
+    credentials = S3Credentials.model_validate_json(revealed) if revealed else None
     target = Path(spool_path)
     partial = target.with_name(target.name + ".partial")
     with partial.open("wb") as handle:
-        write_spool(scan_dataset(request, stop_if_orphaned=True), handle)
+        write_spool(scan_dataset(request, credentials=credentials, stop_if_orphaned=True), handle)
     partial.rename(target)
     return 0
 

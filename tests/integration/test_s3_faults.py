@@ -22,7 +22,6 @@ from datagen.output.s3_client import (
     S3Credentials,
     make_s3_client,
     s3_storage_options,
-    set_default_s3_credentials,
 )
 from datagen.output.store import Store
 from datagen.settings import get_settings
@@ -49,13 +48,8 @@ def moto_endpoint() -> Iterator[str]:
 
 
 @pytest.fixture()
-def credentials() -> Iterator[S3Credentials]:
-    chosen = S3Credentials(
-        access_key_id=ACCESS_KEY_ID, secret_access_key=SECRET_ACCESS_KEY, region="us-east-1"
-    )
-    set_default_s3_credentials(chosen)
-    yield chosen
-    set_default_s3_credentials(None)
+def credentials() -> S3Credentials:
+    return S3Credentials(access_key_id=ACCESS_KEY_ID, secret_access_key=SECRET_ACCESS_KEY, region="us-east-1")
 
 
 @pytest.fixture()
@@ -85,7 +79,9 @@ def proxy(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Fau
 @pytest.fixture()
 def store(proxy: S3FaultProxy, bucket: str, credentials: S3Credentials) -> Store:
     """A store built the production way (from its URL), reaching S3 through the proxy."""
-    return Store(f"s3://{bucket}/expansion", protected_prefixes=[f"s3://{bucket}/train"])
+    return Store(
+        f"s3://{bucket}/expansion", protected_prefixes=[f"s3://{bucket}/train"], credentials=credentials
+    )
 
 
 def _versions(client: Any, bucket: str) -> dict[str, int]:
@@ -120,7 +116,7 @@ def test_two_hundred_writes_through_every_fault_land_exactly_once_with_their_byt
     import fsspec
 
     filesystem = fsspec.filesystem(
-        "s3", skip_instance_cache=True, use_listings_cache=False, **s3_storage_options()
+        "s3", skip_instance_cache=True, use_listings_cache=False, **s3_storage_options(store.credentials)
     )
     through_s3fs = filesystem.find(f"{bucket}/expansion/runs/r")
     assert len(through_s3fs) == WRITES
@@ -212,7 +208,7 @@ def test_requests_are_signed_with_the_configured_credentials_and_no_error_or_log
     caplog.set_level(logging.DEBUG, logger="datagen")
     proxy.inject_next("503", method="PUT")
     store.write_text("runs/r/a.txt", "a")
-    missing_bucket = Store(f"s3://missing-{uuid.uuid4().hex[:8]}/expansion")
+    missing_bucket = Store(f"s3://missing-{uuid.uuid4().hex[:8]}/expansion", credentials=credentials)
 
     with pytest.raises(StorageError) as raised:
         missing_bucket.write_text("runs/r/a.txt", "a")
@@ -231,7 +227,7 @@ def test_credentials_and_endpoint_come_from_the_prefect_block_named_in_the_setti
     from prefect.blocks.core import Block
     from pydantic import BaseModel, SecretStr
 
-    from tasks.credentials import configure_s3_credentials
+    from tasks.credentials import load_s3_credentials
 
     class AwsClientParameters(BaseModel):
         endpoint_url: str | None = None
@@ -259,10 +255,9 @@ def test_credentials_and_endpoint_come_from_the_prefect_block_named_in_the_setti
         monkeypatch.setenv("DATAGEN_AWS_CREDENTIALS_BLOCK", block_name)
         get_settings.cache_clear()
         try:
-            installed = configure_s3_credentials()
-            Store(f"s3://{bucket}/expansion").write_text("runs/r/config.json", "{}")
+            installed = load_s3_credentials()
+            Store(f"s3://{bucket}/expansion", credentials=installed).write_text("runs/r/config.json", "{}")
         finally:
-            set_default_s3_credentials(None)
             get_settings.cache_clear()
 
     assert installed is not None and installed.endpoint_url == proxy.url

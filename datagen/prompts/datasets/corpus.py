@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 from datagen.config import CorpusSource, ExistingCorpusConfig
 from datagen.errors import DatasetError
+from datagen.output.s3_client import S3Credentials
 from datagen.prompts.datasets.identity import PROMPT_ID_HEX_CHARS, prompt_id_for
 from datagen.prompts.datasets.inputs import input_filesystem, open_input
 from datagen.prompts.datasets.model import Rejection
@@ -38,8 +39,8 @@ _HEX_ID = re.compile(rf"^(?:[0-9a-f]{{{PROMPT_ID_HEX_CHARS}}}|[0-9a-f]{{{SHA256_
 _PROMPT_SHARD_KEY = re.compile(r"^prompts/[^/]+/shard-\d+\.jsonl$")
 
 
-def _id_files(path: str) -> list[str]:
-    fs, root = input_filesystem(path)
+def _id_files(path: str, credentials: S3Credentials | None) -> list[str]:
+    fs, root = input_filesystem(path, credentials)
     if any(char in path for char in GLOB_CHARACTERS):
         files = sorted(str(item) for item in fs.glob(root))
     else:
@@ -51,9 +52,9 @@ def _id_files(path: str) -> list[str]:
     return [fs.unstrip_protocol(item) if "://" in path else item for item in files]
 
 
-def _iter_id_file(path: str) -> Iterator[str]:
-    for file in _id_files(path):
-        with open_input(file, "rt", compression="infer", encoding="utf-8") as f:
+def _iter_id_file(path: str, credentials: S3Credentials | None) -> Iterator[str]:
+    for file in _id_files(path, credentials):
+        with open_input(file, "rt", compression="infer", encoding="utf-8", credentials=credentials) as f:
             for line_number, raw in enumerate(f, start=1):
                 line = raw.strip().lower()
                 if not line or line.startswith("#"):
@@ -66,10 +67,10 @@ def _iter_id_file(path: str) -> Iterator[str]:
                 yield line[:PROMPT_ID_HEX_CHARS]
 
 
-def _iter_prompt_files(source: CorpusSource) -> Iterator[str]:
+def _iter_prompt_files(source: CorpusSource, credentials: S3Credentials | None) -> Iterator[str]:
     assert source.format is not None  # CorpusSource validates it for kind 'prompts'
     skipped = 0
-    for row in iter_rows(source.path):
+    for row in iter_rows(source.path, credentials=credentials):
         result = (
             normalise_row(source.format, row.data, row.index, source.multi_turn)
             if row.error is None
@@ -84,10 +85,10 @@ def _iter_prompt_files(source: CorpusSource) -> Iterator[str]:
         logger.info("existing corpus rows not usable path=%s skipped=%d", source.path, skipped)
 
 
-def _iter_run(path: str) -> Iterator[str]:
+def _iter_run(path: str, credentials: S3Credentials | None) -> Iterator[str]:
     from datagen.output.store import Store
 
-    store = Store(path.rstrip("/"))
+    store = Store(path.rstrip("/"), credentials=credentials)
     keys = [key for key in store.list("prompts") if _PROMPT_SHARD_KEY.match(key)]
     if not keys:
         raise DatasetError(
@@ -99,11 +100,11 @@ def _iter_run(path: str) -> Iterator[str]:
             yield str(line["prompt_id"])
 
 
-def _iter_parquet_ids(url: str) -> Iterator[str]:
+def _iter_parquet_ids(url: str, credentials: S3Credentials | None) -> Iterator[str]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with open_input(url, "rb") as handle:
+    with open_input(url, "rb", credentials=credentials) as handle:
         try:
             parquet = pq.ParquetFile(handle)
             if "prompt_id" not in parquet.schema_arrow.names:
@@ -119,7 +120,7 @@ def _iter_parquet_ids(url: str) -> Iterator[str]:
             raise DatasetError(f"existing_corpus: cannot read Parquet shard {url}: {error}") from error
 
 
-def _iter_dataset_version(path: str) -> Iterator[str]:
+def _iter_dataset_version(path: str, credentials: S3Credentials | None) -> Iterator[str]:
     import json
 
     from pydantic import ValidationError
@@ -127,7 +128,7 @@ def _iter_dataset_version(path: str) -> Iterator[str]:
     from datagen.dataset.versions import DatasetVersion
 
     try:
-        with open_input(path, "rb") as handle:
+        with open_input(path, "rb", credentials=credentials) as handle:
             version = DatasetVersion.model_validate(json.loads(handle.read()))
     except FileNotFoundError:
         raise DatasetError(f"existing_corpus: dataset version manifest {path} does not exist.") from None
@@ -136,14 +137,15 @@ def _iter_dataset_version(path: str) -> Iterator[str]:
             f"existing_corpus: {path} is not a datagen dataset version manifest: {error}"
         ) from None
     for shard in version.shards:
-        yield from _iter_parquet_ids(shard.url)
+        yield from _iter_parquet_ids(shard.url, credentials)
 
 
-def iter_corpus_ids(source: CorpusSource) -> Iterator[str]:
+def iter_corpus_ids(source: CorpusSource, credentials: S3Credentials | None = None) -> Iterator[str]:
     """Stream the prompt ids of one existing-corpus source (repeats possible).
 
     Args:
         source: The source.
+        credentials: S3 credentials for s3:// sources (None: the standard AWS chain).
 
     Yields:
         Prompt ids (16 lowercase hex characters).
@@ -153,20 +155,21 @@ def iter_corpus_ids(source: CorpusSource) -> Iterator[str]:
 
     """
     if source.kind == "prompt_ids":
-        yield from _iter_id_file(source.path)
+        yield from _iter_id_file(source.path, credentials)
     elif source.kind == "prompts":
-        yield from _iter_prompt_files(source)
+        yield from _iter_prompt_files(source, credentials)
     elif source.kind == "run":
-        yield from _iter_run(source.path)
+        yield from _iter_run(source.path, credentials)
     else:
-        yield from _iter_dataset_version(source.path)
+        yield from _iter_dataset_version(source.path, credentials)
 
 
-def load_corpus_ids(corpus: ExistingCorpusConfig) -> frozenset[str]:
+def load_corpus_ids(corpus: ExistingCorpusConfig, credentials: S3Credentials | None = None) -> frozenset[str]:
     """The prompt ids of every ``dedupe_against`` source, read once.
 
     Args:
         corpus: The existing-corpus config.
+        credentials: S3 credentials for s3:// sources (None: the standard AWS chain).
 
     Returns:
         The ids (empty when there is no source).
@@ -178,7 +181,7 @@ def load_corpus_ids(corpus: ExistingCorpusConfig) -> frozenset[str]:
     ids: set[str] = set()
     for source in corpus.dedupe_against:
         before = len(ids)
-        ids.update(iter_corpus_ids(source))
+        ids.update(iter_corpus_ids(source, credentials))
         logger.info(
             "existing corpus source kind=%s path=%s new_ids=%d", source.kind, source.path, len(ids) - before
         )

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from datagen.errors import DatasetError
+from datagen.output.s3_client import S3Credentials
 from datagen.prompts.datasets.inputs import input_filesystem, open_input
 from datagen.prompts.datasets.jsonstream import iter_json_array
 
@@ -94,11 +95,12 @@ def looks_like_hub_id(path: str) -> bool:
     return HUB_ID_PATTERN.match(path) is not None and not Path(path).exists()
 
 
-def resolve_files(path: str) -> list[str]:
+def resolve_files(path: str, credentials: S3Credentials | None = None) -> list[str]:
     """List the data files ``path`` names, sorted, as URLs fsspec can open.
 
     Args:
         path: A file, a directory (searched recursively), a glob, or an s3:// URL of any of these.
+        credentials: S3 credentials for an s3:// path (None: the standard AWS chain).
 
     Returns:
         The matching files with a supported suffix, in sorted order (the order rows are numbered in).
@@ -116,7 +118,7 @@ def resolve_files(path: str) -> list[str]:
             "copy them to local disk or S3, and set the dataset's `path` to that copy."
         )
     try:
-        fs, root = input_filesystem(path)
+        fs, root = input_filesystem(path, credentials)
         if any(char in path for char in GLOB_CHARACTERS):
             candidates = [str(item) for item in fs.glob(root)]
         elif fs.isdir(root):
@@ -145,7 +147,13 @@ def resolve_files(path: str) -> list[str]:
     return [fs.unstrip_protocol(item) if "://" in path else item for item in files]
 
 
-def iter_rows(path: str, *, limit: int | None = None, wanted: Wanted | None = None) -> Iterator[SourceRow]:
+def iter_rows(
+    path: str,
+    *,
+    limit: int | None = None,
+    wanted: Wanted | None = None,
+    credentials: S3Credentials | None = None,
+) -> Iterator[SourceRow]:
     """Stream every row of the dataset at ``path``, file after file, in bounded memory.
 
     Args:
@@ -153,6 +161,7 @@ def iter_rows(path: str, *, limit: int | None = None, wanted: Wanted | None = No
         limit: Stop after this many rows.
         wanted: Which row indexes the caller wants; the others come as ``skipped`` rows, not decoded
             where the file type allows (Parquet batches and JSON Lines lines no wanted row is in).
+        credentials: S3 credentials for an s3:// path (None: the standard AWS chain).
 
     Yields:
         One :class:`SourceRow` per row; rows that cannot be parsed carry an ``error`` instead of data.
@@ -166,9 +175,9 @@ def iter_rows(path: str, *, limit: int | None = None, wanted: Wanted | None = No
         yield from _iter_hub_rows(path, limit=limit)
         return
     index = 0
-    for file in resolve_files(path):
+    for file in resolve_files(path, credentials):
         logger.info("reading dataset file=%s", file)
-        for item in _iter_file(file, index, wanted):
+        for item in _iter_file(file, index, wanted, credentials):
             if isinstance(item, _Skipped):
                 for _ in range(item.rows):
                     if limit is not None and index >= limit:
@@ -224,22 +233,26 @@ def _iter_hub_rows(path: str, *, limit: int | None) -> Iterator[SourceRow]:
 _FileItem = tuple[Any, str | None] | _Skipped
 
 
-def _iter_file(file: str, first: int, wanted: Wanted | None) -> Iterator[_FileItem]:
+def _iter_file(
+    file: str, first: int, wanted: Wanted | None, credentials: S3Credentials | None
+) -> Iterator[_FileItem]:
     """The rows of one file whose first row has index ``first``; unwanted ones skipped where cheap."""
     kind = _file_kind(file)
     if kind == "parquet":
-        yield from _iter_parquet(file, first, wanted)
+        yield from _iter_parquet(file, first, wanted, credentials)
     elif kind == "jsonl":
-        yield from _iter_jsonl(file, first, wanted)
+        yield from _iter_jsonl(file, first, wanted, credentials)
     else:
-        yield from _iter_json(file)
+        yield from _iter_json(file, credentials)
 
 
-def _iter_parquet(file: str, first: int = 0, wanted: Wanted | None = None) -> Iterator[_FileItem]:
+def _iter_parquet(
+    file: str, first: int, wanted: Wanted | None, credentials: S3Credentials | None
+) -> Iterator[_FileItem]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    with open_input(file, "rb") as handle:
+    with open_input(file, "rb", credentials=credentials) as handle:
         try:
             parquet = pq.ParquetFile(handle)
             index = first
@@ -255,9 +268,11 @@ def _iter_parquet(file: str, first: int = 0, wanted: Wanted | None = None) -> It
             raise DatasetError(f"Cannot read Parquet file {file}: {error}") from error
 
 
-def _iter_jsonl(file: str, first: int = 0, wanted: Wanted | None = None) -> Iterator[_FileItem]:
+def _iter_jsonl(
+    file: str, first: int, wanted: Wanted | None, credentials: S3Credentials | None
+) -> Iterator[_FileItem]:
     index = first
-    with open_input(file, "rb", compression="infer") as handle:
+    with open_input(file, "rb", compression="infer", credentials=credentials) as handle:
         for line_number, raw in enumerate(handle, start=1):
             line = raw.strip()
             if not line:
@@ -272,7 +287,7 @@ def _iter_jsonl(file: str, first: int = 0, wanted: Wanted | None = None) -> Iter
                 yield None, f"line {line_number} is not valid JSON: {error}"
 
 
-def _iter_json(file: str) -> Iterator[_FileItem]:
-    with open_input(file, "rb", compression="infer") as handle:
+def _iter_json(file: str, credentials: S3Credentials | None) -> Iterator[_FileItem]:
+    with open_input(file, "rb", compression="infer", credentials=credentials) as handle:
         for element in iter_json_array(handle, file):
             yield element, None
