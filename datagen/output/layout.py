@@ -33,6 +33,7 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import overload
 
 SHARD_DIGITS = 5
 VERSION_DIGITS = 4
@@ -50,8 +51,13 @@ class _RunObject:
         self.name = name
         self.__doc__ = doc
 
-    def __get__(self, layout: RunLayout, owner: type[RunLayout]) -> str:
-        return f"{layout.root}/{self.name}"
+    @overload
+    def __get__(self, layout: None, owner: type[RunLayout]) -> _RunObject: ...
+    @overload
+    def __get__(self, layout: RunLayout, owner: type[RunLayout]) -> str: ...
+    def __get__(self, layout: RunLayout | None, owner: type[RunLayout]) -> str | _RunObject:
+        # Read on the class (documentation tools, introspection) it is the row itself.
+        return self if layout is None else f"{layout.root}/{self.name}"
 
 
 @dataclass(frozen=True)
