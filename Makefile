@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 DEMO_RUN_ID ?= demo
 PYTEST_ARGS ?=
+# pytest-xdist workers: one per core (`auto`); PYTEST_WORKERS=0 runs in this process, one test after another.
+PYTEST_WORKERS ?= auto
+# When make started: `make test` prints the set-up time (venvs) apart from pytest's own test time.
+MAKE_START := $(shell date +%s)
 
 SGLANG_VENVS := .venv-sglang/.built
 TRAINER_VENVS := .venv-trainers/.built
@@ -48,7 +52,8 @@ $(TRAINER_VENVS): tests/support/trainer_venvs.py $(STAMP)
 trainer-venvs: $(TRAINER_VENVS)
 
 test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS)
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	@echo "set-up (venvs) ready after $$(( $$(date +%s) - $(MAKE_START) )) s; the tests' own time is pytest's last line"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check datagen flows tasks tests benchmarks

@@ -1,14 +1,34 @@
-"""Shared fixtures: a tiny model built once per session, a fresh output store per test."""
+"""Shared fixtures (a tiny model built once per session, a fresh output store per test) and the parallel plan.
+
+`make test` runs the suite on pytest-xdist workers (``-n``): every module is one unit of work (its module
+fixtures, such as a Prefect stack, start once) except the modules in :data:`SPREAD`, whose
+tests are independent whole runs and go to whichever worker is free. Units are handed out heaviest first
+(:data:`HEAVIEST_FIRST`), so the long ones start at once and the short ones fill the end.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.support.workers import WORKER_ID
+
 pytest_plugins = ["tests.support.fixtures"]
+
+# Each worker (and a plain `pytest` run) gets its own host state (GPU lock file, halt records) and Prefect
+# home: runs on two workers never wait on one lock or share one SQLite database, and no test touches the
+# user's ~/.datagen or ~/.prefect. Tests that need a state of their own still set DATAGEN_STATE_DIR.
+_WORKER_ROOT = Path(tempfile.mkdtemp(prefix=f"datagen-tests-{WORKER_ID}-"))
+atexit.register(shutil.rmtree, _WORKER_ROOT, ignore_errors=True)
+os.environ["DATAGEN_STATE_DIR"] = str(_WORKER_ROOT / "state")
+os.environ["PREFECT_HOME"] = str(_WORKER_ROOT / "prefect-home")
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -41,3 +61,56 @@ def prefect_api() -> Iterator[str]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield str(PREFECT_API_URL.value())
+
+
+# Modules whose tests each start whole runs of their own and share nothing costly: spread test by test.
+SPREAD = {
+    "tests/integration/test_run_states.py",
+    "tests/integration/test_failure_behaviour.py",
+    "tests/integration/test_chaos.py",
+    "tests/integration/test_gpu_lock_crash.py",
+}
+# The longest tests and modules (`pytest --durations`, 2 cores), longest first; the rest keep their order.
+HEAVIEST_FIRST = [
+    "tests/integration/test_run_states.py::test_a_sigkill_in_every_state",
+    "tests/integration/test_operations.py",
+    "tests/integration/test_run_states_prefect.py",
+    "tests/integration/test_multihost.py",
+    "tests/integration/test_chaos.py::test_flow_killed_at_random_moments",
+    "tests/integration/test_sglang_contract.py",
+    "tests/integration/test_trainer_loaders.py",
+    "tests/integration/test_gpu_lock_crash.py",
+    "tests/integration/test_run_states.py",
+    "tests/integration/test_failure_behaviour.py",
+    "tests/integration/test_fleet.py",
+    "tests/unit/test_loss_mask_qwen.py",
+]
+
+
+def _rank(nodeid: str) -> int:
+    return next(
+        (rank for rank, prefix in enumerate(HEAVIEST_FIRST) if nodeid.startswith(prefix)), len(HEAVIEST_FIRST)
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Put the heaviest units first; the sort is stable, so a module's tests keep their order."""
+    items.sort(key=lambda item: _rank(item.nodeid))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """Hand out whole modules (one unit each, but :data:`SPREAD`: test by test) in collection order.
+
+    xdist's own ``loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``, which pytest no
+    longer reads), so the grouping is this scheduler's ``_split_scope``.
+    """
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return nodeid if module in SPREAD else module
+
+    config.option.loadscopereorder = False  # keep HEAVIEST_FIRST, not "most tests first"
+    return ModuleScheduling(config, log)

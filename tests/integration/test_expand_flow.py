@@ -25,6 +25,7 @@ import pytest
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
 from datagen.samples import sample_path
+from tests.support.workers import worker_port
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +71,7 @@ def _config(tmp_path: Path, model_dir: Path, pidfile: Path, checkpoints: Path, *
         "fleet": {
             "engine": "transformers",
             "cpu_servers": 2,
-            "base_port": 31400,
+            "base_port": worker_port(31400),
             "max_inflight_per_server": 4,
         },
         "sampling": {"temperature": 0.8, "max_tokens": 24},
@@ -236,7 +237,12 @@ def test_a_server_killed_mid_run_loses_no_prompt(
         training={"kind": "none"},
         sampling={"temperature": 0.8, "max_tokens": 64},
         datasets=[{"name": "many", "format": "openai_messages", "path": str(many), "shard_size": 16}],
-        fleet={"engine": "transformers", "cpu_servers": 2, "base_port": 31500, "max_inflight_per_server": 2},
+        fleet={
+            "engine": "transformers",
+            "cpu_servers": 2,
+            "base_port": worker_port(31500),
+            "max_inflight_per_server": 2,
+        },
     )
     run_root = tmp_path / "out" / "runs" / "kill-test"
     killed: list[int] = []

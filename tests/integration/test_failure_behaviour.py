@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from datagen.samples import sample_path
+from tests.support.workers import worker_port
 
 REPO = Path(__file__).resolve().parents[2]
 EXIT_RUN_FAILED = 1
@@ -60,7 +61,7 @@ def _base_config(tmp_path: Path, model_dir: Path, dataset: dict[str, Any], **cha
         "fleet": {
             "engine": "transformers",
             "cpu_servers": 2,
-            "base_port": 31700,
+            "base_port": worker_port(31700),
             "max_inflight_per_server": 2,
         },
         "sampling": {"temperature": 0.8, "max_tokens": 64},
@@ -201,9 +202,10 @@ def test_a_signal_to_the_process_group_mid_generation_stops_everything_fast_and_
         )
     )
     dataset = {"name": "many", "format": "openai_messages", "path": str(many), "shard_size": 16}
-    base_port = 31720 if signum == signal.SIGINT else 31740
+    base_port = worker_port(31720 if signum == signal.SIGINT else 31740)
     data = _base_config(tmp_path, tiny_model_dir, dataset)
-    data["fleet"]["base_port"] = base_port
+    # One server is enough to show the fleet stops with the run, and each of the three runs starts it again.
+    data["fleet"].update({"base_port": base_port, "cpu_servers": 1})
     config = _write_config(tmp_path, data)
     command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), "--run-id", "sig-1"]
     run_root = tmp_path / "out" / "runs" / "sig-1"

@@ -25,10 +25,11 @@ from datagen.host.plan import ServerPlan, plan_servers
 from datagen.host.ports import port_is_free
 from datagen.host.probe import probe_environment
 from tests.support.plans import local_plan
+from tests.support.workers import worker_port
 
 READY_TIMEOUT_S = 120.0
 CHAT_TIMEOUT_S = 60.0
-PORT_SEARCH_START = 42000
+PORT_SEARCH_START = worker_port(42000)
 
 # A stand-in server: answers GET /health, keeps a child in its process group, optionally ignores SIGTERM.
 HEALTH_SERVER = textwrap.dedent(

@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.support.prefect_stack import PrefectStack, copy_checkout, free_port, stop_group
+from tests.support.prefect_stack import PrefectStack, copy_checkout, free_port, stop_group, stop_groups
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "gpu-box"
@@ -154,8 +154,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             stack.start_host(host)
         yield stack
     finally:
-        for simulator in stack.simulators.values():
-            stop_group(simulator)
+        stop_groups(list(stack.simulators.values()))
         prefect.stop()
 
 

@@ -34,6 +34,7 @@ import yaml
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_stack import PrefectStack, copy_checkout
+from tests.support.workers import worker_port
 
 REPO = Path(__file__).resolve().parents[2]
 POOL = "gpu-box"
@@ -339,7 +340,7 @@ def _live(pid: int) -> bool:
 
 def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None:
     config = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
-    config["fleet"].update({"cpu_servers": 1, "base_port": 30300})
+    config["fleet"].update({"cpu_servers": 1, "base_port": worker_port(30300)})
     config["sampling"]["max_tokens"] = 2048  # keeps the server busy until the cancel arrives
     config["output"] = str(tmp_path / "out")
     config["training"] = _restart_marking(tmp_path / "restarts.txt")

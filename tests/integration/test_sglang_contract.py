@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -128,9 +129,28 @@ def sglang_python(request: pytest.FixtureRequest) -> str:
     return str(ensure_venv(request.param))
 
 
-def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(
-    sglang_python: str, tmp_path: Path
-) -> None:
+# What the checker must refuse (a misspelt flag, a sampling field sglang does not have, a malformed chat body):
+# sent with the planned items in the same introspection call, so one sglang import per release answers both.
+MISSPELT = {
+    "server_argvs": ["--model-path", "m", "--mem-fraction-statik", "0.8"],
+    "generate_bodies": {"input_ids": [1, 2], "sampling_params": {"max_tokens": 8}},
+    "chat_bodies": {"model": "m", "messages": "not a list"},
+}
+
+
+@dataclass
+class Contract:
+    """What was sent to one sglang release's introspection (planned items first, :data:`MISSPELT` last)."""
+
+    sent: dict[str, list[Any]]
+    keyed_argvs: list[list[str]]
+    key: str
+    answer: dict[str, Any]
+
+
+@pytest.fixture(scope="module")
+def contract(sglang_python: str, tmp_path_factory: pytest.TempPathFactory) -> Contract:
+    tmp_path = tmp_path_factory.mktemp("contract")
     flags = sglang_flags(sglang_python, use_cache=False)
     assert flags is not None and "--model-path" in flags
     plans = _plans(flags, tmp_path)
@@ -166,57 +186,52 @@ def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(
             ("/generate", "Bearer wrong"),
         )
     ]
-
+    sent: dict[str, list[Any]] = {
+        "server_argvs": [*server_argvs, MISSPELT["server_argvs"]],
+        "router_argvs": router_argvs,
+        "chat_bodies": [*chat_bodies, MISSPELT["chat_bodies"]],
+        "generate_bodies": [*generate_bodies, MISSPELT["generate_bodies"]],
+    }
     answer = run_introspection(
-        sglang_python,
-        "check",
-        {
-            "server_argvs": server_argvs,
-            "router_argvs": router_argvs,
-            "chat_bodies": chat_bodies,
-            "generate_bodies": generate_bodies,
-            "keyed_argvs": keyed_argvs,
-            "auth_checks": auth_checks,
-        },
+        sglang_python, "check", {**sent, "keyed_argvs": keyed_argvs, "auth_checks": auth_checks}
     )
+    return Contract(sent, keyed_argvs, key, answer)
 
+
+def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(contract: Contract) -> None:
+    answer = contract.answer
     rejected = {
-        kind: [(item, error) for item, error in zip(sent, answer[kind], strict=True) if error is not None]
-        for kind, sent in (
-            ("server_argvs", server_argvs),
-            ("router_argvs", router_argvs),
-            ("chat_bodies", chat_bodies),
-            ("generate_bodies", generate_bodies),
-        )
+        kind: [
+            (item, error)
+            for item, error in zip(sent, answer[kind], strict=True)
+            if error is not None and not any(item is misspelt for misspelt in MISSPELT.values())
+        ]
+        for kind, sent in contract.sent.items()
     }
     assert rejected == {kind: [] for kind in rejected}, (
         f"sglang {answer['sglang_version']} rejects: {rejected}"
     )
+    server_argvs = contract.sent["server_argvs"][:-1]
     hybrid_argvs = [argv for argv in server_argvs if "qwen3.6" in argv[argv.index("--model-path") + 1]]
     assert any("--speculative-algorithm" in argv for argv in hybrid_argvs)
     assert any("--disable-overlap-schedule" in argv for argv in hybrid_argvs)
     assert len(server_argvs) >= 90  # 2 hosts x 2 models x 4-5 variants x DP/TP, 2-8 servers each
-    assert answer["api_keys"] == [key] * len(keyed_argvs), "sglang reads the key from datagen's --config file"
+    assert answer["api_keys"] == [contract.key] * len(contract.keyed_argvs), (
+        "sglang reads the key from datagen's --config file"
+    )
     assert answer["auth_checks"] == [True, True, True, True, False, False]
-    assert all(key not in " ".join(argv) for argv in keyed_argvs)
+    assert all(contract.key not in " ".join(argv) for argv in contract.keyed_argvs)
 
 
 def test_a_misspelt_flag_and_a_misspelt_sampling_field_are_caught_by_the_real_models(
-    sglang_python: str,
+    contract: Contract,
 ) -> None:
-    answer = run_introspection(
-        sglang_python,
-        "check",
-        {
-            "server_argvs": [["--model-path", "m", "--mem-fraction-statik", "0.8"]],
-            "generate_bodies": [{"input_ids": [1, 2], "sampling_params": {"max_tokens": 8}}],
-            "chat_bodies": [{"model": "m", "messages": "not a list"}],
-        },
-    )
-
-    assert answer["server_argvs"][0] is not None
-    assert answer["generate_bodies"][0] is not None and "max_tokens" in answer["generate_bodies"][0]
-    assert answer["chat_bodies"][0] is not None
+    # The last item of each list is the misspelt one (MISSPELT); the same call accepted every planned one.
+    answer = contract.answer
+    assert contract.sent["server_argvs"][-1] is MISSPELT["server_argvs"]
+    assert answer["server_argvs"][-1] is not None
+    assert answer["generate_bodies"][-1] is not None and "max_tokens" in answer["generate_bodies"][-1]
+    assert answer["chat_bodies"][-1] is not None
 
 
 SEARCH_TOOL = {
