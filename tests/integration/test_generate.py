@@ -132,7 +132,9 @@ def test_interrupted_shard_resends_only_the_requests_missing_from_its_parts(
         for key in kept_parts
         for record in (CompletionRecord.model_validate(row) for row in first.iter_jsonl(key))
     }
-    assert len(kept) == 2 * CHECKPOINT_EVERY
+    # A part is flushed once a checkpoint's worth of results has arrived; results that arrive together (a busy
+    # machine) land in the same part, so two parts hold at least 2 x CHECKPOINT_EVERY, and some are still missing.
+    assert 2 * CHECKPOINT_EVERY <= len(kept) < PROMPTS
     shard = PromptShardRef(
         dataset=DATASET, shard_index=0, path=LAYOUT.prompt_shard(DATASET, 0), prompts=PROMPTS
     )
