@@ -5,17 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from datagen.config import MultiTurnPolicy
+from datagen.prompts.datasets import turns
 from datagen.prompts.datasets.model import NormalisedPrompt, RowRejected
 from datagen.prompts.datasets.tools import parse_tools, tool_call_from_dict
-from datagen.prompts.datasets.turns import (
-    OPENAI_ROLES,
-    Converter,
-    Turn,
-    build_prompts,
-    map_role,
-    require_objects,
-    require_row,
-)
 from datagen.records import Message, Role, ToolCall
 
 
@@ -30,7 +22,7 @@ def _optional_text(value: Any, what: str) -> str | None:
     raise RowRejected("malformed", f"{what} is a {type(value).__name__}, not a string")
 
 
-def _converter(item: dict[str, Any], role: Role, position: int) -> Converter:
+def _converter(item: dict[str, Any], role: Role, position: int) -> turns.Converter:
     def convert() -> list[Message]:
         content = _optional_text(item.get("content"), f"message {position}'s content")
         reasoning = _optional_text(item.get("reasoning_content"), f"message {position}'s reasoning_content")
@@ -63,42 +55,39 @@ def _converter(item: dict[str, Any], role: Role, position: int) -> Converter:
     return convert
 
 
-def openai_turns(messages: Any) -> list[Turn]:
+def openai_turns(messages: Any) -> list[turns.Turn]:
     """Turns of an OpenAI ``messages`` list.
 
     Raises:
         RowRejected: The list or a message does not have the OpenAI layout.
 
     """
-    turns: list[Turn] = []
-    for position, item in require_objects(messages, "messages", "message"):
-        role = map_role(item.get("role"), OPENAI_ROLES)
-        turns.append(Turn(role, _converter(item, role, position)))
-    return turns
+    found: list[turns.Turn] = []
+    for position, item in turns.require_objects(messages, "messages", "message"):
+        role = turns.map_role(item.get("role"), turns.OPENAI_ROLES)
+        found.append(turns.Turn(role, _converter(item, role, position)))
+    return found
 
 
 def normalise_code_feedback(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """m-a-p/Code-Feedback: ``id``, ``messages[{role, content}]``, multi-turn with execution feedback."""
-    data = require_row(row)
-    source_id = data.get("id")
-    return build_prompts(
+    data = turns.require_row(row)
+    return turns.build_prompts(
         openai_turns(data.get("messages")),
         policy=policy,
         source_index=index,
-        metadata={"source_id": None if source_id is None else str(source_id)},
+        metadata={"source_id": turns.source_id(data)},
     )
 
 
 def normalise_openai_messages(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """Generic chat rows: ``messages[{role, content, tool_calls?, ...}]`` plus optional ``tools``."""
-    data = require_row(row)
-    language = data.get("language")
-    source_id = data.get("id")
-    return build_prompts(
+    data = turns.require_row(row)
+    return turns.build_prompts(
         openai_turns(data.get("messages")),
         policy=policy,
         tools=parse_tools(data.get("tools")),
         source_index=index,
-        language=language.strip().lower() if isinstance(language, str) and language.strip() else None,
-        metadata={"source_id": None if source_id is None else str(source_id)},
+        language=turns.language_tag(data.get("language")),
+        metadata={"source_id": turns.source_id(data)},
     )

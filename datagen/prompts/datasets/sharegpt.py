@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from datagen.config import MultiTurnPolicy
+from datagen.prompts.datasets import turns
 from datagen.prompts.datasets.model import NormalisedPrompt
 from datagen.prompts.datasets.tools import (
     parse_tool_text,
@@ -13,27 +14,10 @@ from datagen.prompts.datasets.tools import (
     split_tool_responses,
     tool_call_from_dict,
 )
-from datagen.prompts.datasets.turns import (
-    SHAREGPT_ROLES,
-    Converter,
-    Turn,
-    build_prompts,
-    map_role,
-    require_objects,
-    require_row,
-    require_text,
-    text_turn,
-)
 from datagen.records import Message
 
 
-def _source_id(row: dict[str, Any]) -> str | None:
-    # Infinity-Instruct ids are ints in some copies and hex strings in others: always a string.
-    value = row.get("id")
-    return None if value is None else str(value)
-
-
-def sharegpt_turns(conversations: Any, *, tool_markup: bool = False) -> list[Turn]:
+def sharegpt_turns(conversations: Any, *, tool_markup: bool = False) -> list[turns.Turn]:
     """Turns of a ``conversations`` list.
 
     Args:
@@ -45,23 +29,23 @@ def sharegpt_turns(conversations: Any, *, tool_markup: bool = False) -> list[Tur
         RowRejected: The list or a turn does not have the ShareGPT layout.
 
     """
-    turns: list[Turn] = []
-    for position, item in require_objects(conversations, "conversations", "turn"):
+    found: list[turns.Turn] = []
+    for position, item in turns.require_objects(conversations, "conversations", "turn"):
         speaker = item.get("from", item.get("role"))
-        role = map_role(speaker, SHAREGPT_ROLES)
-        value = require_text(item.get("value", item.get("content")), f"turn {position}'s value")
+        role = turns.map_role(speaker, turns.SHAREGPT_ROLES)
+        value = turns.require_text(item.get("value", item.get("content")), f"turn {position}'s value")
         if str(speaker).strip().lower() == "function_call":
-            turns.append(Turn(role, _function_call_turn(value)))
+            found.append(turns.Turn(role, _function_call_turn(value)))
         elif role == "assistant" and tool_markup:
-            turns.append(Turn(role, _assistant_markup_turn(value)))
+            found.append(turns.Turn(role, _assistant_markup_turn(value)))
         elif role == "tool" and tool_markup:
-            turns.append(Turn(role, _tool_markup_turn(value)))
+            found.append(turns.Turn(role, _tool_markup_turn(value)))
         else:
-            turns.append(text_turn(role, value))
-    return turns
+            found.append(turns.text_turn(role, value))
+    return found
 
 
-def _function_call_turn(value: str) -> Converter:
+def _function_call_turn(value: str) -> turns.Converter:
     def convert() -> list[Message]:
         parsed = parse_tool_text(value, "a function_call turn is")
         items = parsed if isinstance(parsed, list) else [parsed]
@@ -72,7 +56,7 @@ def _function_call_turn(value: str) -> Converter:
     return convert
 
 
-def _assistant_markup_turn(value: str) -> Converter:
+def _assistant_markup_turn(value: str) -> turns.Converter:
     def convert() -> list[Message]:
         content, calls = split_tool_call_blocks(value)
         return [Message(role="assistant", content=content, tool_calls=calls or None)]
@@ -80,46 +64,45 @@ def _assistant_markup_turn(value: str) -> Converter:
     return convert
 
 
-def _tool_markup_turn(value: str) -> Converter:
+def _tool_markup_turn(value: str) -> turns.Converter:
     def convert() -> list[Message]:
         return [Message(role="tool", content=body) for body in split_tool_responses(value)]
 
     return convert
 
 
-def _prepend_system(turns: list[Turn], system: Any) -> list[Turn]:
-    if isinstance(system, str) and system.strip() and not (turns and turns[0].role == "system"):
-        return [text_turn("system", system), *turns]
-    return turns
+def _prepend_system(conversation: list[turns.Turn], system: Any) -> list[turns.Turn]:
+    if isinstance(system, str) and system.strip() and not (conversation and conversation[0].role == "system"):
+        return [turns.text_turn("system", system), *conversation]
+    return conversation
 
 
 def normalise_infinity_instruct(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """BAAI/Infinity-Instruct: ``id``, ``conversations``, ``label``, ``langdetect``, ``source``."""
-    data = require_row(row)
-    language = data.get("langdetect")
-    metadata: dict[str, Any] = {"source_id": _source_id(data)}
+    data = turns.require_row(row)
+    metadata: dict[str, Any] = {"source_id": turns.source_id(data)}
     if isinstance(data.get("source"), str):
         metadata["source"] = data["source"]
     label = data.get("label")
     if isinstance(label, dict) and isinstance(label.get("cate_ability_en"), list):
         metadata["categories"] = [str(item) for item in label["cate_ability_en"]][:8]
-    return build_prompts(
+    return turns.build_prompts(
         sharegpt_turns(data.get("conversations")),
         policy=policy,
         source_index=index,
-        language=language.strip().lower() if isinstance(language, str) and language.strip() else None,
+        language=turns.language_tag(data.get("langdetect")),
         metadata=metadata,
     )
 
 
 def normalise_agentinstruct(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """THUDM/AgentInstruct: ``id``, ``conversations[{from, loss, value}]`` with ReAct text, no tools."""
-    data = require_row(row)
-    return build_prompts(
+    data = turns.require_row(row)
+    return turns.build_prompts(
         sharegpt_turns(data.get("conversations")),
         policy=policy,
         source_index=index,
-        metadata={"source_id": _source_id(data)},
+        metadata={"source_id": turns.source_id(data)},
     )
 
 
@@ -129,17 +112,14 @@ def normalise_sharegpt(row: Any, index: int, policy: MultiTurnPolicy) -> list[No
     Assistant ``function_call`` turns and ``<tool_call>`` blocks become structured calls when the row
     defines tools; ``observation``/``tool`` turns become tool messages.
     """
-    data = require_row(row)
+    data = turns.require_row(row)
     tools = parse_tools(data.get("tools"))
-    turns = sharegpt_turns(data.get("conversations"), tool_markup=tools is not None)
-    role_language = data.get("language")
-    return build_prompts(
-        _prepend_system(turns, data.get("system")),
+    conversation = sharegpt_turns(data.get("conversations"), tool_markup=tools is not None)
+    return turns.build_prompts(
+        _prepend_system(conversation, data.get("system")),
         policy=policy,
         tools=tools,
         source_index=index,
-        language=role_language.strip().lower()
-        if isinstance(role_language, str) and role_language.strip()
-        else None,
-        metadata={"source_id": _source_id(data)},
+        language=turns.language_tag(data.get("language")),
+        metadata={"source_id": turns.source_id(data)},
     )

@@ -127,6 +127,17 @@ def require_row(row: Any) -> dict[str, Any]:
     return row
 
 
+def source_id(row: dict[str, Any]) -> str | None:
+    """The row's ``id`` as a string (ints in some copies of a dataset, hex strings in others), or None."""
+    value = row.get("id")
+    return None if value is None else str(value)
+
+
+def language_tag(value: Any) -> str | None:
+    """A row's language field, stripped and lower-cased; None when it is not a non-blank string."""
+    return value.strip().lower() if isinstance(value, str) and value.strip() else None
+
+
 def text_turn(role: Role, text: str) -> Turn:
     """A turn holding plain text."""
     return Turn(role, lambda: [Message(role=role, content=text)])
