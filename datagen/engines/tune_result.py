@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from datagen.records import Record
 
 # A level losing more than this share of its requests is not a candidate: the server is overloaded or
 # failing. Below it, failures are the engine's own noise (transformers serve answers HTTP 500 to a few
@@ -20,10 +22,8 @@ MAX_FAILED_SHARE = 0.01
 STILL_RISING_GAIN = 1.05
 
 
-class TunePoint(BaseModel):
+class TunePoint(Record):
     """One level of the sweep."""
-
-    model_config = ConfigDict(extra="forbid")
 
     inflight_per_server: int
     setting: int | None = Field(default=None, description="Value of the restart sweep's flag, if any.")
@@ -43,10 +43,8 @@ class TunePoint(BaseModel):
         return self.failed > MAX_FAILED_SHARE * max(self.requests, 1)
 
 
-class TuneResult(BaseModel):
+class TuneResult(Record):
     """The sweep and its recommendation; ``fleet.tune_result`` reads this file."""
-
-    model_config = ConfigDict(extra="forbid")
 
     engine: str
     urls: list[str]

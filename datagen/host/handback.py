@@ -24,11 +24,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from datagen.config import TrainingJobConfig
 from datagen.host.training import RestartRecord, restart_training
 from datagen.processes import is_running
+from datagen.records import Record
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,8 @@ STOPPING_JOB_WAIT_S = 15.0
 POLL_S = 0.2
 
 
-class HaltedTraining(BaseModel):
+class HaltedTraining(Record):
     """The host's record of a training halt in progress or done (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     training: TrainingJobConfig
     run_id: str | None = Field(default=None, description="The run that halted (or adopted) training.")
