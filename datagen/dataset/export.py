@@ -30,6 +30,7 @@ from typing import Any
 
 import orjson
 
+from datagen.dataset.parts import RowTally
 from datagen.dataset.versions import (
     EXPORT_SCHEMA,
     JSONL_FORMAT,
@@ -53,13 +54,18 @@ SPECULATORS_VERSION = "0.9.0"
 
 
 @dataclass
-class _Tally:
-    rows: int = 0
-    tokens: int = 0
-    loss_tokens: int = 0
-    longest: int = 0
+class _Tally(RowTally):
+    """What the export counts: its rows and tokens as they are read, its bytes as they are streamed."""
+
     size: int = 0
     digest: Any = field(default_factory=hashlib.sha256)
+
+    def chunk(self, lines: list[bytes]) -> bytes:
+        """Join ``lines`` into the next chunk of the stream, counted into the size and the digest."""
+        chunk = b"".join(lines)
+        self.digest.update(chunk)
+        self.size += len(chunk)
+        return chunk
 
 
 def export_keys(name: str, shards: list[TokenizedPartRef]) -> tuple[str, str]:
@@ -188,10 +194,7 @@ def _jsonl_chunks(store: Store, shards: list[TokenizedPartRef], tally: _Tally) -
             pending_bytes += len(line)
             rows += 1
             if pending_bytes >= EXPORT_CHUNK_BYTES:
-                chunk = b"".join(pending)
-                tally.digest.update(chunk)
-                tally.size += len(chunk)
-                yield chunk
+                yield tally.chunk(pending)
                 pending, pending_bytes = [], 0
         if rows != shard.rows:
             raise DatasetError(
@@ -199,10 +202,7 @@ def _jsonl_chunks(store: Store, shards: list[TokenizedPartRef], tally: _Tally) -
                 "version was written."
             )
     if pending:
-        chunk = b"".join(pending)
-        tally.digest.update(chunk)
-        tally.size += len(chunk)
-        yield chunk
+        yield tally.chunk(pending)
 
 
 def _part_lines(url: str, data: bytes, tally: _Tally) -> Iterator[bytes]:
@@ -227,14 +227,12 @@ def _part_lines(url: str, data: bytes, tally: _Tally) -> Iterator[bytes]:
                 raise DatasetError(f"{url}: a row's input_ids and loss_mask differ in length.")
             ids = ids_column.values.to_numpy(zero_copy_only=False)
             mask = mask_column.values.to_numpy(zero_copy_only=False)
-            tally.loss_tokens += int(mask[mask_offsets[0] : mask_offsets[-1]].sum())
+            lengths = (id_offsets[1:] - id_offsets[:-1]).tolist()
+            tally.count(lengths, int(mask[mask_offsets[0] : mask_offsets[-1]].sum()))
             for row in range(batch.num_rows):
                 start, end = int(id_offsets[row]), int(id_offsets[row + 1])
                 mask_start = int(mask_offsets[row])
                 length = end - start
-                tally.rows += 1
-                tally.tokens += length
-                tally.longest = max(tally.longest, length)
                 yield (
                     orjson.dumps(
                         {"input_ids": ids[start:end], "loss_mask": mask[mask_start : mask_start + length]},

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig, TokenizeConfig
-from datagen.dataset.parts import PART_LAST_SOURCE_KEY, PartWriter, shard_table
+from datagen.dataset.parts import PART_LAST_SOURCE_KEY, PartWriter, RowTally, shard_table
 from datagen.dataset.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
 from datagen.dataset.tokenizer import shared_spec
 from datagen.dataset.versions import (
@@ -89,14 +89,11 @@ class _ExistingPart:
 
 
 @dataclass
-class PartsTally:
+class PartsTally(RowTally):
     """Running counts of one tokenization into parts (rows written or not)."""
 
     shards_read: int = 0
     completions_read: int = 0
-    rows: int = 0
-    total_tokens: int = 0
-    loss_tokens: int = 0
     rows_by_dataset: Counter[str] = field(default_factory=Counter)
     tokens_by_dataset: Counter[str] = field(default_factory=Counter)
     rows_by_file: Counter[str] = field(default_factory=Counter)
@@ -107,9 +104,7 @@ class PartsTally:
         self.shards_read += 1
         self.completions_read += shard.completions_read
         self.dropped.update(shard.dropped)
-        self.rows += shard.rows
-        self.total_tokens += sum(shard.lengths)
-        self.loss_tokens += sum(shard.loss_tokens)
+        self.count(shard.lengths, sum(shard.loss_tokens))
         self.rows_by_dataset.update(shard.datasets)
         self.rows_by_file[shard.key] += shard.rows
         for dataset, tokens in zip(shard.datasets, shard.lengths, strict=True):
@@ -151,7 +146,7 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         shards_incomplete=incomplete,
         completions_read=tally.completions_read,
         rows=tally.rows,
-        total_tokens=tally.total_tokens,
+        total_tokens=tally.tokens,
         loss_tokens=tally.loss_tokens,
         rows_by_dataset=dict(sorted(tally.rows_by_dataset.items())),
         tokens_by_dataset=dict(sorted(tally.tokens_by_dataset.items())),

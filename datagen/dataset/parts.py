@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import io
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from datagen.dataset.tokenize_workers import ShardRows
@@ -25,6 +26,23 @@ PART_COMPRESSION = "zstd"
 # Dictionary-encode the repetitive string columns only: token ids (a 150k vocabulary) and masks gain nothing
 # from a dictionary but cost a third of the write time building one.
 DICTIONARY_COLUMNS = ["prompt_id", "dataset", "finish_reason", "tokenized_from"]
+
+
+@dataclass
+class RowTally:
+    """Counts of tokenized rows, kept by whoever writes or reads parts (the merge, the export)."""
+
+    rows: int = 0
+    tokens: int = 0
+    loss_tokens: int = 0
+    longest: int = 0
+
+    def count(self, lengths: Sequence[int], loss_tokens: int) -> None:
+        """Count rows of these lengths (in tokens) that hold ``loss_tokens`` tokens the loss counts."""
+        self.rows += len(lengths)
+        self.tokens += sum(lengths)
+        self.loss_tokens += loss_tokens
+        self.longest = max(self.longest, max(lengths, default=0))
 
 
 def part_schema(run_id: str, last_source: str) -> Any:
