@@ -72,22 +72,17 @@ def openai_turns(messages: Any) -> list[turns.Turn]:
 def normalise_code_feedback(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """m-a-p/Code-Feedback: ``id``, ``messages[{role, content}]``, multi-turn with execution feedback."""
     data = turns.require_row(row)
-    return turns.build_prompts(
-        openai_turns(data.get("messages")),
-        policy=policy,
-        source_index=index,
-        metadata={"source_id": turns.source_id(data)},
-    )
+    return turns.prompts_with_id(openai_turns(data.get("messages")), data, policy=policy, source_index=index)
 
 
 def normalise_openai_messages(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """Generic chat rows: ``messages[{role, content, tool_calls?, ...}]`` plus optional ``tools``."""
     data = turns.require_row(row)
-    return turns.build_prompts(
+    return turns.prompts_with_id(
         openai_turns(data.get("messages")),
+        data,
         policy=policy,
-        tools=parse_tools(data.get("tools")),
         source_index=index,
+        tools=parse_tools(data.get("tools")),
         language=turns.language_tag(data.get("language")),
-        metadata={"source_id": turns.source_id(data)},
     )

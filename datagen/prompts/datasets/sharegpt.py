@@ -98,11 +98,8 @@ def normalise_infinity_instruct(row: Any, index: int, policy: MultiTurnPolicy) -
 def normalise_agentinstruct(row: Any, index: int, policy: MultiTurnPolicy) -> list[NormalisedPrompt]:
     """THUDM/AgentInstruct: ``id``, ``conversations[{from, loss, value}]`` with ReAct text, no tools."""
     data = turns.require_row(row)
-    return turns.build_prompts(
-        sharegpt_turns(data.get("conversations")),
-        policy=policy,
-        source_index=index,
-        metadata={"source_id": turns.source_id(data)},
+    return turns.prompts_with_id(
+        sharegpt_turns(data.get("conversations")), data, policy=policy, source_index=index
     )
 
 
@@ -115,11 +112,11 @@ def normalise_sharegpt(row: Any, index: int, policy: MultiTurnPolicy) -> list[No
     data = turns.require_row(row)
     tools = parse_tools(data.get("tools"))
     conversation = sharegpt_turns(data.get("conversations"), tool_markup=tools is not None)
-    return turns.build_prompts(
+    return turns.prompts_with_id(
         _prepend_system(conversation, data.get("system")),
+        data,
         policy=policy,
-        tools=tools,
         source_index=index,
+        tools=tools,
         language=turns.language_tag(data.get("language")),
-        metadata={"source_id": turns.source_id(data)},
     )

@@ -220,6 +220,26 @@ def build_prompts(
     return prompts
 
 
+def prompts_with_id(
+    conversation: list[Turn],
+    row: dict[str, Any],
+    *,
+    policy: MultiTurnPolicy,
+    source_index: int,
+    tools: list[dict[str, Any]] | None = None,
+    language: str | None = None,
+) -> list[NormalisedPrompt]:
+    """:func:`build_prompts` for a row whose only provenance is its ``id`` (kept as ``source_id``)."""
+    return build_prompts(
+        conversation,
+        policy=policy,
+        tools=tools,
+        source_index=source_index,
+        language=language,
+        metadata={"source_id": source_id(row)},
+    )
+
+
 def _check_prompt(messages: list[Message]) -> None:
     if any(message.role == "system" for message in messages[1:]):
         raise RowRejected("bad_turn_order", "a system message follows the first turn")
