@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+# Not `from datagen.prompts.datasets import turns`: the package's __init__ imports this module (via registry).
+import datagen.prompts.datasets.turns as turns
 from datagen.config import MultiTurnPolicy
-from datagen.prompts.datasets import turns
 from datagen.prompts.datasets.model import NormalisedPrompt
 from datagen.prompts.datasets.tools import (
     parse_tool_text,
