@@ -243,6 +243,10 @@ def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[
         try:
             drain_prefect_workers()
         finally:
+            # What Prefect's log worker could not send by now (a loaded host cuts the drain short) has nowhere to
+            # go once the server stops; it is in the run's own log file. Without this the worker's handler
+            # writes "--- Error logging to API ---" to stderr when its send fails, after the run's last line.
+            logging.raiseExceptions = False
             server.stop()
             if previous is None:
                 os.environ.pop("PREFECT_API_URL", None)
