@@ -206,6 +206,22 @@ def spawn_early(log_dir: Path) -> LocalApiServer | None:
     return server
 
 
+def _silence_prefect_workers() -> None:
+    """Keep what Prefect's log and event workers could not send from printing once the temporary server stops.
+
+    A loaded host can cut the drain short; what is left has nowhere to go once the server stops (the log lines
+    are in the run's own log file). Without this the log worker writes "--- Error logging to API ---" and the
+    event worker logs "Unable to connect" / "EventsWorker failed with N pending items" at interpreter exit,
+    after the run's last line.
+    """
+    logging.raiseExceptions = False
+    names = ["prefect", *[name for name in logging.root.manager.loggerDict if name.startswith("prefect.")]]
+    for name in names:
+        silenced = logging.getLogger(name)
+        silenced.setLevel(logging.CRITICAL + 1)
+        silenced.disabled = True  # Prefect's internal loggers ignore levels (their own isEnabledFor)
+
+
 @contextlib.contextmanager
 def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[str | None]:
     """Use the configured Prefect API, or own a temporary one for the duration of the block.
@@ -243,10 +259,7 @@ def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[
         try:
             drain_prefect_workers()
         finally:
-            # What Prefect's log worker could not send by now (a loaded host cuts the drain short) has nowhere to
-            # go once the server stops; it is in the run's own log file. Without this the worker's handler
-            # writes "--- Error logging to API ---" to stderr when its send fails, after the run's last line.
-            logging.raiseExceptions = False
+            _silence_prefect_workers()
             server.stop()
             if previous is None:
                 os.environ.pop("PREFECT_API_URL", None)
