@@ -27,6 +27,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from datagen.processes import is_running
+
 REPO = Path(__file__).resolve().parents[2]
 PROBE_FIXTURES = REPO / "tests" / "fixtures" / "probe"
 STAGE = re.compile(r"stage=([a-z-]+)")
@@ -61,16 +63,8 @@ def descendants(pid: int) -> set[int]:
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    return False
+    """Whether ``pid`` runs (a zombie counts as gone): the product's own check."""
+    return is_running(pid)
 
 
 def processes_mentioning(text: str) -> list[tuple[int, str]]:
