@@ -193,3 +193,42 @@ def test_aws_credentials_block_fields_map_onto_s3_credentials() -> None:
     assert credentials.secret_access_key.get_secret_value() == "secret"
     assert (credentials.region, credentials.endpoint_url) == ("eu-west-1", "https://s3.example.internal")
     assert credentials.session_token is None
+
+
+def test_clients_share_the_service_model_but_each_resolves_its_own_credentials(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Clients share one botocore data loader (the S3 model is parsed once per process); what each client
+    # signs with must still come from its own arguments, profile or environment at the time it is made.
+    shared = tmp_path / "credentials"
+    shared.write_text("[archive]\naws_access_key_id = AKIAPROFILE\naws_secret_access_key = profile-secret\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(shared))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAENVFIRST")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    first = make_s3_client(endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAENVSECOND")
+    second = make_s3_client(endpoint_url="http://127.0.0.1:9", region="us-east-1")
+    explicit = make_s3_client(
+        endpoint_url="http://127.0.0.1:9",
+        region="us-east-1",
+        credentials=S3Credentials(access_key_id="AKIAEXPLICIT", secret_access_key="explicit-secret"),
+    )
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    profiled = make_s3_client(
+        endpoint_url="http://127.0.0.1:9",
+        region="us-east-1",
+        credentials=S3Credentials(profile_name="archive"),
+    )
+
+    def access_key(client: object) -> str:
+        return str(client._request_signer._credentials.get_frozen_credentials().access_key)  # type: ignore[attr-defined]
+
+    assert [access_key(client) for client in (first, second, explicit, profiled)] == [
+        "AKIAENVFIRST",
+        "AKIAENVSECOND",
+        "AKIAEXPLICIT",
+        "AKIAPROFILE",
+    ]
+    assert first._loader is profiled._loader
