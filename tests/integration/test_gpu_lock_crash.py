@@ -29,6 +29,7 @@ import pytest
 import yaml
 
 from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.prefect_db import seed_prefect_home
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 60
@@ -151,7 +152,7 @@ def test_a_killed_run_never_locks_the_host_and_a_run_waiting_for_the_gpus_obeys_
     env: dict[str, Any] = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_HOME": str(seed_prefect_home(tmp_path / "prefect-home")),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.prefect_db import seed_prefect_home
 from tests.support.run_states import REPO
 from tests.support.s3_proxy import S3FaultProxy
 from tests.support.state_box import (
@@ -62,8 +63,8 @@ SIGNAL_CHECKPOINT_S = 8.0
 
 @pytest.fixture(scope="module")
 def prefect_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One Prefect home for the module's runs (its database is migrated once, not per run)."""
-    return tmp_path_factory.mktemp("prefect-home")
+    """One Prefect home for the module's runs, its database migrated already (the session's copy)."""
+    return seed_prefect_home(tmp_path_factory.mktemp("prefect-home"))
 
 
 @pytest.fixture(scope="module")
