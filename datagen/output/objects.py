@@ -43,6 +43,10 @@ class Backend(Protocol):
         """Every key under ``prefix`` (recursively), sorted."""
         ...
 
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` (recursively, sorted) with its size in bytes, from the listing alone."""
+        ...
+
     def url(self, key: str) -> str:
         """The full URL of ``key``."""
         ...
