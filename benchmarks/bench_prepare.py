@@ -79,8 +79,14 @@ def timed(label: str, out: Path, config: RunConfig, parallel: bool, workers: int
     if parallel:
         from datagen.prompts.prepare import start_dataset_scans
 
+        # Workers however small the files (this measures them; a run below MIN_WORKER_BYTES starts none).
         with start_dataset_scans(
-            store, RunLayout(config.run_id or "bench"), config, out.parent / "scans", max_workers=workers
+            store,
+            RunLayout(config.run_id or "bench"),
+            config,
+            out.parent / "scans",
+            max_workers=workers,
+            min_worker_bytes=0,
         ) as scans:
             prepared = prepare_all(store, config, scans)
     else:

@@ -20,7 +20,10 @@ class TokenizeConfig(StrictModel):
         description="Rows per Parquet row group: ~1M tokens, a few MB, what a training reader streams at once.",
     )
     workers: int | None = Field(
-        default=None, gt=0, description="Tokenizer processes; the cores this process may use when unset."
+        default=None,
+        gt=0,
+        description="Tokenizer processes; when unset, one per core this process may use, or none besides it "
+        "for less than 16 MiB of completions (a worker's start-up would cost more than it saves).",
     )
     answer_render: Literal["auto", "full"] = Field(
         default="auto",

@@ -145,7 +145,12 @@ def adopt_corpus(
     if corpus_url not in output.protected_prefixes:
         output.protected_prefixes.append(corpus_url)
     corpus = Store(corpus_url, credentials=output.credentials)
-    keys = [key for key in corpus.list("") if key.endswith((PARQUET_SUFFIX, JSONL_SUFFIX))]
+    sizes = {
+        key: size
+        for key, size in corpus.list_sizes("").items()
+        if key.endswith((PARQUET_SUFFIX, JSONL_SUFFIX))
+    }
+    keys = list(sizes)
     if not keys:
         raise DatasetError(
             f"No *.parquet or *.jsonl objects under {corpus_url}: give the prefix that holds the existing "
@@ -169,7 +174,13 @@ def adopt_corpus(
         layout = RunLayout(_adopted_parts_id(corpus_url, sources, tokenize))
         logger.info("tokenizing adopted completions files=%d parts_run=%s", len(sources), layout.run_id)
         parts, tally, _ = write_tokenized_parts(
-            output, layout, corpus, completion_keys, tokenizer=tokenize.tokenizer, settings=tokenize.settings
+            output,
+            layout,
+            corpus,
+            completion_keys,
+            tokenizer=tokenize.tokenizer,
+            settings=tokenize.settings,
+            shard_bytes=sum(sizes[key] for key in completion_keys),
         )
         shards.extend(parts)
         sources = [

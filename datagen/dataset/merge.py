@@ -2,8 +2,9 @@
 
 Reads every final completions shard whose done marker exists (sorted keys, so the row order is
 deterministic), drops what must not be trained on (truncated, empty, too long, not renderable), counting
-each drop by reason, tokenizes the rest with the target's tokenizer on ``tokenize.workers`` processes
-(:mod:`datagen.dataset.tokenize_workers`, results consumed in shard order), and writes write-once Parquet parts of
+each drop by reason, tokenizes the rest with the target's tokenizer on ``tokenize.workers`` processes (when
+unset: one per core, or this process alone for less than ``IN_PROCESS_BELOW_BYTES`` of completions;
+:mod:`datagen.dataset.tokenize_workers`, results consumed in shard order), and writes write-once Parquet parts of
 ``tokenize.rows_per_part`` rows in row groups of ``tokenize.row_group_rows`` (:mod:`datagen.dataset.parts`),
 holding at most one part and a few shards in memory.
 Then it writes a dataset version manifest (``datasets/<name>/vNNNN.json``) listing the base version's
@@ -26,7 +27,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig, TokenizeConfig
 from datagen.dataset.parts import PART_LAST_SOURCE_KEY, PartWriter, RowTally, shard_table
-from datagen.dataset.tokenize_workers import ShardRows, TokenizeJob, available_cores, tokenize_shards
+from datagen.dataset.tokenize_workers import (
+    IN_PROCESS_BELOW_BYTES,
+    ShardRows,
+    TokenizeJob,
+    plan_workers,
+    tokenize_shards,
+)
 from datagen.dataset.tokenizer import shared_spec
 from datagen.dataset.versions import (
     JSONL_FORMAT,
@@ -111,13 +118,17 @@ class PartsTally(RowTally):
             self.tokens_by_dataset[dataset] += tokens
 
 
-def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> TokenizeSummary:
+def merge_and_tokenize(
+    store: Store, layout: RunLayout, config: RunConfig, *, in_process_below: int = IN_PROCESS_BELOW_BYTES
+) -> TokenizeSummary:
     """Tokenize every finished completion shard of a run into Parquet parts and a new dataset version.
 
     Args:
         store: The run's output store.
         layout: The run's keys.
         config: The run configuration (``tokenize`` section, ``model.tokenizer``).
+        in_process_below: Without ``tokenize.workers``, fewer bytes of completions than this are tokenized
+            in this process (see :func:`~datagen.dataset.tokenize_workers.plan_workers`).
 
     Returns:
         The summary; the stored one, untouched, when the merge already finished.
@@ -132,11 +143,17 @@ def merge_and_tokenize(store: Store, layout: RunLayout, config: RunConfig) -> To
         return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
     settings = config.tokenize
     base = read_base_version(store, settings.base_version) if settings.base_version else None
-    shard_keys, incomplete = _finished_shards(store, layout)
-    workers = settings.workers or available_cores()
-    logger.info("merging run_id=%s shards=%d workers=%d", layout.run_id, len(shard_keys), workers)
+    shard_sizes, incomplete = _finished_shards(store, layout)
+    logger.info("merging run_id=%s shards=%d", layout.run_id, len(shard_sizes))
     parts, tally, resumed = write_tokenized_parts(
-        store, layout, store, shard_keys, tokenizer=config.model.tokenizer, settings=settings
+        store,
+        layout,
+        store,
+        list(shard_sizes),
+        tokenizer=config.model.tokenizer,
+        settings=settings,
+        shard_bytes=sum(shard_sizes.values()),
+        in_process_below=in_process_below,
     )
     version_key, version = _write_dataset_version(store, layout, config, parts, base)
     summary = TokenizeSummary(
@@ -188,6 +205,8 @@ def write_tokenized_parts(
     *,
     tokenizer: str,
     settings: TokenizeConfig,
+    shard_bytes: int,
+    in_process_below: int = IN_PROCESS_BELOW_BYTES,
 ) -> tuple[list[TokenizedPartRef], PartsTally, int]:
     """Tokenize completions files into the write-once Parquet parts of ``layout``, resuming an earlier attempt.
 
@@ -201,6 +220,9 @@ def write_tokenized_parts(
         keys: The completions files, in output order.
         tokenizer: The target's tokenizer folder.
         settings: Workers, part and row-group sizes, filters.
+        shard_bytes: Bytes of the completions files (from the listing): with ``settings.workers`` unset, less
+            than ``in_process_below`` is tokenized in this process (:func:`plan_workers`).
+        in_process_below: See ``shard_bytes``.
 
     Returns:
         Every part (kept and new, in order), the counts, and how many parts were kept.
@@ -236,7 +258,9 @@ def write_tokenized_parts(
             answer_render=settings.answer_render,
         )
 
-    for shard in tokenize_shards(make_job, source, keys, settings.workers or available_cores()):
+    plan = plan_workers(settings.workers, len(keys), shard_bytes, in_process_below=in_process_below)
+    logger.info("%s", plan.reason)
+    for shard in tokenize_shards(make_job, source, keys, plan.workers):
         first_row = tally.rows
         tally.add(shard)
         sources = [f"{shard.key}#{line}" for line in shard.lines]
@@ -256,16 +280,16 @@ def write_tokenized_parts(
     return parts, tally, len(existing)
 
 
-def _finished_shards(store: Store, layout: RunLayout) -> tuple[list[str], list[str]]:
-    """Completion shard keys whose done marker exists (sorted), and those without one."""
-    finished: list[str] = []
+def _finished_shards(store: Store, layout: RunLayout) -> tuple[dict[str, int], list[str]]:
+    """Completion shard keys whose done marker exists (sorted) with their sizes, and those without one."""
+    finished: dict[str, int] = {}
     incomplete: list[str] = []
-    for key in store.list(layout.completions_prefix):
+    for key, size in store.list_sizes(layout.completions_prefix).items():
         match = _SHARD_KEY.search(key)
         if match is None:
             continue
         if store.exists(layout.shard_done(match["dataset"], int(match["index"]))):
-            finished.append(key)
+            finished[key] = size
         else:
             incomplete.append(key)
     if incomplete:

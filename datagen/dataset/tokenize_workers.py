@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from datagen.dataset.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
 from datagen.dataset.tokenizer import TokenizerSpec
 from datagen.errors import TokenizeError
+from datagen.output.objects import size_text
 from datagen.output.store import Store
 from datagen.records import CompletionRecord
 
@@ -42,6 +43,14 @@ DROP_TEMPLATE = "template_mismatch"
 BATCH_COMPLETIONS = 256
 # Shards in flight per worker: one being tokenized, one queued, so no worker waits on the parent.
 IN_FLIGHT_PER_WORKER = 2
+# Unless tokenize.workers says otherwise, completions under this many bytes are tokenized in this process.
+# A worker costs about 1 CPU-second before its first row (spawn, imports, rebuilding the Qwen3 tokenizer from
+# its 11 MB serialized form; 0.35-0.45 s for the tiny test tokenizer), and this process tokenizes about
+# 4 MB of completions per CPU-second (varied prose, tools, code; 10-13 MB/s for repetitive text). Workers
+# save wall time only once the work exceeds start cost x throughput x W/(W-1): 8-22 MB on two cores, 4.5-12.5
+# MB on many. 16 MiB is where they stop losing time on two cores, while a run below it pays at most ~2 s
+# more on a large host; every worker started for less burns its start-up CPU for nothing.
+IN_PROCESS_BELOW_BYTES = 16 << 20
 
 
 def available_cores() -> int:
@@ -199,6 +208,63 @@ def _tokenize_in_worker(key: str, data: bytes) -> ShardRows:
     if _worker is None:
         raise _worker_error or RuntimeError("tokenizer worker used before it started")
     return _worker.tokenize_shard(key, data)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How many tokenizer processes a merge uses, and why (the log line).
+
+    Attributes:
+        workers: Processes for :func:`tokenize_shards` (1: this process).
+        reason: Which path was taken and why, for the log.
+
+    """
+
+    workers: int
+    reason: str
+
+
+def plan_workers(
+    requested: int | None,
+    shards: int,
+    shard_bytes: int,
+    *,
+    cores: int | None = None,
+    in_process_below: int = IN_PROCESS_BELOW_BYTES,
+) -> WorkerPlan:
+    """Choose the tokenizer processes: ``tokenize.workers`` when set, else one per core unless the work is small.
+
+    Args:
+        requested: ``tokenize.workers`` (None: choose).
+        shards: Completions files to tokenize.
+        shard_bytes: Their bytes (from the store's listing).
+        cores: Cores to use when choosing (default: :func:`available_cores`).
+        in_process_below: When choosing, fewer bytes than this are tokenized in this process
+            (:data:`IN_PROCESS_BELOW_BYTES`).
+
+    Returns:
+        The workers and the reason.
+
+    """
+    work = f"{shards} shard{'s' if shards != 1 else ''}, {size_text(shard_bytes)}"
+    if requested is not None:
+        workers = min(requested, shards)
+        if workers > 1:
+            return WorkerPlan(
+                workers, f"tokenizing in {workers} worker processes (tokenize.workers={requested}): {work}"
+            )
+        return WorkerPlan(1, f"tokenizing in this process (tokenize.workers={requested}): {work}")
+    cores = cores or available_cores()
+    if shard_bytes < in_process_below:
+        return WorkerPlan(1, f"tokenizing in this process: {work} (< {size_text(in_process_below)})")
+    workers = min(cores, shards)
+    if workers <= 1:
+        why = "one core" if cores <= 1 else "one shard"
+        return WorkerPlan(1, f"tokenizing in this process: {work} ({why})")
+    return WorkerPlan(
+        workers,
+        f"tokenizing in {workers} worker processes: {work} (>= {size_text(in_process_below)}, {cores} cores)",
+    )
 
 
 def tokenize_shards(

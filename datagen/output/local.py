@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
@@ -83,12 +84,19 @@ class LocalBackend:
 
     def list(self, prefix: str) -> list[str]:
         """Keys under ``prefix``, skipping in-progress temporary files."""
+        return list(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Keys under ``prefix`` (sorted) with their sizes, skipping in-progress temporary files."""
         base = self._path(prefix)
         if not base.is_dir():
-            return []
-        keys = [
-            str(path.relative_to(self.root))
-            for path in base.rglob("*")
-            if path.is_file() and not path.name.startswith(TEMP_PREFIX)
-        ]
-        return sorted(keys)
+            return {}
+        sizes: dict[str, int] = {}
+        for path in base.rglob("*"):
+            if path.name.startswith(TEMP_PREFIX):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # a temporary file linked and removed meanwhile
+                status = path.stat()
+                if stat.S_ISREG(status.st_mode):
+                    sizes[str(path.relative_to(self.root))] = status.st_size
+        return dict(sorted(sizes.items()))

@@ -1,10 +1,24 @@
-"""What every store backend shares: the record of a written object and the backend protocol."""
+"""What every store backend shares: the record of a written object, the backend protocol, sizes in words."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Protocol
+
+_SIZE_UNITS = ("bytes", "KiB", "MiB", "GiB", "TiB")
+
+
+def size_text(size: int) -> str:
+    """A byte count as people read it in a log line: ``812 bytes``, ``41 KiB``, ``16 MiB``, ``1.5 GiB``."""
+    value = float(size)
+    unit = 0
+    while value >= 1024 and unit < len(_SIZE_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{size} bytes"
+    return f"{value:.1f} {_SIZE_UNITS[unit]}" if value < 10 else f"{value:.0f} {_SIZE_UNITS[unit]}"
 
 
 @dataclass(frozen=True)
@@ -41,6 +55,10 @@ class Backend(Protocol):
 
     def list(self, prefix: str) -> list[str]:
         """Every key under ``prefix`` (recursively), sorted."""
+        ...
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` (recursively, sorted) with its size in bytes, from the listing alone."""
         ...
 
     def url(self, key: str) -> str:

@@ -260,16 +260,23 @@ class S3Backend:
 
     def list(self, prefix: str) -> list[str]:
         """Keys under ``prefix`` relative to the store root, sorted."""
+        return list(self.list_sizes(prefix))
+
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Keys under ``prefix`` relative to the store root (sorted) with their sizes (the listing's ``Size``)."""
         full = self._key(prefix).rstrip("/") + "/"
         paginator = self.client.get_paginator("list_objects_v2")
 
-        def every_key() -> list[str]:
+        def every_key() -> list[tuple[str, int]]:
             # Pages are fetched lazily while iterating, so the whole iteration is the call to guard.
             pages = paginator.paginate(Bucket=self.bucket, Prefix=full)
-            return [str(item["Key"]) for page in pages for item in page.get("Contents", [])]
+            return [
+                (str(item["Key"]), int(item["Size"])) for page in pages for item in page.get("Contents", [])
+            ]
 
-        keys: list[str] = self._call("list", prefix, every_key)
-        return sorted(key[len(self.prefix) + 1 :] if self.prefix else key for key in keys)
+        items: list[tuple[str, int]] = self._call("list", prefix, every_key)
+        start = len(self.prefix) + 1 if self.prefix else 0
+        return dict(sorted((key[start:], size) for key, size in items))
 
 
 class _ResumingBody(io.RawIOBase):

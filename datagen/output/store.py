@@ -191,6 +191,10 @@ class Store:
         """Every key under ``prefix``, sorted."""
         return self.backend.list(prefix)
 
+    def list_sizes(self, prefix: str) -> dict[str, int]:
+        """Every key under ``prefix`` (sorted) with its size in bytes, read from the listing (no object is read)."""
+        return self.backend.list_sizes(prefix)
+
 
 def _loads(data: bytes) -> Any:
     # orjson parses several times faster than json (this reads every prompt and completion of a run); the

@@ -33,6 +33,7 @@ from datagen.config import DatasetConfig, RunConfig
 from datagen.dataset.tokenizer import shared_tokenizer
 from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import RunLayout
+from datagen.output.objects import size_text
 from datagen.output.store import Store
 from datagen.prompts.datasets.corpus import load_corpus_ids
 from datagen.prompts.datasets.inspect import InspectReport, inspect_dataset
@@ -41,7 +42,9 @@ from datagen.prompts.datasets.tally import RejectionTally
 from datagen.prompts.mix import quota_for
 from datagen.prompts.parallel import (
     MIN_PART_BYTES,
+    MIN_WORKER_BYTES,
     DatasetScans,
+    is_remote,
     local_bytes,
     plan_parts,
     usable_cores,
@@ -132,14 +135,17 @@ def start_dataset_scans(
     *,
     max_workers: int | None = None,
     min_part_bytes: int = MIN_PART_BYTES,
+    min_worker_bytes: int = MIN_WORKER_BYTES,
 ) -> DatasetScans:
     """Start scanning, in worker processes, every dataset of the run not prepared yet.
 
     Pass the result to :func:`prepare_prompts` of each dataset (in config order, as always) and close it
     when they are done. A dataset whose local files are large is split into parts, one worker each, when
-    there are more cores than datasets (:func:`~datagen.prompts.parallel.plan_parts`). With one core, or
-    one dataset too small to split, nothing starts: each dataset is then scanned by its own
-    ``prepare_prompts``, as a worker would gain nothing.
+    there are more cores than datasets (:func:`~datagen.prompts.parallel.plan_parts`). With one core, one
+    dataset too small to split, or local datasets of fewer than ``min_worker_bytes`` together, nothing
+    starts: each dataset is then scanned by its own ``prepare_prompts``, as a worker would gain nothing.
+    s3:// and Hub datasets cannot be weighed and are slow to read: with one of them, two or more datasets
+    are always scanned in workers.
 
     Args:
         store: The run's output store (a dataset with a summary is prepared: not scanned); s3:// datasets
@@ -149,6 +155,8 @@ def start_dataset_scans(
         work_dir: A local folder for the workers' spools.
         max_workers: Cap on worker processes (default: one per usable core).
         min_part_bytes: Smallest part a dataset is split into (bytes of its files).
+        min_worker_bytes: Local datasets of fewer bytes than this together are scanned in this process
+            (:data:`~datagen.prompts.parallel.MIN_WORKER_BYTES`).
 
     Returns:
         The running scans (a context manager).
@@ -160,11 +168,21 @@ def start_dataset_scans(
         if not store.exists(layout.prompts_summary(dataset.name))
     ]
     cores = max_workers or usable_cores()
-    parts = plan_parts(
-        {request.dataset: local_bytes(request.path) for request in requests}, cores, min_part_bytes
-    )
+    sizes = {request.dataset: local_bytes(request.path) for request in requests}
+    parts = plan_parts(sizes, cores, min_part_bytes)
     workers = min(cores, sum(parts.values()))
-    if workers < 2:
+    total = sum(sizes.values())
+    remote = any(is_remote(request.path) for request in requests)
+    if requests and not remote and total < min_worker_bytes:
+        logger.info(
+            "scanning datasets in this process: %d dataset%s, %s of files (< %s)",
+            len(requests),
+            "s" if len(requests) != 1 else "",
+            size_text(total),
+            size_text(min_worker_bytes),
+        )
+        requests, workers = [], 0
+    elif workers < 2:
         requests, workers = [], 0
     return DatasetScans(requests, work_dir, workers, parts, credentials=store.credentials)
 

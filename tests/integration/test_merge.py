@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,12 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.dataset.merge import TokenizeSummary, merge_and_tokenize
+from datagen.dataset.tokenize_workers import available_cores
 from datagen.dataset.tokenizer import load_tokenizer
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from datagen.errors import TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
+from datagen.output.objects import size_text
 from datagen.output.store import Store
 from datagen.records import (
     AssistantCompletion,
@@ -25,6 +28,7 @@ from datagen.records import (
     ShardSummary,
     TokenUsage,
 )
+from tests.support.children import ChildWatch
 
 RUN_ID = "merge-test"
 
@@ -263,10 +267,58 @@ def test_worker_processes_write_the_same_parts_as_one_process(
         store = Store(str(root))
         layout = RunLayout(RUN_ID)
         populate(store, layout)
-        summary = merge_and_tokenize(store, layout, make_config(root, tiny_model_dir, workers=workers))
+        # tokenize.workers set: exactly that many processes, however small the shards.
+        with ChildWatch() as watch:
+            summary = merge_and_tokenize(store, layout, make_config(root, tiny_model_dir, workers=workers))
+        assert len(watch.commands("spawn_main")) == (0 if workers == 1 else workers)
         parts[workers] = {part.key or "": (root / (part.key or "")).read_bytes() for part in summary.parts}
     assert parts[1] == parts[2]
     assert len(parts[1]) == 3
+
+
+def finished_shard_bytes(root: Path, layout: RunLayout) -> int:
+    """Bytes of the three finished completions shards :func:`populate` writes."""
+    shards = [("alpha", 0), ("alpha", 1), ("beta", 0)]
+    return sum((root / layout.completions(dataset, index)).stat().st_size for dataset, index in shards)
+
+
+def test_without_workers_set_small_shards_are_tokenized_in_this_process_and_larger_ones_in_workers(
+    tmp_path: Path, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    parts: dict[str, dict[str, bytes]] = {}
+    started: dict[str, list[str | None]] = {}
+    total = 0
+    for name in ("default", "one byte short", "at the threshold"):
+        root = tmp_path / name.replace(" ", "-")
+        root.mkdir()
+        store = Store(str(root))
+        layout = RunLayout(RUN_ID)
+        populate(store, layout)
+        total = finished_shard_bytes(root, layout)
+        threshold = {
+            "one byte short": {"in_process_below": total + 1},
+            "at the threshold": {"in_process_below": total},
+        }
+        with caplog.at_level(logging.INFO, logger="datagen.dataset.merge"), ChildWatch() as watch:
+            summary = merge_and_tokenize(
+                store, layout, make_config(root, tiny_model_dir), **threshold.get(name, {})
+            )
+        started[name] = (
+            list(watch.started.values()) if name != "at the threshold" else watch.commands("spawn_main")
+        )
+        parts[name] = {part.key or "": (root / (part.key or "")).read_bytes() for part in summary.parts}
+    messages = [record.getMessage() for record in caplog.records]
+    assert started["default"] == [] and started["one byte short"] == []
+    assert f"tokenizing in this process: 3 shards, {size_text(total)} (< 16 MiB)" in messages
+    assert f"tokenizing in this process: 3 shards, {size_text(total)} (< {size_text(total + 1)})" in messages
+    cores = available_cores()
+    if cores >= 2:  # one core: no worker would gain anything, so none starts
+        assert len(started["at the threshold"]) == min(cores, 3)
+        assert any(
+            message.startswith(f"tokenizing in {min(cores, 3)} worker processes: 3 shards")
+            for message in messages
+        )
+    assert parts["default"] == parts["one byte short"] == parts["at the threshold"]
 
 
 def test_parts_are_written_in_row_groups_of_the_configured_size(

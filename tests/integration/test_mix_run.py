@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
+import uuid
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
@@ -24,9 +25,10 @@ from datagen.config import RunConfig, parse_run_config
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.shard import generate_shard
 from datagen.output.layout import RunLayout
+from datagen.output.s3_client import S3Credentials, make_s3_client
 from datagen.output.store import Store
 from datagen.prompts.mix import mix_table, plan_mix
-from datagen.prompts.parallel import DatasetScans
+from datagen.prompts.parallel import DatasetScans, local_bytes
 from datagen.prompts.prepare import (
     iter_prompt_shard,
     load_prompt_ids,
@@ -35,6 +37,7 @@ from datagen.prompts.prepare import (
     start_dataset_scans,
 )
 from datagen.records import CompletionRecord, PreparedDataset
+from tests.support.children import ChildWatch
 from tests.support.fault_server import FaultServer
 
 GENERATOR = Path(__file__).resolve().parents[1] / "fixtures" / "datasets" / "build_samples.py"
@@ -286,19 +289,25 @@ def test_datasets_scanned_in_parallel_prepare_byte_for_byte_what_one_after_anoth
     layout = RunLayout("mix")
     sequential = prepare_all(Store(str(tmp_path / "sequential")), layout, config)
     parallel_store = Store(str(tmp_path / "parallel"))
-    if split == "per dataset":
-        scans = start_dataset_scans(parallel_store, layout, config, tmp_path / "scans", max_workers=3)
-        parts = 1
-    else:
-        # Every dataset dealt out over three workers in blocks of 7 rows (the last part gets fewer blocks).
-        parts = 3
-        requests = [replace(scan_request(config, d), block_rows=7) for d in config.datasets]
-        scans = DatasetScans(
-            requests, tmp_path / "scans", workers=3, parts=dict.fromkeys(dataset_files, parts)
-        )
-    with caplog.at_level(logging.INFO, logger="datagen.prompts.parallel"), scans:
-        parallel = prepare_all(parallel_store, layout, config, scans)
+    with ChildWatch() as watch:
+        if split == "per dataset":
+            # Files of exactly the threshold's bytes are worth workers (one byte fewer: see the next test).
+            total = sum(local_bytes(path) for path in dataset_files.values())
+            scans = start_dataset_scans(
+                parallel_store, layout, config, tmp_path / "scans", max_workers=3, min_worker_bytes=total
+            )
+            parts = 1
+        else:
+            # Every dataset dealt out over three workers in blocks of 7 rows (the last part gets fewer blocks).
+            parts = 3
+            requests = [replace(scan_request(config, d), block_rows=7) for d in config.datasets]
+            scans = DatasetScans(
+                requests, tmp_path / "scans", workers=3, parts=dict.fromkeys(dataset_files, parts)
+            )
+        with caplog.at_level(logging.INFO, logger="datagen.prompts.parallel"), scans:
+            parallel = prepare_all(parallel_store, layout, config, scans)
     assert parallel == sequential
+    assert len(watch.commands("-m datagen.prompts.scan")) == len(config.datasets) * parts
     assert sum(item.rejections.get("duplicate", 0) for item in sequential) > 0
     assert stored_files(tmp_path / "parallel") == stored_files(tmp_path / "sequential")
     # The workers did the scanning (none fell back to this process), and left no spool behind.
@@ -308,6 +317,53 @@ def test_datasets_scanned_in_parallel_prepare_byte_for_byte_what_one_after_anoth
         r for r in caplog.records if r.name == "datagen.prompts.parallel" and r.levelno >= logging.WARNING
     ]
     assert list((tmp_path / "scans").iterdir()) == []
+
+
+def test_small_datasets_are_scanned_in_the_preparing_process_with_no_worker_started(
+    tmp_path: Path, dataset_files: dict[str, str], caplog: pytest.LogCaptureFixture
+) -> None:
+    config = mix_config(dataset_files, rebalance=True)
+    layout = RunLayout("mix")
+    sequential = prepare_all(Store(str(tmp_path / "sequential")), layout, config)
+    total = sum(local_bytes(path) for path in dataset_files.values())
+    with caplog.at_level(logging.INFO, logger="datagen.prompts"), ChildWatch() as watch:
+        # One byte short of the threshold, then the default one (16 MiB, far above these files).
+        for name, threshold in (("short", {"min_worker_bytes": total + 1}), ("default", {})):
+            store = Store(str(tmp_path / name))
+            with start_dataset_scans(store, layout, config, tmp_path / "scans", **threshold) as scans:
+                assert prepare_all(store, layout, config, scans) == sequential
+            assert stored_files(tmp_path / name) == stored_files(tmp_path / "sequential")
+    assert watch.started == {}
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("scanning datasets in this process: 10 datasets," in message for message in messages) == 2
+    assert any(message.endswith(" KiB of files (< 16 MiB)") for message in messages)
+    assert not [message for message in messages if "scanned dataset=" in message]
+
+
+def test_s3_datasets_are_scanned_in_workers_however_small(
+    tmp_path: Path, dataset_files: dict[str, str], s3_endpoint: str
+) -> None:
+    # Their size is not known before reading, and their reads wait on the network: workers overlap them.
+    credentials = S3Credentials(
+        access_key_id="testing", secret_access_key="testing", region="us-east-1", endpoint_url=s3_endpoint
+    )
+    client = make_s3_client(credentials=credentials)
+    bucket = f"mix-{uuid.uuid4().hex[:12]}"
+    client.create_bucket(Bucket=bucket)
+    datasets = []
+    for name, format in (("sharegpt", "sharegpt"), ("openai-messages", "openai_messages")):
+        local = Path(dataset_files[name])
+        client.put_object(Bucket=bucket, Key=local.name, Body=local.read_bytes())
+        datasets.append({"name": name, "format": format, "path": f"s3://{bucket}/{local.name}"})
+    config = parse_run_config(
+        {"run_id": "mix", "model": {"path": "unused"}, "datasets": datasets, "output": "unused", "seed": 7}
+    )
+    layout = RunLayout("mix")
+    sequential = prepare_all(Store(str(tmp_path / "sequential"), credentials=credentials), layout, config)
+    store = Store(str(tmp_path / "s3"), credentials=credentials)
+    with ChildWatch() as watch, start_dataset_scans(store, layout, config, tmp_path / "scans") as scans:
+        assert prepare_all(store, layout, config, scans) == sequential
+    assert len(watch.commands("-m datagen.prompts.scan")) == 2
 
 
 def test_a_run_mixing_all_ten_layouts_matches_its_configured_mix(

@@ -68,6 +68,15 @@ def test_listing_returns_sorted_keys_and_jsonl_streams_back(store: Store) -> Non
     assert store.exists("runs/r/a.jsonl") and not store.exists("runs/r/c.jsonl")
 
 
+def test_listing_with_sizes_gives_each_objects_bytes_without_reading_it(store: Store) -> None:
+    store.write_bytes("runs/r/b/part.jsonl", b"x" * 70_000)
+    store.write_text("runs/r/a.jsonl", "abc\n")
+    store.write_text("runs/other.jsonl", "not under the prefix")
+    assert store.list_sizes("runs/r") == {"runs/r/a.jsonl": 4, "runs/r/b/part.jsonl": 70_000}
+    assert list(store.list_sizes("runs/r")) == store.list("runs/r")
+    assert store.list_sizes("runs/none") == {}
+
+
 def test_concurrent_creates_of_one_key_have_exactly_one_winner(store: Store) -> None:
     outcomes: list[str] = []
     lock = threading.Lock()
