@@ -26,6 +26,7 @@ from datagen.output.s3_client import (
 from datagen.output.store import Store
 from datagen.settings import get_settings
 from tests.support.s3_proxy import S3FaultProxy
+from tests.support.s3_server import S3Server
 
 WRITES = 200
 WRITER_THREADS = 32
@@ -37,14 +38,8 @@ SECRET_ACCESS_KEY = "Sup3rSecret/NeverLog+ThisValue0123456789"
 
 @pytest.fixture(scope="module")
 def moto_endpoint() -> Iterator[str]:
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    with S3Server() as server:
+        yield server.endpoint
 
 
 @pytest.fixture()

@@ -6,12 +6,12 @@ conftest (then every module shares one pool), or import the fixtures into a test
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.s3_server import S3Server
 from tests.support.transformers_servers import TransformersServerPool
 
 POOL_SIZE = 2
@@ -35,13 +35,6 @@ def transformers_pool(transformers_pool_session: TransformersServerPool) -> Tran
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    """A real S3-protocol server (moto's server mode) on loopback, for the whole session."""
-    from moto.server import ThreadedMotoServer
-
-    # moto's server logs every request through werkzeug; only errors are worth a line in a test log.
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    yield f"http://{host}:{port}"
-    server.stop()
+    """A real S3-protocol server (moto's S3 server) on loopback, for the whole session."""
+    with S3Server() as server:
+        yield server.endpoint
