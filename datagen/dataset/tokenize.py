@@ -29,7 +29,9 @@ mask is 1 exactly on the generated ids. Each row records which path made it (``t
 
 from __future__ import annotations
 
+import functools
 import logging
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -443,6 +445,20 @@ class RowTokenizer:
         return row
 
 
+# A row tokenizer rebuilds the Rust tokenizer and probes the template (~0.3 s for Qwen's): callers of
+# tokenize_completion tokenize record after record with one tokenizer, so the last few are kept, keyed by what
+# they were built from (a tokenizer changed in between gets a new one).
+_ROW_TOKENIZER_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=4)
+def _row_tokenizer(
+    backend_json: str, chat_template: str, special: tuple[tuple[str, str], ...], max_length_tokens: int | None
+) -> RowTokenizer:
+    spec = TokenizerSpec(backend_json=backend_json, chat_template=chat_template, special_tokens=dict(special))
+    return RowTokenizer(spec, max_length_tokens=max_length_tokens)
+
+
 def tokenize_completion(
     tokenizer: Any, record: CompletionRecord, *, max_length_tokens: int | None
 ) -> TokenizedRow | RejectedRow:
@@ -462,7 +478,10 @@ def tokenize_completion(
 
     """
     spec = TokenizerSpec.from_tokenizer(tokenizer)
-    (result,) = RowTokenizer(spec, max_length_tokens=max_length_tokens).encode([record])
+    special = tuple(sorted(spec.special_tokens.items()))
+    rows = _row_tokenizer(spec.backend_json, spec.chat_template, special, max_length_tokens)
+    with _ROW_TOKENIZER_LOCK:
+        (result,) = rows.encode([record])
     if isinstance(result, TokenizeError):
         raise result
     if isinstance(result, RejectedRow):
