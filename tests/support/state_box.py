@@ -264,7 +264,7 @@ def slow_down(box: Box, state: str) -> Slowness:
     return Slowness(lambda: len(box.server.chat_requests()) >= 3, nothing)
 
 
-def enter_state(box: Box, state: str, run_id: str, context: str = "") -> tuple[CliRun, Slowness]:
+def enter_state(box: Box, state: str, run_id: str, context: str = "", **env: str) -> tuple[CliRun, Slowness]:
     """Start a run and wait until it is held in ``state``; checks its last stage marker.
 
     Args:
@@ -272,10 +272,11 @@ def enter_state(box: Box, state: str, run_id: str, context: str = "") -> tuple[C
         state: One of :data:`STATES`.
         run_id: The run id.
         context: Said in failure messages (e.g. which kill came before).
+        **env: More environment for this run (e.g. ``PREFECT_API_URL``).
     """
     slowness = slow_down(box, state)
     box.releases.append(slowness.release)
-    run = box.run(run_id, **slowness.env)
+    run = box.run(run_id, **slowness.env, **env)
     run.wait_until(slowness.reached, f"reached {state}{context}", REACH_TIMEOUT_S)
     stage, _ = STATES[state]
     stages = run.stages()
@@ -324,19 +325,35 @@ def final_answers(box: Box, run_id: str) -> tuple[set[tuple[str, int]], list[tup
     return prompts, finals
 
 
-def sigkill_then_resume(box: Box, states: list[str], run_id: str = "crash") -> None:
+def sigkill_then_resume(
+    box: Box,
+    states: list[str],
+    run_id: str = "crash",
+    *,
+    shared_api: str | None = None,
+    own_api_in: frozenset[str] = frozenset(STATES),
+) -> None:
     """SIGKILL a run held in each of ``states`` in turn (the printed resume command each time), then resume.
 
     Each run after the first is the printed resume command of the run killed before it; the last one is left
     to finish. Checks: it finishes (exit 0); every request is answered exactly once; every run that sent
     requests sent its first within 30 s of its start; nothing of a killed run is left; training was
     signalled once and restarted once.
+
+    Args:
+        box: The host (its runs start the CLI's own temporary Prefect API server unless told otherwise).
+        states: The states to kill a run in, in order.
+        run_id: The run id of every run.
+        shared_api: A running Prefect API the runs killed outside ``own_api_in`` report to.
+        own_api_in: The states whose run starts the CLI's own temporary server (all, by default); the final
+            resume always does.
     """
     runs: list[tuple[CliRun, int, str]] = []  # each run, the server's request count at its start, its state
     for state in states:
         mark = len(box.server.chat_requests())
         after = f" (after the SIGKILL in {runs[-1][2]})" if runs else ""
-        run, slowness = enter_state(box, state, run_id, after)
+        api = {} if state in own_api_in or shared_api is None else {"PREFECT_API_URL": shared_api}
+        run, slowness = enter_state(box, state, run_id, after, **api)
         runs.append((run, mark, state))
         run.send(signal.SIGKILL)
         assert run.wait(30) is not None, f"a SIGKILLed run did not end{after}"
