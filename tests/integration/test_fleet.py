@@ -29,7 +29,7 @@ from tests.support.workers import worker_port
 
 READY_TIMEOUT_S = 120.0
 CHAT_TIMEOUT_S = 60.0
-PORT_SEARCH_START = worker_port(42000)
+PORT_SEARCH_START = worker_port(33000)
 
 # A stand-in server: answers GET /health, keeps a child in its process group, optionally ignores SIGTERM.
 HEALTH_SERVER = textwrap.dedent(

@@ -61,7 +61,7 @@ def test_tune_sweeps_live_cpu_servers_and_the_plan_takes_its_result(
             "model": {"path": "/models/target"},
             "datasets": [{"name": "chat", "format": "sharegpt", "path": "/data/chat.jsonl"}],
             "output": str(tmp_path / "out"),
-            "fleet": {"device": "cpu", "base_port": worker_port(44000), "tune_result": str(output)},
+            "fleet": {"device": "cpu", "base_port": worker_port(34500), "tune_result": str(output)},
         }
     )
     env = build_report(query_gpu=None, topo=None, smi=None, apps=None, nvcc=None, packages={}, hostname="cpu")

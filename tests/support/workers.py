@@ -13,9 +13,10 @@ import os
 # PYTEST_XDIST_WORKER is "gw0", "gw1", ... in a worker; unset in a plain `pytest` run.
 WORKER_ID = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
 WORKER_INDEX = int(WORKER_ID[2:]) if WORKER_ID.startswith("gw") and WORKER_ID[2:].isdigit() else 0
-# Far enough apart that a test's own port range (a handful of servers from its base) never reaches the next
-# worker's; up to 8 workers stay below the ephemeral range's upper end from any base under 57000.
-PORT_STRIDE = 1000
+# Every fixed base in the suite lies in 30000-34999 (no two tests' ranges overlap there), and each worker
+# moves the whole window by this much: worker k uses 30000 + 5000k up, so no worker's ports reach another's
+# (a stride of 1000 let test_plan on gw1 search from test_fleet's gw0 range). Seven workers fit under 65535.
+PORT_STRIDE = 5000
 
 
 def worker_port(base: int) -> int:

@@ -25,7 +25,7 @@ from tests.support.workers import worker_port
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "probe"
 PACKAGES: dict[str, str | None] = {}
 # Ports are picked from here up; far from the defaults so a developer's running servers do not interfere.
-PORT_SEARCH_START = worker_port(41000)
+PORT_SEARCH_START = worker_port(32000)
 # 8 x RTX PRO 6000 (SM 12.0, 96 GB) over PCIe after training was halted; flags from the real sglang parser.
 IDLE_PCIE_SM120 = "pcie-8x-sm120-sglang-0.5.23"
 SGLANG_BUNDLES = ("pcie-8x-sm120-sglang-0.5.23", "pcie-8x-sm120-sglang-0.5.14")
