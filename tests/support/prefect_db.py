@@ -42,19 +42,35 @@ def session_folder() -> Path:
 
 def start_building() -> subprocess.Popen[bytes]:
     """Build the session's template in a background process (it takes the lock before anyone can ask)."""
-    folder = session_folder()
+    return _build_process(session_folder(), locked=True)
+
+
+def _build_process(folder: Path, *, locked: bool) -> subprocess.Popen[bytes]:
+    """``python -m tests.support.prefect_db [--unlocked] FOLDER``: the build, in a process of its own.
+
+    Its own process, because the build points ``PREFECT_HOME`` at the template's home; ``locked``: it takes the
+    lock itself (the background build), else the caller holds it.
+    """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.support.prefect_db", str(folder)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=(folder / "build.log").open("ab"),
-        start_new_session=True,
-    )
+    command = [
+        sys.executable,
+        "-m",
+        "tests.support.prefect_db",
+        *([] if locked else ["--unlocked"]),
+        str(folder),
+    ]
+    folder.mkdir(parents=True, exist_ok=True)
+    with (folder / "build.log").open("ab") as log:
+        return subprocess.Popen(
+            command, env=env, stdout=subprocess.DEVNULL, stderr=log, start_new_session=True
+        )
 
 
 def _build(folder: Path) -> None:
-    """Start the CLI's temporary API server on an empty home in ``folder``, wait for it, stop it."""
+    """Start the CLI's temporary API server on an empty home in ``folder``, wait for it, stop it.
+
+    Runs in a process of its own (:func:`_build_process`): it changes its process's environment.
+    """
     from flows.api_server import LocalApiServer
 
     home = folder / "home"
@@ -90,14 +106,11 @@ def template_db() -> Path:
     with (folder / "lock").open("a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # waits while the background build holds it
         if not (folder / READY).exists():
-            try:
-                _build(folder)
-            except RuntimeError as error:
-                log = folder / "server.log"
-                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
-                raise RuntimeError(
-                    f"building the template Prefect database failed: {error}\n{tail}"
-                ) from error
+            _build_process(folder, locked=False).wait()
+        if not (folder / READY).exists():
+            logs = [folder / "build.log", folder / "server.log"]
+            tail = "".join(log.read_text(errors="replace")[-2000:] for log in logs if log.exists())
+            raise RuntimeError(f"building the template Prefect database failed:\n{tail}")
     return Path((folder / READY).read_text())
 
 
@@ -117,5 +130,8 @@ def seed_prefect_home(home: Path, db_name: str = DB_NAME) -> Path:
 
 
 if __name__ == "__main__":
-    os.environ[TEMPLATE_ENV] = sys.argv[1]
-    template_db()
+    if sys.argv[1] == "--unlocked":
+        _build(Path(sys.argv[2]))
+    else:
+        os.environ[TEMPLATE_ENV] = sys.argv[1]
+        template_db()
