@@ -28,11 +28,15 @@ from datagen.records import PreparedDataset
 
 logger = logging.getLogger(__name__)
 
-# Preflight asks S3 one question per check and must answer in seconds: a short connect and read timeout and
-# one retry, against the run's ten attempts with backoff (minutes) once it is under way.
+# Preflight asks S3 one question per check and must answer in seconds: a short connect and read timeout, and
+# for the reachability probe one retry, against the run's ten attempts with backoff (minutes) once it is under
+# way. The checks that read the output once it answered get a few more tries: S3 answers 503 SlowDown or 500
+# under load as a matter of course, and refusing a run (a resume, say) for two such answers in a row would be
+# wrong; five tries with standard backoff take seconds.
 PREFLIGHT_S3_CONNECT_TIMEOUT_S = 3.0
 PREFLIGHT_S3_READ_TIMEOUT_S = 3.0
 PREFLIGHT_S3_MAX_ATTEMPTS = 2
+PREFLIGHT_S3_READ_ATTEMPTS = 5
 # A server that should already run answers its first byte in well under a second.
 PREFLIGHT_SERVER_CONNECT_TIMEOUT_S = 3.0
 PREFLIGHT_SERVER_READ_TIMEOUT_S = 5.0
@@ -86,18 +90,25 @@ def _check_mix(config: RunConfig, store: Store) -> str:
     return "quotas planned"
 
 
-def preflight_store(config: RunConfig, credentials: S3Credentials | None = None) -> Store:
-    """The run's store with a quick S3 client: seconds to connect or answer, one retry.
+def preflight_store(
+    config: RunConfig,
+    credentials: S3Credentials | None = None,
+    *,
+    max_attempts: int = PREFLIGHT_S3_MAX_ATTEMPTS,
+) -> Store:
+    """The run's store with a quick S3 client: seconds to connect or answer, one retry by default.
 
     Args:
         config: The run config.
         credentials: S3 credentials (None: the standard AWS chain); the datasets are read with them too.
+        max_attempts: Tries per S3 request: the default suits the reachability probe; the checks that read
+            the output once it answered pass ``PREFLIGHT_S3_READ_ATTEMPTS``.
     """
     backend = None
     if config.output.startswith("s3://"):
         client = make_s3_client(
             credentials=credentials,
-            max_attempts=PREFLIGHT_S3_MAX_ATTEMPTS,
+            max_attempts=max_attempts,
             connect_timeout_s=PREFLIGHT_S3_CONNECT_TIMEOUT_S,
             read_timeout_s=PREFLIGHT_S3_READ_TIMEOUT_S,
         )
@@ -418,7 +429,7 @@ def _check_base_version(config: RunConfig, store: Store) -> str:
 
 
 # Each check, and whether it reads the output store (skipped, not failed, when that is unreachable: one
-# cause is reported once).
+# cause is reported once; run with a client that retries a transient S3 error a few times).
 CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("mix", _check_mix, False),
     ("output location", _check_output_location, False),
@@ -478,7 +489,8 @@ def run_preflight(
     """
     assert config.run_id is not None
     report = PreflightReport(run_id=config.run_id)
-    store = preflight_store(config, credentials)
+    probe = preflight_store(config, credentials)
+    reads = preflight_store(config, credentials, max_attempts=PREFLIGHT_S3_READ_ATTEMPTS)
     unreachable = False
     for name, check, reads_output in CHECKS:
         if (only is not None and name not in only) or (
@@ -492,7 +504,7 @@ def run_preflight(
             report.checks.append(skipped)
             continue
         try:
-            detail, ok = check(config, store), True
+            detail, ok = check(config, reads if reads_output else probe), True
         except StorageUnreachableError as error:
             detail, ok, unreachable = str(error), False, True
         except DatagenError as error:

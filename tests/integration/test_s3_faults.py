@@ -13,6 +13,7 @@ import random
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -195,6 +196,35 @@ def test_a_concurrent_create_conflict_is_transient_and_the_retry_lands(
     store.write_text("runs/r/done.json", "{}")
 
     assert store.read_text("runs/r/done.json") == "{}"
+
+
+def test_preflight_of_a_resumed_run_rides_out_transient_s3_errors(
+    store: Store, proxy: S3FaultProxy, bucket: str, credentials: S3Credentials, tiny_model_dir: Path
+) -> None:
+    # S3 answers 500 and 503 SlowDown under load as a matter of course: three in a row on the run's stored
+    # config (a chaos run met two) must not refuse a resume before anything has started.
+    from datagen.app.preflight import run_preflight
+    from datagen.config import RunConfig
+    from datagen.output.runs import open_run
+    from datagen.samples import sample_path
+
+    config = RunConfig.model_validate(
+        {
+            "run_id": "flaky-resume",
+            "model": {"path": str(tiny_model_dir)},
+            "datasets": [{"name": "metamath", "format": "metamath", "path": sample_path("metamath")}],
+            "output": f"s3://{bucket}/expansion",
+            "protected_prefixes": [f"s3://{bucket}/train"],
+        }
+    )
+    open_run(store, config)
+    for fault in ("500", "503", "reset_before"):
+        proxy.inject_next(fault, method="GET", path_contains="runs/flaky-resume/config.json")
+
+    report = run_preflight(config, credentials=credentials)
+
+    assert all(check.ok for check in report.checks)
+    assert proxy.injected == {"500": 1, "503": 1, "reset_before": 1}
 
 
 def test_requests_are_signed_with_the_configured_credentials_and_no_error_or_log_names_the_secret(
