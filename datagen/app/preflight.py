@@ -21,7 +21,7 @@ from datagen.errors import DatagenError, PreflightError, StorageUnreachableError
 from datagen.output.layout import RunLayout
 from datagen.output.runs import check_run_config, read_stored_config
 from datagen.output.s3 import S3Backend
-from datagen.output.s3_client import S3Credentials, make_s3_client
+from datagen.output.s3_client import S3Credentials, error_facts, is_transient_status, make_s3_client
 from datagen.output.store import Store, normalise_url, overlaps
 from datagen.prompts.mix import validate_mix
 from datagen.records import PreparedDataset
@@ -119,16 +119,17 @@ def preflight_store(
 
 
 def _unreachable(error: Exception) -> bool:
-    from botocore.exceptions import (
-        ConnectionClosedError,
-        ConnectTimeoutError,
-        EndpointConnectionError,
-        ReadTimeoutError,
-    )
+    """Whether nothing answered at all: no connection, or a connection that stayed silent."""
+    from botocore.exceptions import ConnectTimeoutError, EndpointConnectionError, ReadTimeoutError
 
-    return isinstance(
-        error, EndpointConnectionError | ConnectTimeoutError | ReadTimeoutError | ConnectionClosedError
-    )
+    return isinstance(error, EndpointConnectionError | ConnectTimeoutError | ReadTimeoutError)
+
+
+def _answered_transiently(error: Exception) -> bool:
+    """Whether the endpoint answered with what S3 under load answers now and then: a 5xx, throttling, a reset."""
+    from botocore.exceptions import ConnectionClosedError
+
+    return isinstance(error, ConnectionClosedError) or is_transient_status(*error_facts(error))
 
 
 def _raise_unreachable(client: Any, error: Exception, started: float) -> None:
@@ -167,6 +168,41 @@ def check_output_reachable(config: RunConfig) -> None:
             raise PreflightError([f"output location: {unreachable}"]) from None
 
 
+def _head_output_bucket(config: RunConfig, store: Store, patient: S3Backend) -> None:
+    """Ask for the output's bucket: a quick probe first, then, if S3 answered with a transient error, ``patient``.
+
+    Nothing answering at all is reported in seconds (the quick probe's two attempts). An answer such as
+    ``503 SlowDown``, a ``500`` or a reset means the endpoint is there and busy: the question is asked again
+    with the checks' client (a few attempts with backoff) before the run is refused.
+
+    Raises:
+        StorageUnreachableError: Nothing answered.
+        DatagenError: The bucket cannot be reached (credentials, a missing bucket, S3 failing every try).
+    """
+    probe = preflight_store(config, store.credentials).backend
+    assert isinstance(probe, S3Backend)
+    started = time.monotonic()
+    try:
+        probe.client.head_bucket(Bucket=probe.bucket)
+        return
+    except Exception as error:
+        if _unreachable(error):
+            _raise_unreachable(probe.client, error, started)
+        failure = error
+    if _answered_transiently(failure):
+        try:
+            patient.client.head_bucket(Bucket=patient.bucket)
+            return
+        except Exception as error:
+            if _unreachable(error):
+                _raise_unreachable(patient.client, error, started)
+            failure = error
+    raise DatagenError(
+        f"bucket {patient.bucket} is not reachable ({failure}); check credentials (AWS_* env, profile, "
+        "DATAGEN_AWS_CREDENTIALS_BLOCK) and DATAGEN_S3_ENDPOINT_URL"
+    ) from None
+
+
 def _check_output_location(config: RunConfig, store: Store) -> str:
     # What matters is where this run writes: its run folder and its dataset's version folder. An output root
     # that merely contains a protected prefix (s3://bucket beside s3://bucket/train) is fine, since the store
@@ -190,19 +226,9 @@ def _check_output_location(config: RunConfig, store: Store) -> str:
                 )
     if config.output.startswith("s3://"):
         backend = store.backend
-        client = getattr(backend, "client", None)
         bucket = getattr(backend, "bucket", None)
-        if client is not None and bucket is not None:
-            started = time.monotonic()
-            try:
-                client.head_bucket(Bucket=bucket)
-            except Exception as error:
-                if _unreachable(error):
-                    _raise_unreachable(client, error, started)
-                raise DatagenError(
-                    f"bucket {bucket} is not reachable ({error}); check credentials (AWS_* env, profile, "
-                    "DATAGEN_AWS_CREDENTIALS_BLOCK) and DATAGEN_S3_ENDPOINT_URL"
-                ) from None
+        if isinstance(backend, S3Backend):
+            _head_output_bucket(config, store, backend)
         return f"bucket {bucket} reachable"
     path = Path(normalise_url(config.output))
     try:
@@ -489,8 +515,7 @@ def run_preflight(
     """
     assert config.run_id is not None
     report = PreflightReport(run_id=config.run_id)
-    probe = preflight_store(config, credentials)
-    reads = preflight_store(config, credentials, max_attempts=PREFLIGHT_S3_READ_ATTEMPTS)
+    store = preflight_store(config, credentials, max_attempts=PREFLIGHT_S3_READ_ATTEMPTS)
     unreachable = False
     for name, check, reads_output in CHECKS:
         if (only is not None and name not in only) or (
@@ -504,7 +529,7 @@ def run_preflight(
             report.checks.append(skipped)
             continue
         try:
-            detail, ok = check(config, reads if reads_output else probe), True
+            detail, ok = check(config, store), True
         except StorageUnreachableError as error:
             detail, ok, unreachable = str(error), False, True
         except DatagenError as error:

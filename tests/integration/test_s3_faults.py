@@ -199,11 +199,17 @@ def test_a_concurrent_create_conflict_is_transient_and_the_retry_lands(
 
 
 def test_preflight_of_a_resumed_run_rides_out_transient_s3_errors(
-    store: Store, proxy: S3FaultProxy, bucket: str, credentials: S3Credentials, tiny_model_dir: Path
+    store: Store,
+    proxy: S3FaultProxy,
+    bucket: str,
+    credentials: S3Credentials,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    # S3 answers 500 and 503 SlowDown under load as a matter of course: three in a row on the run's stored
-    # config (a chaos run met two) must not refuse a resume before anything has started.
-    from datagen.app.preflight import run_preflight
+    # S3 answers 500 and 503 SlowDown under load as a matter of course, and resets a connection now and then:
+    # a few in a row on the bucket or on the run's stored config (a chaos run met two) must not refuse a resume
+    # before anything has started. Only an endpoint where nothing answers is refused in seconds.
+    from datagen.app.preflight import check_output_reachable, run_preflight
     from datagen.config import RunConfig
     from datagen.output.runs import open_run
     from datagen.samples import sample_path
@@ -218,13 +224,23 @@ def test_preflight_of_a_resumed_run_rides_out_transient_s3_errors(
         }
     )
     open_run(store, config)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_ACCESS_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # The command line's probe before Prefect starts: two resets are an answer, not an unreachable endpoint.
+    for fault in ("reset_before", "reset_after"):
+        proxy.inject_next(fault, method="HEAD")
+    check_output_reachable(config)
+    # The flow's preflight: the bucket and the stored config each fail more often than the quick probe tries.
+    for fault in ("503", "reset_before", "500"):
+        proxy.inject_next(fault, method="HEAD")
     for fault in ("500", "503", "reset_before"):
         proxy.inject_next(fault, method="GET", path_contains="runs/flaky-resume/config.json")
 
     report = run_preflight(config, credentials=credentials)
 
     assert all(check.ok for check in report.checks)
-    assert proxy.injected == {"500": 1, "503": 1, "reset_before": 1}
+    assert proxy.injected == {"500": 2, "503": 2, "reset_before": 3, "reset_after": 1}
 
 
 def test_requests_are_signed_with_the_configured_credentials_and_no_error_or_log_names_the_secret(
