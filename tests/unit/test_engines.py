@@ -58,7 +58,12 @@ def test_transformers_cpu_launch_is_the_serve_cli_with_cpu_device_and_hidden_gpu
         "30000",
         "/models/qwen3",
     ]
-    assert launch.env == {"CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2"}
+    assert launch.env == {
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_WAIT_POLICY": "PASSIVE",
+        "OMP_NUM_THREADS": "2",
+        "MKL_NUM_THREADS": "2",
+    }
 
 
 def test_transformers_gpu_launch_pins_the_gpu_and_appends_extra_args_and_env() -> None:
