@@ -182,21 +182,17 @@ def _head_output_bucket(config: RunConfig, store: Store, patient: S3Backend) -> 
     probe = preflight_store(config, store.credentials).backend
     assert isinstance(probe, S3Backend)
     started = time.monotonic()
-    try:
-        probe.client.head_bucket(Bucket=probe.bucket)
-        return
-    except Exception as error:
-        if _unreachable(error):
-            _raise_unreachable(probe.client, error, started)
-        failure = error
-    if _answered_transiently(failure):
+    failure: Exception | None = None
+    for backend in (probe, patient):
         try:
-            patient.client.head_bucket(Bucket=patient.bucket)
+            backend.client.head_bucket(Bucket=backend.bucket)
             return
         except Exception as error:
             if _unreachable(error):
-                _raise_unreachable(patient.client, error, started)
+                _raise_unreachable(backend.client, error, started)
             failure = error
+        if not _answered_transiently(failure):
+            break  # a refusal (403, a missing bucket) is the same answer the second time
     raise DatagenError(
         f"bucket {patient.bucket} is not reachable ({failure}); check credentials (AWS_* env, profile, "
         "DATAGEN_AWS_CREDENTIALS_BLOCK) and DATAGEN_S3_ENDPOINT_URL"
