@@ -38,14 +38,17 @@ INTERRUPT_EXIT_BUDGET_S = 30.0
 UNREACHABLE_S3_BUDGET_S = 30.0
 
 
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+def _env(tmp_path: Path, prefect_api: str | None = None, **extra: str) -> dict[str, str]:
+    """The CLI's environment: the CLI's own temporary Prefect API server, as on a fresh host, or ``prefect_api``."""
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         **extra,
     }
-    env.pop("PREFECT_API_URL", None)  # the CLI's own temporary server, as on a fresh host
+    env.pop("PREFECT_API_URL", None)
+    if prefect_api is not None:
+        env["PREFECT_API_URL"] = prefect_api
     return env
 
 
@@ -126,15 +129,18 @@ def _write_bad_dataset(tmp_path: Path, kind: str) -> dict[str, Any]:
     [("random-bytes", "malformed="), ("no-user-turn", "no_user_turn="), ("wrong-layout", "malformed=")],
 )
 def test_a_dataset_without_prompts_is_refused_with_one_line_and_exit_2_while_training_runs(
-    tmp_path: Path, tiny_model_dir: Path, kind: str, reason: str
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str, kind: str, reason: str
 ) -> None:
+    # The refusal comes from the flow's preflight, whichever API server the run reports to: these runs report to
+    # the worker's running one (the CLI's own temporary server costs ~5 s of CPU to boot, and is what the
+    # signal tests below, test_run_states' crash chain and test_api_server check).
     dataset = _write_bad_dataset(tmp_path, kind)
     with _standin_trainer(tmp_path) as (trainer, pidfile, checkpoints):
         training = {"kind": "pidfile", "pidfile": str(pidfile), "checkpoint_glob": str(checkpoints / "*.pt")}
         config = _write_config(tmp_path, _base_config(tmp_path, tiny_model_dir, dataset, training=training))
         result = subprocess.run(
             [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)],
-            env=_env(tmp_path),
+            env=_env(tmp_path, prefect_api),
             capture_output=True,
             text=True,
             timeout=CLI_TIMEOUT_S,

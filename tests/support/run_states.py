@@ -32,6 +32,9 @@ from datagen.processes import is_running
 REPO = Path(__file__).resolve().parents[2]
 PROBE_FIXTURES = REPO / "tests" / "fixtures" / "probe"
 STAGE = re.compile(r"stage=([a-z-]+)")
+# How often a waiting test re-reads the process table (every /proc/*/stat, ~2-6 ms of CPU each time): a run's
+# lines are checked every 50 ms, its processes every 250 ms, and once more right before any signal is sent.
+PROCESS_SCAN_INTERVAL_S = 0.25
 
 
 def process_table() -> dict[int, tuple[int, str]]:
@@ -110,6 +113,7 @@ class CliRun:
             start_new_session=True,  # its own process group, like a shell job: signals go to the group
         )
         self.pids: set[int] = set()
+        self._scanned = 0.0
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 
@@ -151,7 +155,13 @@ class CliRun:
         """Add the run's current processes (every descendant) to :attr:`pids`; returns them."""
         if self.process.poll() is None:
             self.pids |= descendants(self.pid)
+            self._scanned = time.monotonic()
         return self.pids
+
+    def _remember_processes_now_and_then(self) -> None:
+        """:meth:`remember_processes` at most every :data:`PROCESS_SCAN_INTERVAL_S` (for polling loops)."""
+        if time.monotonic() - self._scanned >= PROCESS_SCAN_INTERVAL_S:
+            self.remember_processes()
 
     def wait_for(self, pattern: str, timeout_s: float, *, since: int = 0) -> str:
         """Block until a line (from line ``since`` on) matches ``pattern``; remember the processes meanwhile.
@@ -166,7 +176,7 @@ class CliRun:
                 if regex.search(line):
                     self.remember_processes()
                     return line
-            self.remember_processes()
+            self._remember_processes_now_and_then()
             assert self.process.poll() is None or self._reader.is_alive(), (
                 f"the run exited ({self.process.returncode}) before logging {pattern!r}:\n{self.tail()}"
             )
@@ -179,7 +189,7 @@ class CliRun:
         """Block until ``predicate()`` is true while the run lives; remember its processes meanwhile."""
         deadline = time.monotonic() + timeout_s
         while not predicate():
-            self.remember_processes()
+            self._remember_processes_now_and_then()
             assert self.process.poll() is None, f"the run exited before {what}:\n{self.tail()}"
             assert time.monotonic() < deadline, f"never {what} in {timeout_s:.0f}s:\n{self.tail()}"
             time.sleep(0.05)
