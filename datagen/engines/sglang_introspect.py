@@ -4,7 +4,9 @@
 action, read from ``ServerArgs.add_cli_args`` on a fresh parser (sglang >= 0.5.2x defines its flags across
 ``sglang/srt/arg_groups/``, so its source text no longer lists them). ``python sglang_introspect.py check``
 reads a JSON request on stdin and answers, for each launch argv, router argv, ``/v1/chat/completions``
-body and ``/generate`` body, the error sglang's own parser or request model raises (None when accepted).
+body and ``/generate`` body, the error sglang's own parser or request model raises (None when accepted),
+along with everything ``flags`` answers for the parser it checked with (one sglang import tells a caller
+both which flags it planned with and whether the plans parse).
 
 The file imports nothing from datagen: the serving interpreter (where sglang lives) may not have datagen.
 Where GPU-only packages are absent (a CPU CI box, a laptop), ``triton`` and ``torchvision`` are replaced by
@@ -192,8 +194,12 @@ def _jsonable(value: Any) -> Any:
 def describe_flags() -> dict[str, Any]:
     """The installed sglang's version and launch flags (option strings, choices, defaults)."""
     stubbed = install_stubs()
+    return _flags_answer(server_parser(), stubbed)
+
+
+def _flags_answer(parser: argparse.ArgumentParser, stubbed: list[str]) -> dict[str, Any]:
     actions = []
-    for action in server_parser()._actions:
+    for action in parser._actions:
         if not action.option_strings or "--help" in action.option_strings:
             continue
         actions.append(
@@ -221,10 +227,14 @@ def _parse_error(parse: Any, argv: list[str]) -> str | None:
 
 
 def check(request: dict[str, Any]) -> dict[str, Any]:
-    """Validate argvs and request bodies with sglang's own parsers and request models."""
-    install_stubs()
+    """Validate argvs and request bodies with sglang's own parsers and request models.
+
+    The answer starts with what :func:`describe_flags` answers for the same parser, so a caller that planned
+    with a flag list can tell whether it is the one this sglang accepts.
+    """
+    stubbed = install_stubs()
     parser = server_parser()
-    answer: dict[str, Any] = {"sglang_version": importlib.metadata.version("sglang")}
+    answer = _flags_answer(parser, stubbed)
     answer["server_argvs"] = [
         _parse_error(lambda argv: parser.parse_args(argv), argv) for argv in request.get("server_argvs", [])
     ]

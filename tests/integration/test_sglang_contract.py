@@ -5,9 +5,16 @@ venv), the plan matrix (dense and hybrid models, SM90 and SM120, data and tensor
 radix cache off and on with ``no_buffer``, router) is planned with the flags that release's parser reports, and
 the argvs are parsed by ``ServerArgs.add_cli_args`` / ``sglang_router.launch_router.parse_router_args``.
 Chat bodies are validated by ``ChatCompletionRequest``, ``/generate`` bodies by ``GenerateReqInput`` and
-``SamplingParams``. One introspection subprocess per release answers everything (a few seconds). In exact-token
-mode the record's reasoning and tool calls are split from ``/generate``'s raw text: on the current release
-they must come out as SGLang's own ``qwen3`` / ``qwen25`` / ``qwen3_coder`` parsers make them for chat.
+``SamplingParams``. In exact-token mode the record's reasoning and tool calls are split from ``/generate``'s
+raw text: on the current release they must come out as SGLang's own ``qwen3`` / ``qwen25`` / ``qwen3_coder``
+parsers make them for chat.
+
+One sglang import per release answers everything (importing sglang costs ~6 s of CPU): the plans are built
+with the flag list recorded from that release's real parser (the probe bundle ``build_sglang_bundles.py``
+writes), the ``check`` answer carries the flags the live parser has, and the plans must have been built with
+exactly those (a stale recording is re-planned and checked again, with a warning). The older release goes
+through ``run_introspection`` (the script run as datagen runs it); the current release's check rides in the
+parser process (``tests/support/sglang_parsers.py``), which runs the same script's ``check``.
 """
 
 from __future__ import annotations
@@ -15,16 +22,25 @@ from __future__ import annotations
 import json
 import secrets
 import subprocess
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import datagen.engines.sglang_introspect
 from datagen.config import RunConfig, SamplingParams
 from datagen.engines.router import router_launch
-from datagen.engines.sglang_flags import run_introspection, sglang_flags
+from datagen.engines.sglang_flags import (
+    INTROSPECT_SCRIPT,
+    SGLangIntrospectionError,
+    flags_from_answer,
+    run_introspection,
+    sglang_flags,
+    sglang_version,
+)
+from datagen.errors import PlanError
 from datagen.generation.generate_api import build_generate_payload, parse_generate_completion
 from datagen.generation.wire import (
     BadToolArgumentsError,
@@ -33,9 +49,10 @@ from datagen.generation.wire import (
     build_chat_payload,
     parse_chat_completion,
 )
+from datagen.host.env_report import EnvReport
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan, plan_servers
-from datagen.host.probe import EnvReport, probe_from_dir
+from datagen.host.probe import probe_from_dir
 from datagen.records import Message, PromptRecord
 from tests.support import sglang_parsers
 from tests.support.sglang_venv import SGLANG_VERSIONS, ensure_venv
@@ -48,6 +65,10 @@ MODELS = {
 # SM90 NVLink pair (DP and TP 2) and the 8 x SM120 PCIe box (DP).
 HOSTS = {"h200x2-nvlink": (None, 2), "pcie-8x-sm120-sglang-0.5.23": (None,)}
 BASE_PORT = 43000
+# Written by tests/fixtures/probe/build_sglang_bundles.py from each pinned release's real parser.
+RECORDED_FLAGS = "pcie-8x-sm120-sglang-{version}/sglang-flags.txt"
+# The parser process imports sglang's protocol, parsers and server args; a cold start on a busy box is slow.
+PARSERS_TIMEOUT_S = 300
 TOOLS = [
     {
         "type": "function",
@@ -124,11 +145,6 @@ def _requests() -> list[GenerationRequest]:
     ]
 
 
-@pytest.fixture(scope="module", params=SGLANG_VERSIONS)
-def sglang_python(request: pytest.FixtureRequest) -> str:
-    return str(ensure_venv(request.param))
-
-
 # What the checker must refuse (a misspelt flag, a sampling field sglang does not have, a malformed chat body):
 # sent with the planned items in the same introspection call, so one sglang import per release answers both.
 MISSPELT = {
@@ -142,17 +158,32 @@ MISSPELT = {
 class Contract:
     """What was sent to one sglang release's introspection (planned items first, :data:`MISSPELT` last)."""
 
+    version: str
+    python: str
+    planned_with: list[str]  # the flags the plans were built with
     sent: dict[str, list[Any]]
     keyed_argvs: list[list[str]]
     key: str
-    answer: dict[str, Any]
+    answer: dict[str, Any] | None  # None when the check itself failed (``error``)
+    error: str | None
+    parser_answers: list[dict[str, Any]] | None  # PARSER_CASES, on the current release only
+
+    def checked(self) -> dict[str, Any]:
+        """The check's answer; fails the test with sglang's error where the check itself failed."""
+        assert self.answer is not None, f"sglang {self.version} could not check the plans: {self.error}"
+        return self.answer
 
 
-@pytest.fixture(scope="module")
-def contract(sglang_python: str, tmp_path_factory: pytest.TempPathFactory) -> Contract:
-    tmp_path = tmp_path_factory.mktemp("contract")
-    flags = sglang_flags(sglang_python, use_cache=False)
-    assert flags is not None and "--model-path" in flags
+@dataclass
+class _Planned:
+    sent: dict[str, list[Any]]
+    keyed_argvs: list[list[str]]
+    key: str
+    request: dict[str, Any]
+
+
+def _plan_checks(flags: list[str], tmp_path: Path) -> _Planned:
+    """Every argv and body planned for an sglang accepting ``flags``, as one ``check`` request."""
     plans = _plans(flags, tmp_path)
     server_argvs = [
         server.launch.argv[3:] for plan in plans for server in plan.servers if server.launch is not None
@@ -192,14 +223,107 @@ def contract(sglang_python: str, tmp_path_factory: pytest.TempPathFactory) -> Co
         "chat_bodies": [*chat_bodies, MISSPELT["chat_bodies"]],
         "generate_bodies": [*generate_bodies, MISSPELT["generate_bodies"]],
     }
-    answer = run_introspection(
-        sglang_python, "check", {**sent, "keyed_argvs": keyed_argvs, "auth_checks": auth_checks}
+    return _Planned(sent, keyed_argvs, key, {**sent, "keyed_argvs": keyed_argvs, "auth_checks": auth_checks})
+
+
+def _parser_request() -> list[dict[str, Any]]:
+    return [
+        {
+            "text": text,
+            "force_reasoning": open_,
+            "tool_call_parser": parser,
+            "tools": [SEARCH_TOOL] if tools else [],
+        }
+        for text, open_, parser, tools in PARSER_CASES
+    ]
+
+
+def _check(python: str, request: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """The ``check`` answer of the introspection script run as datagen runs it, or the error it failed with."""
+    try:
+        return run_introspection(python, "check", request), None
+    except SGLangIntrospectionError as error:
+        return None, str(error)
+
+
+def _check_with_parsers(
+    python: str, request: dict[str, Any]
+) -> tuple[dict[str, Any] | None, str | None, list[dict[str, Any]]]:
+    """:func:`_check`'s answer and SGLang's parsers' answers to :data:`PARSER_CASES`, from one sglang import."""
+    result = subprocess.run(
+        [python, sglang_parsers.__file__, str(INTROSPECT_SCRIPT)],
+        input=json.dumps({"cases": _parser_request(), "check": request}),
+        capture_output=True,
+        text=True,
+        timeout=PARSERS_TIMEOUT_S,
+        check=False,
     )
-    return Contract(sent, keyed_argvs, key, answer)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answer = json.loads(result.stdout)
+    return answer["check"], answer["check_error"], answer["answers"]
+
+
+def _stale_recording(recorded: Path, version: str, why: str) -> None:
+    warnings.warn(
+        f"{recorded} is not what sglang {version}'s parser accepts ({why}): planned with the live flags; "
+        "run tests/fixtures/probe/build_sglang_bundles.py",
+        stacklevel=2,
+    )
+
+
+def _make_contract(version: str, tmp_path: Path) -> Contract:
+    python = str(ensure_venv(version))
+    recorded = FIXTURES / "probe" / RECORDED_FLAGS.format(version=version)
+    flags: list[str] | None = recorded.read_text(encoding="utf-8").split() if recorded.is_file() else None
+    planned = None
+    if flags is not None:
+        try:
+            planned = _plan_checks(flags, tmp_path / "recorded")
+        except PlanError as problem:  # the planner needs a flag the recording lacks
+            _stale_recording(recorded, version, str(problem))
+    if flags is None or planned is None:  # ask the parser first (one more sglang import)
+        flags = sglang_flags(python, use_cache=False)
+        assert flags is not None and "--model-path" in flags
+        planned = _plan_checks(flags, tmp_path / "live")
+    parser_answers = None
+    if version == SGLANG_VERSIONS[0]:
+        answer, error, parser_answers = _check_with_parsers(python, planned.request)
+    else:
+        answer, error = _check(python, planned.request)
+    if answer is not None and flags_from_answer(answer) != flags:
+        live = flags_from_answer(answer)
+        _stale_recording(recorded, version, f"{len(flags)} flags planned with, {len(live)} live")
+        flags = live
+        planned = _plan_checks(flags, tmp_path / "replanned")
+        answer, error = _check(python, planned.request)
+    return Contract(
+        version, python, flags, planned.sent, planned.keyed_argvs, planned.key, answer, error, parser_answers
+    )
+
+
+@pytest.fixture(scope="module")
+def contracts(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Contract]:
+    """Each release's :class:`Contract`, made on first use (the parser test shares the current release's)."""
+    made: dict[str, Contract] = {}
+
+    def contract_for(version: str) -> Contract:
+        if version not in made:
+            made[version] = _make_contract(version, tmp_path_factory.mktemp(f"contract-{version}"))
+        return made[version]
+
+    return contract_for
+
+
+@pytest.fixture(scope="module", params=SGLANG_VERSIONS)
+def contract(request: pytest.FixtureRequest, contracts: Callable[[str], Contract]) -> Contract:
+    return contracts(request.param)
 
 
 def test_every_planned_argv_and_body_is_accepted_by_the_real_sglang(contract: Contract) -> None:
-    answer = contract.answer
+    answer = contract.checked()
+    assert flags_from_answer(answer) == contract.planned_with, "planned with flags this sglang does not have"
+    assert "--model-path" in contract.planned_with
+    assert sglang_version(contract.python) == answer["sglang_version"] == contract.version
     rejected = {
         kind: [
             (item, error)
@@ -227,7 +351,7 @@ def test_a_misspelt_flag_and_a_misspelt_sampling_field_are_caught_by_the_real_mo
     contract: Contract,
 ) -> None:
     # The last item of each list is the misspelt one (MISSPELT); the same call accepted every planned one.
-    answer = contract.answer
+    answer = contract.checked()
     assert contract.sent["server_argvs"][-1] is MISSPELT["server_argvs"]
     assert answer["server_argvs"][-1] is not None
     assert answer["generate_bodies"][-1] is not None and "max_tokens" in answer["generate_bodies"][-1]
@@ -299,11 +423,6 @@ PARSER_CASES: list[tuple[str, bool, str, bool]] = [
 ]
 
 
-@pytest.fixture(scope="module")
-def current_sglang_python() -> str:
-    return str(ensure_venv(SGLANG_VERSIONS[0]))
-
-
 def _sglang_chat_message(answer: dict[str, Any]) -> dict[str, Any]:
     """The chat completion SGLang's serving_chat builds from its parsers' output."""
     calls = [
@@ -333,29 +452,10 @@ def _outcome(parse: Any) -> Any:
 
 
 def test_exact_token_records_split_reasoning_and_tool_calls_as_sglangs_chat_api_does(
-    current_sglang_python: str,
+    contracts: Callable[[str], Contract],
 ) -> None:
-    request_body = {
-        "cases": [
-            {
-                "text": text,
-                "force_reasoning": open_,
-                "tool_call_parser": parser,
-                "tools": [SEARCH_TOOL] if tools else [],
-            }
-            for text, open_, parser, tools in PARSER_CASES
-        ]
-    }
-    result = subprocess.run(
-        [current_sglang_python, sglang_parsers.__file__, datagen.engines.sglang_introspect.__file__],
-        input=json.dumps(request_body),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    answers = json.loads(result.stdout)["answers"]
+    answers = contracts(SGLANG_VERSIONS[0]).parser_answers
+    assert answers is not None
 
     mismatches = []
     for (text, open_, _, tools), answer in zip(PARSER_CASES, answers, strict=True):
