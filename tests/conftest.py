@@ -96,6 +96,12 @@ SPREAD = {
     "tests/integration/test_chaos.py",
     "tests/integration/test_gpu_lock_crash.py",
 }
+# Modules that share a costly per-worker fixture go to one worker together: the session's two
+# `transformers serve` processes (tests/support/fixtures.py, ~14 s of CPU to start) then start on one worker only.
+TOGETHER = {
+    "tests/integration/test_generate.py": "transformers-pool",
+    "tests/integration/test_tune.py": "transformers-pool",
+}
 # The longest tests and modules (`pytest --durations`, 2 cores), longest first; the rest keep their order.
 HEAVIEST_FIRST = [
     "tests/integration/test_run_states.py::test_a_sigkill_in_every_state",
@@ -126,7 +132,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """Hand out whole modules (one unit each, but :data:`SPREAD`: test by test) in collection order.
+    """Hand out whole modules (one unit each, but :data:`SPREAD`: test by test; :data:`TOGETHER`: as one) in order.
 
     xdist's own ``loadgroup`` does not group under pytest 9.2 (it renames ``item._nodeid``, which pytest no
     longer reads), so the grouping is this scheduler's ``_split_scope``.
@@ -136,7 +142,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class ModuleScheduling(LoadScopeScheduling):  # type: ignore[misc]
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::")[0]
-            return nodeid if module in SPREAD else module
+            return nodeid if module in SPREAD else TOGETHER.get(module, module)
 
     config.option.loadscopereorder = False  # keep HEAVIEST_FIRST, not "most tests first"
     return ModuleScheduling(config, log)
