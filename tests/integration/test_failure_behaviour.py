@@ -198,7 +198,7 @@ def _lines_from(stream: Any, sink: list[str]) -> None:
 # Both signals stop everything fast; the resume after it is the same code either way, so once is enough.
 @pytest.mark.parametrize(("signum", "resume"), [(signal.SIGINT, False), (signal.SIGTERM, True)])
 def test_a_signal_to_the_process_group_mid_generation_stops_everything_fast_and_the_run_resumes(
-    tmp_path: Path, tiny_model_dir: Path, signum: signal.Signals, resume: bool
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str, signum: signal.Signals, resume: bool
 ) -> None:
     many = tmp_path / "many.jsonl"
     many.write_text(
@@ -261,8 +261,15 @@ def test_a_signal_to_the_process_group_mid_generation_stops_everything_fast_and_
     if not resume:
         return
 
+    # The resume is about the requests, not the API server: it reports to the worker's running one (the
+    # interrupted run above owned its temporary server, and its stop is what was checked).
     resumed = subprocess.run(
-        command, env=_env(tmp_path), capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
+        command,
+        env=_env(tmp_path, prefect_api),
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
     )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     keys = [
