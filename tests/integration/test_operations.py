@@ -27,7 +27,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
@@ -81,11 +80,7 @@ class Stack:
         """Poll the API's logs until one contains ``text``; False after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            response = httpx.post(
-                f"{self.prefect.api_url}/logs/filter",
-                json={"limit": 200, "sort": "TIMESTAMP_DESC"},
-                timeout=10,
-            )
+            response = self.prefect.api.post("/logs/filter", json={"limit": 200, "sort": "TIMESTAMP_DESC"})
             response.raise_for_status()
             if any(text in entry["message"] for entry in response.json()):
                 return True
@@ -94,10 +89,18 @@ class Stack:
 
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         """The flow run as the API returns it."""
-        response = httpx.get(f"{self.prefect.api_url}/flow_runs/{flow_run_id}", timeout=10)
+        response = self.prefect.api.get(f"/flow_runs/{flow_run_id}")
         response.raise_for_status()
         data: dict[str, Any] = response.json()
         return data
+
+    def cancel(self, flow_run_id: str) -> None:
+        """Cancel the flow run: the request `prefect flow-run cancel` and the UI's Cancel button send."""
+        response = self.prefect.api.post(
+            f"/flow_runs/{flow_run_id}/set_state", json={"state": {"type": "CANCELLING"}}
+        )
+        response.raise_for_status()
+        assert response.json()["status"] == "ACCEPT", response.text
 
 
 def _write_config(stack: Stack, name: str, data: dict[str, Any]) -> str:
@@ -153,11 +156,12 @@ def _write_prompts(path: Path, prefix: str, count: int) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     """A clone at an arbitrary path, deployed with `datagen deploy`, served by a real server and two workers."""
     root = tmp_path_factory.mktemp("operations")
-    clone = copy_checkout(REPO, root / "any" / "path" / "datagen")
-    shutil.copytree(tiny_model_dir, clone / "runs" / "_demo" / "tiny-model")
-    prefect = PrefectStack(home=root / "prefect-home").start()
+    prefect = PrefectStack(home=root / "prefect-home").launch()  # it starts while the clone is made
     state_dir = root / "host-state"
     try:
+        clone = copy_checkout(REPO, root / "any" / "path" / "datagen")
+        shutil.copytree(tiny_model_dir, clone / "runs" / "_demo" / "tiny-model")
+        prefect.wait_ready()
         deployed = subprocess.run(
             [sys.executable, "-m", "flows.cli_entry", "deploy"],
             cwd=root,  # any folder: deploy finds its checkout
@@ -167,6 +171,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             timeout=600,
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        # Two for the whole module (the overlap test needs both): a second one started by that test alone made it
+        # wait ~5 s for the worker to come up, where an idle worker's polls cost ~0.01 CPU-s a second.
         for index in (1, 2):
             prefect.start_worker(
                 POOL,
@@ -367,8 +373,7 @@ def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None
             time.sleep(0.2)
     assert pids, "the run never started its server"
 
-    cancelled = stack.prefect.prefect("flow-run", "cancel", flow_run_id)
-    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+    stack.cancel(flow_run_id)
     while time.monotonic() < deadline and stack.flow_run(flow_run_id)["state_type"] != "CANCELLED":
         time.sleep(1)
     assert stack.flow_run(flow_run_id)["state_type"] == "CANCELLED"

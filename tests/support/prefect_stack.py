@@ -106,6 +106,7 @@ class PrefectStack:
     server: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[IO[bytes]] = field(default_factory=list)
+    _api: httpx.Client | None = field(default=None, init=False, repr=False)
 
     @property
     def api_url(self) -> str:
@@ -132,12 +133,27 @@ class PrefectStack:
         self.logs.append(handle)
         return handle
 
+    @property
+    def api(self) -> httpx.Client:
+        """One HTTP client on the API (paths relative to ``/api``), for a test's requests and polls.
+
+        One client, not ``httpx.get`` per request: a new client builds its TLS context, ~20 ms of CPU a call,
+        which a test polling every 0.2 s turns into a tenth of a core.
+        """
+        if self._api is None:
+            self._api = httpx.Client(base_url=self.api_url, timeout=10)
+        return self._api
+
     def start(self) -> PrefectStack:
-        """Start the server and wait until its API answers.
+        """Start the server and wait until its API answers (:meth:`launch`, then :meth:`wait_ready`).
 
         Raises:
             RuntimeError: It exited or did not answer in time (the message quotes its log).
         """
+        return self.launch().wait_ready()
+
+    def launch(self) -> PrefectStack:
+        """Start the server without waiting for it: the caller can prepare its checkout meanwhile."""
         seed_prefect_home(self.home)  # a migrated database: the server skips ~6 s of migrations
         env = self.env()
         env.pop("PREFECT_API_URL")
@@ -159,12 +175,21 @@ class PrefectStack:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        return self
+
+    def wait_ready(self) -> PrefectStack:
+        """Wait until the launched server's API answers.
+
+        Raises:
+            RuntimeError: It exited or did not answer in time (the message quotes its log).
+        """
+        assert self.server is not None, "launch() the server first"
         deadline = time.monotonic() + SERVER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.server.poll() is not None:
                 break
             try:
-                if httpx.get(f"{self.api_url}/health", timeout=2).status_code == 200:
+                if self.api.get("/health", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
@@ -226,5 +251,8 @@ class PrefectStack:
         stop_groups(self.workers)
         if self.server is not None:
             stop_group(self.server)
+        if self._api is not None:
+            self._api.close()
+            self._api = None
         for handle in self.logs:
             handle.close()
