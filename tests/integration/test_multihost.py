@@ -22,6 +22,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,9 @@ HOSTS = ("host-a", "host-b")
 SERVERS_PER_HOST = 2
 SLOTS = 8
 RUN_TIMEOUT_S = 300
+# How often this server's repossessor revokes expired leases (Prefect's default: 15 s). The killed parent's lease
+# lapses a lease (60 s) after the kill; the lease test, last, then waits for the next pass, not up to 15 s more.
+REPOSSESSOR_LOOP_S = 2
 
 
 class Stack:
@@ -50,9 +54,11 @@ class Stack:
         self.simulators: dict[str, subprocess.Popen[bytes]] = {}
         self.urls: dict[str, list[str]] = {}
         self.killed_parent_at = 0.0  # when the fixture SIGKILLed a parent lease holder (monotonic)
+        # One client for the simulators' stats, polled every 0.1-0.2 s (a client per request: ~20 ms of CPU).
+        self.http = httpx.Client(timeout=5)
 
-    def start_host(self, host: str) -> None:
-        """A worker polling only the host's queue, and the host's servers."""
+    def start_worker(self, host: str) -> None:
+        """The host's worker, polling only the host's queue."""
         self.workers[host] = self.prefect.start_worker(
             POOL,
             self.root / f"worker-{host}",
@@ -62,7 +68,29 @@ class Stack:
             DATAGEN_STATE_DIR=str(self.root / f"state-{host}"),
             DATAGEN_GPU_LOCK=f"datagen-gpus-{host}",
         )
-        self.start_servers(host)
+
+    def ensure_workers(self, *hosts: str) -> None:
+        """A new worker for each of ``hosts`` whose box a test killed (only a test that needs the box pays)."""
+        for host in hosts:
+            if self.workers[host].poll() is not None:
+                started = datetime.now(UTC)
+                self.start_worker(host)
+                self.wait_polled(host, since=started)
+
+    def wait_polled(self, host: str, since: datetime | None = None, timeout_s: float = 60.0) -> None:
+        """Wait until a worker has polled the host's queue (after ``since`` if given).
+
+        The parent refuses a host whose queue no worker polled in the last minute.
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            response = self.prefect.api.get(f"/work_pools/{POOL}/queues/{host}")
+            response.raise_for_status()
+            polled = response.json()["last_polled"]
+            if polled and (since is None or datetime.fromisoformat(polled) > since):
+                return
+            assert time.monotonic() < deadline, f"no worker polled queue {host} in {timeout_s:.0f}s"
+            time.sleep(0.2)
 
     def start_servers(self, host: str, step_ms: float = 20.0) -> None:
         """The host's simulated servers (restarted with new ports for each test)."""
@@ -93,7 +121,7 @@ class Stack:
         for url in self.urls[host]:
             while True:
                 try:
-                    if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    if self.http.get(f"{url}/health", timeout=1).status_code == 200:
                         break
                 except httpx.HTTPError:
                     pass
@@ -102,7 +130,7 @@ class Stack:
 
     def served(self, host: str, counter: str = "finished") -> int:
         """Requests the host's servers finished (or another counter of /bench/stats: `requests` received)."""
-        return sum(httpx.get(f"{url}/bench/stats", timeout=5).json()[counter] for url in self.urls[host])
+        return sum(self.http.get(f"{url}/bench/stats").json()[counter] for url in self.urls[host])
 
     def kill_box(self, host: str, run_root: Path) -> None:
         """The box dies: its worker, the flow run process that owns its servers, the servers (SIGKILL)."""
@@ -111,6 +139,7 @@ class Stack:
         os.killpg(self.workers[host].pid, signal.SIGKILL)
         os.kill(host_part_pid, signal.SIGKILL)
         os.killpg(self.simulators[host].pid, signal.SIGKILL)
+        self.workers[host].wait(30)  # reaped: ensure_workers sees the box is gone
 
     def run(self, config: dict[str, Any], run_id: str) -> subprocess.Popen[str]:
         """`datagen run --config FILE --run-id ID` against the stack's Prefect server (the parent flow)."""
@@ -132,29 +161,40 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     """`datagen deploy --name expand-host` from a clone, a Prefect server, one worker + servers per host."""
     root = tmp_path_factory.mktemp("multihost")
-    clone = copy_checkout(REPO, root / "clone")
-    prefect = PrefectStack(home=root / "prefect-home").start()
-    stack = Stack(root, prefect, clone)
+    prefect = PrefectStack(
+        home=root / "prefect-home",
+        server_env={"PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_S)},
+    ).launch()  # it starts while the clone is made
+    stack = Stack(root, prefect, root / "clone")
     try:
+        copy_checkout(REPO, stack.clone)
+        prefect.wait_ready()
+        # A parent killed outright: its lease takes over a minute to lapse, so it is killed first thing here and
+        # the lapse is awaited by its test, while the others run.
+        stack.killed_parent_at = _kill_a_lease_holder(stack, KILLED_PARENT_RUN)
         deployed = subprocess.run(
             [sys.executable, "-m", "flows.cli_entry", "deploy", "--name", "expand-host"],
             cwd=root,
-            env=prefect.env(PYTHONPATH=str(clone)),
+            env=prefect.env(PYTHONPATH=str(stack.clone)),
             capture_output=True,
             text=True,
             timeout=600,
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        # A parent killed outright: its lease takes over a minute to lapse, so it is killed here and the
-        # lapse is awaited by its test, while the others run.
-        stack.killed_parent_at = _kill_a_lease_holder(stack, KILLED_PARENT_RUN)
+        # The README's step for the first box; the second box's queue through the API (the same request, without
+        # another Prefect CLI start).
+        created = prefect.prefect("work-queue", "create", HOSTS[0], "--pool", POOL, cwd=root)
+        assert created.returncode == 0, created.stdout + created.stderr
+        prefect.create_work_queue(POOL, HOSTS[1])
         for host in HOSTS:
-            created = prefect.prefect("work-queue", "create", host, "--pool", POOL, cwd=root)
-            assert created.returncode == 0, created.stdout + created.stderr
-            stack.start_host(host)
+            stack.start_worker(host)
+            stack.start_servers(host)
+        for host in HOSTS:
+            stack.wait_polled(host)
         yield stack
     finally:
         stop_groups(list(stack.simulators.values()))
+        stack.http.close()
         prefect.stop()
 
 
@@ -232,6 +272,7 @@ def test_a_run_across_two_hosts_answers_every_request_once_on_both(
     stack: Stack, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     prompts = 200
+    stack.ensure_workers(*HOSTS)
     for host in HOSTS:
         stack.start_servers(host, step_ms=10.0)
     # Both hosts serve from the first request: a short run could otherwise end before the second joins.
@@ -248,10 +289,8 @@ def test_a_run_across_two_hosts_answers_every_request_once_on_both(
     assert report["lost_hosts"] == {}
     assert report["servers"] == SERVERS_PER_HOST * len(HOSTS)
     # One host flow run per host, each a subflow run of the parent (linked through a parent task run).
-    response = httpx.post(
-        f"{stack.prefect.api_url}/flow_runs/filter",
-        json={"flow_runs": {"name": {"like_": "expand-host-two-hosts-"}}},
-        timeout=10,
+    response = stack.prefect.api.post(
+        "/flow_runs/filter", json={"flow_runs": {"name": {"like_": "expand-host-two-hosts-"}}}
     )
     host_runs = response.json()
     assert sorted(run["name"] for run in host_runs) == [f"expand-host-two-hosts-{host}" for host in HOSTS]
@@ -266,6 +305,7 @@ def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_
     stack: Stack, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     prompts = 480
+    stack.ensure_workers(*HOSTS)
     for host in HOSTS:
         stack.start_servers(host, step_ms=12.0)
     config = _config(stack, tmp_path, tiny_model_dir, prompts, host_lost_after_s=3, start_with_hosts=2)
@@ -289,7 +329,6 @@ def test_losing_a_host_mid_run_costs_only_its_in_flight_requests_and_the_report_
     assert "servers down" in report["lost_hosts"][lost]
     assert f"host lost: {lost}" in (run_root / "report.md").read_text()
     assert f"host lost host={lost}" in output
-    stack.start_host(lost)  # the next test gets a whole "box" again
 
 
 def test_a_box_lost_after_the_last_requests_went_out_is_named_and_the_run_does_not_wait_for_it(
@@ -299,6 +338,7 @@ def test_a_box_lost_after_the_last_requests_went_out_is_named_and_the_run_does_n
     # servers were down for host_lost_after_s, so only the end-of-generation check can name it.
     prompts = 64
     lost_after_s = 4
+    stack.ensure_workers(*HOSTS)
     for host in HOSTS:
         stack.start_servers(host, step_ms=60.0)
     config = _config(
@@ -339,12 +379,12 @@ def test_a_box_lost_after_the_last_requests_went_out_is_named_and_the_run_does_n
         f"box killed: released after {released_after_s:.1f}s, run ended after {finished_after_s:.1f}s, "
         f"reason: {report['lost_hosts'][lost]}"
     )
-    stack.start_host(lost)  # the next test gets a whole "box" again
 
 
 def test_a_host_on_an_unknown_work_queue_refuses_the_run_before_any_host_starts(
     stack: Stack, tmp_path: Path, tiny_model_dir: Path
 ) -> None:
+    stack.ensure_workers(HOSTS[0])  # a worker that would start its host part, were the run not refused
     config = _config(stack, tmp_path, tiny_model_dir, 10)
     config["hosts"][1]["work_queue"] = "no-such-queue"
 
@@ -392,14 +432,16 @@ def _kill_a_lease_holder(stack: Stack, run_id: str) -> float:
 
 def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving(stack: Stack) -> None:
     # A host part stops serving when parent_lease_lapsed() says so (flows/host.py). Prefect revokes expired
-    # leases in `prefect server start` (its repossessor, every 15 s), not in its ephemeral test server.
+    # leases in `prefect server start` (its repossessor, every REPOSSESSOR_LOOP_S here), not in its ephemeral test
+    # server.
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from tasks.hosts import hold_parent_lease, parent_lease_lapsed
 
     ended = f"ended-parent-{os.getpid()}"
     with temporary_settings({PREFECT_API_URL: stack.prefect.api_url}):
-        # The lease (60 s, Prefect's minimum), the repossessor's period, slack for a loaded machine.
+        # The lease (60 s, Prefect's minimum), the default repossessor period (15 s; this server's is shorter),
+        # slack for a loaded machine.
         while not parent_lease_lapsed(KILLED_PARENT_RUN):
             assert time.monotonic() - stack.killed_parent_at < 60 + 15 + 45, (
                 "the killed parent's lease held on"

@@ -99,10 +99,14 @@ def copy_checkout(repo: Path, destination: Path) -> Path:
 
 @dataclass
 class PrefectStack:
-    """A Prefect server plus the workers started on it (see :meth:`start`)."""
+    """A Prefect server plus the workers started on it (see :meth:`start`).
+
+    ``server_env``: settings for the server process alone (its services' periods, say).
+    """
 
     home: Path
     port: int = field(default_factory=free_port)
+    server_env: dict[str, str] = field(default_factory=dict)
     server: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[IO[bytes]] = field(default_factory=list)
@@ -155,7 +159,7 @@ class PrefectStack:
     def launch(self) -> PrefectStack:
         """Start the server without waiting for it: the caller can prepare its checkout meanwhile."""
         seed_prefect_home(self.home)  # a migrated database: the server skips ~6 s of migrations
-        env = self.env()
+        env = self.env(**self.server_env)
         env.pop("PREFECT_API_URL")
         env["PREFECT_UI_API_URL"] = self.api_url  # the UI's browser code calls the API here
         self.server = subprocess.Popen(
@@ -197,6 +201,11 @@ class PrefectStack:
         tail = (self.home / "server.log").read_text(errors="replace")[-3000:]
         self.stop()
         raise RuntimeError(f"prefect server did not start on port {self.port}:\n{tail}")
+
+    def create_work_queue(self, pool: str, name: str) -> None:
+        """Create work queue ``name`` in ``pool`` through the API (what `prefect work-queue create` sends)."""
+        response = self.api.post(f"/work_pools/{pool}/queues", json={"name": name})
+        assert response.status_code == 201, response.text
 
     def start_worker(
         self, pool: str, cwd: Path, name: str, work_queue: str | None = None, **env: str
