@@ -51,6 +51,10 @@ $(TRAINER_VENVS): tests/support/trainer_venvs.py $(STAMP)
 
 trainer-venvs: $(TRAINER_VENVS)
 
+# Machines of this kind set PYTHONDONTWRITEBYTECODE=1, and then nothing keeps compiled modules: each of a run's
+# ~250 Python processes (workers, CLIs, servers, flow runs) compiles datagen's modules again, and every worker
+# rewrites the asserts of every test module again (~3 of its ~6 CPU-s of collection). The tests keep them.
+test: export PYTHONDONTWRITEBYTECODE :=
 test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS)
 	@echo "set-up (venvs) ready after $$(( $$(date +%s) - $(MAKE_START) )) s; the tests' own time is pytest's last line"
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
