@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 INTROSPECT_SCRIPT = Path(__file__).with_name("sglang_introspect.py")
 # Importing sglang's server args pulls in torch; a cold start on a busy host takes tens of seconds.
 INTROSPECT_TIMEOUT_S = 300.0
+# What each introspection mode asks sglang for, as an error message names it.
+INTROSPECT_WHAT = {"flags": "launch flags", "check": "check of the planned launches and requests"}
 VERSION_TIMEOUT_S = 60.0
 CACHE_SUBDIR = Path("datagen") / "sglang-flags"
 _VERSION_CODE = (
@@ -83,8 +85,9 @@ def run_introspection(python: str, mode: str, request: object | None = None) -> 
     if result.returncode != 0:
         tail = "\n".join(result.stderr.strip().splitlines()[-5:])
         raise SGLangIntrospectionError(
-            f"asking sglang in {python} for its flags failed (exit {result.returncode}): {tail}; "
-            f"run `{python} {INTROSPECT_SCRIPT} flags` to see the whole error"
+            f"asking sglang in {python} for its {INTROSPECT_WHAT.get(mode, mode)} failed "
+            f"(exit {result.returncode}): {tail}; run `{python} {INTROSPECT_SCRIPT} flags` to see the whole "
+            "error"
         )
     try:
         answer = json.loads(result.stdout)

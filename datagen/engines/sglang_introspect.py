@@ -239,7 +239,7 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
         _parse_error(lambda argv: parser.parse_args(argv), argv) for argv in request.get("server_argvs", [])
     ]
     if request.get("keyed_argvs"):
-        answer["api_keys"] = [_api_key_of(parser, argv) for argv in request["keyed_argvs"]]
+        answer["api_keys"] = [_api_key_answer(parser, argv) for argv in request["keyed_argvs"]]
     if request.get("auth_checks"):
         answer["auth_checks"] = [_auth_allowed(**check) for check in request["auth_checks"]]
     if request.get("router_argvs"):
@@ -261,6 +261,23 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
             for body in request["generate_bodies"]
         ]
     return answer
+
+
+def _api_key_answer(parser: argparse.ArgumentParser, argv: list[str]) -> str | dict[str, str] | None:
+    """:func:`_api_key_of`, or ``{"error": ...}`` when sglang refuses ``argv``.
+
+    One bad argv is then reported in its own place, not as a crash of the whole check (argparse exits on a
+    bad argument).
+    """
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            return _api_key_of(parser, argv)
+    except SystemExit:
+        lines = stderr.getvalue().strip().splitlines()
+        return {"error": lines[-1] if lines else "exit"}
+    except Exception as error:  # a --config file that cannot be read or merged
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
 def _api_key_of(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
