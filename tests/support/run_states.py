@@ -325,10 +325,16 @@ class Trainer:
         return False
 
     def stop(self) -> None:
-        """SIGKILL every trainer process still alive (cleanup)."""
+        """SIGKILL every trainer process of this test still alive (cleanup).
+
+        Only a process whose command line names this trainer's events file: a pid from the events file may
+        have been reused by another process since that trainer exited.
+        """
+        mine = str(self.events).encode()
         for pid in self.running():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                if mine in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    os.kill(pid, signal.SIGKILL)
 
     def summary(self) -> str:
         """Its events, for assertion messages."""
