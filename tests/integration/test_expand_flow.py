@@ -3,6 +3,11 @@
 Covers what P1 must show: every prompt ends as a completion or a recorded failure, Parquet whose loss mask
 covers assistant tokens only, a manifest written last; a rerun regenerates and overwrites nothing; a changed
 config under the same run id is refused; a server SIGKILLed mid-run loses no prompt.
+
+Both tests check one run of the flow (the module's ``killed_run``): a trainer to halt, four datasets, two CPU
+servers, one of them SIGKILLed once generation has started (the other takes over its requests). A second run
+would cost two more `transformers serve` starts (~8 s of CPU each) and a flow's preparing and tokenizing; the
+kill only makes the run the first test checks a harder one.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.config import RunConfig
+from datagen.dataset.report import RunSummary
 from datagen.errors import PreflightError
 from datagen.samples import sample_path
 from tests.support.workers import worker_port
@@ -31,16 +38,113 @@ REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
+RUN_ID = "flow-test"
+# The dataset the kill lands in: 48 requests of up to 64 tokens, so that a server killed once the first part is
+# written still has requests in flight and the surviving server has most of the run ahead of it.
+KILLED_DATASET = "many"
+KILLED_DATASET_PROMPTS = 48
+# How long the killer waits for generation to start (a registered fleet and a first part on disk).
+KILL_DEADLINE_S = 120
 
-@pytest.fixture()
-def state_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+
+@dataclass(frozen=True)
+class KilledRun:
+    """One finished run of the flow whose first CPU server was SIGKILLed mid-generation.
+
+    Attributes:
+        root: The run's folder: ``out/`` (the output root), the trainer's pidfile and checkpoints.
+        config: The run's config, for the tests' reruns.
+        summary: What the flow returned.
+        trainer_returncode: The stand-in trainer's exit status once the run returned (None: it was still
+            running and was killed).
+        killed_pids: The server pid the killer took down (empty when generation never started in time).
+    """
+
+    root: Path
+    config: RunConfig
+    summary: RunSummary
+    trainer_returncode: int | None
+    killed_pids: list[int]
+
+    @property
+    def out(self) -> Path:
+        """The output root."""
+        return self.root / "out"
+
+    @property
+    def run_root(self) -> Path:
+        """The run's folder under the output root."""
+        return self.out / "runs" / RUN_ID
+
+    @property
+    def checkpoints(self) -> Path:
+        """Where the stand-in trainer writes its checkpoint when it is halted."""
+        return self.root / "checkpoints"
+
+
+def _kill_one_server_once_generation_started(state_dir: Path, run_root: Path, killed: list[int]) -> None:
+    deadline = time.monotonic() + KILL_DEADLINE_S
+    while time.monotonic() < deadline:
+        registries = list(state_dir.rglob("servers.json"))
+        parts = (
+            list((run_root / "parts").rglob("completions-*.jsonl")) if (run_root / "parts").exists() else []
+        )
+        if registries and parts:
+            registry = json.loads(registries[0].read_text())
+            victim = registry["servers"][0]
+            os.killpg(victim["pgid"], signal.SIGKILL)
+            killed.append(victim["pid"])
+            return
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def killed_run(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, prefect_api: str
+) -> Iterator[KilledRun]:
+    """The module's one run of the flow: a trainer to halt, four datasets, one of two servers SIGKILLed mid-run.
+
+    The state directory stays set while the module's tests run: their reruns use the same host state.
+    """
     from datagen.settings import get_settings
+    from flows.expand import expand
 
-    path = tmp_path / "state"
-    monkeypatch.setenv("DATAGEN_STATE_DIR", str(path))
-    get_settings.cache_clear()
-    yield path
-    get_settings.cache_clear()
+    root = tmp_path_factory.mktemp("expand-flow")
+    state_dir = root / "state"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DATAGEN_STATE_DIR", str(state_dir))
+        get_settings.cache_clear()
+        try:
+            trainer, pidfile, checkpoints = _start_trainer(root)
+            killed: list[int] = []
+            try:
+                config = _config(root, tiny_model_dir, pidfile, checkpoints)
+                killer = threading.Thread(
+                    target=_kill_one_server_once_generation_started,
+                    args=(state_dir, root / "out" / "runs" / RUN_ID, killed),
+                )
+                killer.start()
+                try:
+                    summary = expand(config=config)
+                finally:
+                    killer.join()
+            finally:
+                if trainer.poll() is None:
+                    os.killpg(trainer.pid, signal.SIGKILL)
+            yield KilledRun(root, config, summary, trainer.wait(5), killed)
+        finally:
+            get_settings.cache_clear()
+
+
+def _many_prompts(folder: Path) -> Path:
+    path = folder / "many.jsonl"
+    with path.open("w") as handle:
+        for index in range(KILLED_DATASET_PROMPTS):
+            handle.write(
+                json.dumps({"messages": [{"role": "user", "content": f"Question number {index}: why?"}]})
+                + "\n"
+            )
+    return path
 
 
 def _start_trainer(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, Path]:
@@ -64,9 +168,9 @@ def _start_trainer(tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path, Path]
     return process, pidfile, checkpoints
 
 
-def _config(tmp_path: Path, model_dir: Path, pidfile: Path, checkpoints: Path, **changes: Any) -> RunConfig:
+def _config(folder: Path, model_dir: Path, pidfile: Path, checkpoints: Path) -> RunConfig:
     data: dict[str, Any] = {
-        "run_id": "flow-test",
+        "run_id": RUN_ID,
         "model": {"path": str(model_dir)},
         "fleet": {
             "engine": "transformers",
@@ -84,9 +188,16 @@ def _config(tmp_path: Path, model_dir: Path, pidfile: Path, checkpoints: Path, *
             },
             {"name": "hermes-fc", "format": "hermes_fc", "path": sample_path("hermes_fc"), "shard_size": 2},
             {"name": "code-feedback", "format": "code_feedback", "path": sample_path("code_feedback")},
+            {
+                "name": KILLED_DATASET,
+                "format": "openai_messages",
+                "path": str(_many_prompts(folder)),
+                "shard_size": 16,
+                "sampling": {"max_tokens": 64},
+            },
         ],
-        "output": str(tmp_path / "out"),
-        "protected_prefixes": [str(tmp_path / "existing-train-data")],
+        "output": str(folder / "out"),
+        "protected_prefixes": [str(folder / "existing-train-data")],
         "training": {
             "kind": "pidfile",
             "pidfile": str(pidfile),
@@ -95,7 +206,6 @@ def _config(tmp_path: Path, model_dir: Path, pidfile: Path, checkpoints: Path, *
         },
         "generation": {"max_attempts": 4, "request_timeout_s": 120, "checkpoint_every": 4},
         "tokenize": {"rows_per_part": 8},
-        **changes,
     }
     return RunConfig.model_validate(data)
 
@@ -112,30 +222,27 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _request_keys(run_root: Path, kind: str) -> list[str]:
+def _request_keys(run_root: Path, kind: str, dataset: str | None = None) -> list[str]:
+    """``prompt_id/sample_index`` of every ``kind`` record (``completions`` or ``failures``), or one dataset's."""
+    folder = run_root / kind if dataset is None else run_root / kind / dataset
     keys = []
-    for file in sorted((run_root / kind).rglob("*.jsonl")):
+    for file in sorted(folder.rglob("*.jsonl")):
         keys += [f"{row['prompt_id']}/{row['sample_index']}" for row in _read_jsonl(file)]
     return keys
 
 
 def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_nothing(
-    tmp_path: Path, tiny_model_dir: Path, state_dir: Path
+    killed_run: KilledRun, tiny_model_dir: Path
 ) -> None:
     from datagen.dataset.tokenizer import load_tokenizer
     from flows.expand import expand
 
-    trainer, pidfile, checkpoints = _start_trainer(tmp_path)
-    try:
-        config = _config(tmp_path, tiny_model_dir, pidfile, checkpoints)
-        summary = expand(config=config)
-    finally:
-        if trainer.poll() is None:
-            os.killpg(trainer.pid, signal.SIGKILL)
-    assert trainer.wait(5) == 0, "the flow halts the trainer gracefully (it exits 0 after checkpointing)"
-    assert list(checkpoints.glob("*.pt")), "the trainer wrote its checkpoint when signalled"
+    summary, out, run_root = killed_run.summary, killed_run.out, killed_run.run_root
+    assert killed_run.trainer_returncode == 0, (
+        "the flow halts the trainer gracefully (it exits 0 after checkpointing)"
+    )
+    assert list(killed_run.checkpoints.glob("*.pt")), "the trainer wrote its checkpoint when signalled"
 
-    run_root = tmp_path / "out" / "runs" / "flow-test"
     prompts = []
     for file in sorted((run_root / "prompts").rglob("shard-*.jsonl")):
         prompts += _read_jsonl(file)
@@ -172,88 +279,39 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
 
     manifest = json.loads((run_root / "manifest.json").read_text())
     listed = {entry["key"] for entry in manifest["objects"]}
-    on_disk = {str(p.relative_to(tmp_path / "out")) for p in run_root.rglob("*") if p.is_file()}
-    assert listed == on_disk - {"runs/flow-test/manifest.json"}
-    assert (tmp_path / "out" / "datasets" / "drafter-expansion" / "v0001.json").is_file()
-    assert not (tmp_path / "existing-train-data").exists()
+    on_disk = {str(p.relative_to(out)) for p in run_root.rglob("*") if p.is_file()}
+    assert listed == on_disk - {f"runs/{RUN_ID}/manifest.json"}
+    assert (out / "datasets" / "drafter-expansion" / "v0001.json").is_file()
+    assert not (killed_run.root / "existing-train-data").exists()
 
     # A rerun of the complete run: nothing regenerated, nothing rewritten, nothing added.
-    before = _snapshot(tmp_path / "out")
-    trainer2, _, _ = _start_trainer(tmp_path)
+    before = _snapshot(out)
+    trainer2, _, _ = _start_trainer(killed_run.root)
     try:
-        again = expand(config=config)
+        again = expand(config=killed_run.config)
     finally:
         os.killpg(trainer2.pid, signal.SIGTERM)
         trainer2.wait(10)
     assert again.already_complete
-    assert _snapshot(tmp_path / "out") == before
+    assert _snapshot(out) == before
 
     # The same run id with another config is refused before anything is stopped.
-    trainer3, _, _ = _start_trainer(tmp_path)
+    trainer3, _, _ = _start_trainer(killed_run.root)
     try:
         with pytest.raises(PreflightError, match="different configuration"):
-            expand(config=config.model_copy(update={"seed": 99}))
+            expand(config=killed_run.config.model_copy(update={"seed": 99}))
         assert trainer3.poll() is None, "a refused run must not halt training"
     finally:
         os.killpg(trainer3.pid, signal.SIGTERM)
         trainer3.wait(10)
-    assert _snapshot(tmp_path / "out") == before
+    assert _snapshot(out) == before
 
 
-def _kill_one_server_once_generation_started(state_dir: Path, run_root: Path, killed: list[int]) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        registries = list(state_dir.rglob("servers.json"))
-        parts = (
-            list((run_root / "parts").rglob("completions-*.jsonl")) if (run_root / "parts").exists() else []
-        )
-        if registries and parts:
-            registry = json.loads(registries[0].read_text())
-            victim = registry["servers"][0]
-            os.killpg(victim["pgid"], signal.SIGKILL)
-            killed.append(victim["pid"])
-            return
-        time.sleep(0.05)
-
-
-def test_a_server_killed_mid_run_loses_no_prompt(
-    tmp_path: Path, tiny_model_dir: Path, state_dir: Path
-) -> None:
-    from flows.expand import expand
-
-    many = tmp_path / "many.jsonl"
-    with many.open("w") as handle:
-        for index in range(48):
-            handle.write(
-                json.dumps({"messages": [{"role": "user", "content": f"Question number {index}: why?"}]})
-                + "\n"
-            )
-    config = _config(
-        tmp_path,
-        tiny_model_dir,
-        tmp_path / "no-trainer.pid",
-        tmp_path / "ckpt",
-        run_id="kill-test",
-        training={"kind": "none"},
-        sampling={"temperature": 0.8, "max_tokens": 64},
-        datasets=[{"name": "many", "format": "openai_messages", "path": str(many), "shard_size": 16}],
-        fleet={
-            "engine": "transformers",
-            "cpu_servers": 2,
-            "base_port": worker_port(31500),
-            "max_inflight_per_server": 2,
-        },
-    )
-    run_root = tmp_path / "out" / "runs" / "kill-test"
-    killed: list[int] = []
-    killer = threading.Thread(
-        target=_kill_one_server_once_generation_started, args=(state_dir, run_root, killed)
-    )
-    killer.start()
-    summary = expand(config=config)
-    killer.join()
-    assert killed, "the test must actually kill a server mid-run"
-    completed, failed = _request_keys(run_root, "completions"), _request_keys(run_root, "failures")
-    assert len(completed) + len(failed) == 48 == len(set(completed + failed))
-    assert summary.completions == len(completed)
-    assert not failed, "a killed server's requests are re-dispatched, not failed"
+def test_a_server_killed_mid_run_loses_no_prompt(killed_run: KilledRun) -> None:
+    run_root = killed_run.run_root
+    assert killed_run.killed_pids, "the test must actually kill a server mid-run"
+    completed = _request_keys(run_root, "completions", KILLED_DATASET)
+    failed = _request_keys(run_root, "failures", KILLED_DATASET)
+    assert len(completed) + len(failed) == KILLED_DATASET_PROMPTS == len(set(completed + failed))
+    assert killed_run.summary.completions == len(_request_keys(run_root, "completions"))
+    assert not _request_keys(run_root, "failures"), "a killed server's requests are re-dispatched, not failed"
