@@ -6,9 +6,10 @@ stand-in trainer), with a real Prefect server instead of the CLI's temporary one
 * `datagen run` against the server (``PREFECT_API_URL``), SIGKILLed mid-halt and mid-generation, then the
   printed resume: it finishes, every request once, training signalled once and restarted once, the resume's
   first request within 30 s of its start (nothing waits for a lease of the killed run);
-* a process worker SIGKILLed mid-generation (its process group: the worker and the flow run it runs, as when
-  the box loses it): the next run of that box, through a new worker, sends its first request within the lease
-  plus 30 s of the kill, finishes, every request once, training restarted once;
+* a process worker SIGKILLed mid-generation with the flow run it runs (its process group and the run's, which
+  Prefect starts in a session of its own; as when the box loses them): the next run of that box, through a new
+  worker, sends its first request within the lease plus 30 s of the kill, finishes, every request once, training
+  restarted once;
 * the host part of a multi-host run, under its worker: SIGTERM to the parent (`datagen run`) mid-generation
   ends the parent within 30 s with 143, and the host part within 30 s more: it stops serving, hands training
   back (restarted once) and leaves no process behind.
@@ -16,6 +17,7 @@ stand-in trainer), with a real Prefect server instead of the CLI's temporary one
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -187,13 +189,23 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
     box = make_box()
     first = stack.worker(box, "worker-1")
     try:
-        stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
+        killed = stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
         _wait(lambda: len(box.server.chat_requests()) >= 3, "generating", RUN_TIMEOUT_S)
         run_processes = descendants(first.pid)
-        os.killpg(first.pid, signal.SIGKILL)  # the worker and the flow run it runs
+        # The worker and the flow run it runs. Prefect 3.9 starts a flow run's process in a session of its own:
+        # a SIGKILL to the worker's group alone left the run generating to its end, and the "next" run's first
+        # request was the killed run's next one (the budget below could not fail).
+        run_pids = _processes_of_flow_run(killed)
+        assert run_pids, "the killed run's process was not found"
+        groups = {first.pid} | {group for pid in run_pids if (group := _process_group(pid)) is not None}
+        doomed = [pid for pid in run_processes if _process_group(pid) in groups]
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
         killed_at = time.monotonic()
         first.wait(30)
-        mark = len(box.server.chat_requests())
+        _wait(lambda: not any(alive(pid) for pid in doomed), "gone after the SIGKILL", 10)
+        mark = len(box.server.chat_requests())  # from here on, requests are the next run's
 
         stack.worker(box, "worker-2")
         resumed = stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
@@ -214,6 +226,14 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
     left = [pid for pid in run_processes if alive(pid)]
     assert not left, f"left by the killed worker's flow run:\n{describe(left)}"
     check_training(box, halted=True)
+
+
+def _process_group(pid: int) -> int | None:
+    """The process group of ``pid``; None when it has exited."""
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def _processes_of_flow_run(flow_run_id: str, timeout_s: float = 10.0) -> list[int]:
