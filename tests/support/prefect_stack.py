@@ -1,7 +1,8 @@
 """A real Prefect stack for tests and scripts: `prefect server start` on a free loopback port, process workers.
 
 Everything runs as separate processes in their own process groups (stopped with the group, never left
-behind), with a private ``PREFECT_HOME`` so nothing touches the user's profile or database.
+behind: the kernel also SIGTERMs the server and the workers when the test process dies, say an interrupted run),
+with a private ``PREFECT_HOME`` so nothing touches the user's profile or database.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import httpx
 
+from flows.api_server import _PRCTL, _die_with_parent
 from tests.support.prefect_db import seed_prefect_home
 
 # `prefect server start` takes ~15 s here; on a loaded 2-core box much more.
@@ -27,6 +29,17 @@ SERVER_START_TIMEOUT_S = 180.0
 STOP_GRACE_S = 10.0
 # How often a worker asks the server for work (the default 10 s makes every test wait).
 WORKER_QUERY_S = "1"
+# Answers Prefect's own client asks again (its server answers 503 while its SQLite database is busy, seen under
+# load on a request to create a flow run), how often, and the first pause (doubled each time).
+API_RETRY_CODES = frozenset({429, 502, 503})
+API_RETRIES = 5
+API_RETRY_PAUSE_S = 0.5
+# How often a test polls a flow run's state while it waits for its end.
+FLOW_RUN_POLL_S = 0.5
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
+# Started in their own sessions (stopped by group), so they would outlive a killed test process: the kernel
+# SIGTERMs them when the thread that started them dies.
+DIE_WITH_PARENT = _die_with_parent if _PRCTL is not None else None
 
 OFFLINE_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -97,6 +110,21 @@ def copy_checkout(repo: Path, destination: Path) -> Path:
     return destination
 
 
+class RetryingClient(httpx.Client):
+    """An HTTP client that sends a request again on a busy server's answer, as Prefect's own client does."""
+
+    def send(self, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        """Send ``request``; on an answer in :data:`API_RETRY_CODES`, wait and send it again (bounded)."""
+        attempt = 0
+        while True:
+            response = super().send(request, **kwargs)
+            if response.status_code not in API_RETRY_CODES or attempt == API_RETRIES:
+                return response
+            response.close()
+            time.sleep(API_RETRY_PAUSE_S * 2**attempt)
+            attempt += 1
+
+
 @dataclass
 class PrefectStack:
     """A Prefect server plus the workers started on it (see :meth:`start`).
@@ -110,7 +138,7 @@ class PrefectStack:
     server: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[IO[bytes]] = field(default_factory=list)
-    _api: httpx.Client | None = field(default=None, init=False, repr=False)
+    _api: RetryingClient | None = field(default=None, init=False, repr=False)
 
     @property
     def api_url(self) -> str:
@@ -142,10 +170,11 @@ class PrefectStack:
         """One HTTP client on the API (paths relative to ``/api``), for a test's requests and polls.
 
         One client, not ``httpx.get`` per request: a new client builds its TLS context, ~20 ms of CPU a call,
-        which a test polling every 0.2 s turns into a tenth of a core.
+        which a test polling every 0.2 s turns into a tenth of a core. It asks again when the server is busy
+        (:class:`RetryingClient`), like the Prefect CLI these requests stand in for.
         """
         if self._api is None:
-            self._api = httpx.Client(base_url=self.api_url, timeout=10)
+            self._api = RetryingClient(base_url=self.api_url, timeout=10)
         return self._api
 
     def start(self) -> PrefectStack:
@@ -178,6 +207,7 @@ class PrefectStack:
             stdout=self._log("server"),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=DIE_WITH_PARENT,
         )
         return self
 
@@ -206,6 +236,46 @@ class PrefectStack:
         """Create work queue ``name`` in ``pool`` through the API (what `prefect work-queue create` sends)."""
         response = self.api.post(f"/work_pools/{pool}/queues", json={"name": name})
         assert response.status_code == 201, response.text
+
+    def create_flow_run(self, deployment: str, **parameters: Any) -> str:
+        """Start a run of ``deployment`` (``flow/name``) through the API; returns its flow run id.
+
+        The requests `prefect deployment run` (not watched) sends, without a Prefect CLI start (~1.5 CPU-s) and,
+        for a watched run, the `--watch` process that polls it to its end. For tests whose subject is the flow
+        on a worker; test_operations runs the README's `prefect deployment run --watch` itself.
+        """
+        found = self.api.get(f"/deployments/name/{deployment}")
+        found.raise_for_status()
+        created = self.api.post(
+            f"/deployments/{found.json()['id']}/create_flow_run", json={"parameters": parameters}
+        )
+        assert created.status_code == 201, created.text
+        return str(created.json()["id"])
+
+    def flow_run(self, flow_run_id: str) -> dict[str, Any]:
+        """The flow run as the API returns it."""
+        response = self.api.get(f"/flow_runs/{flow_run_id}")
+        response.raise_for_status()
+        data: dict[str, Any] = response.json()
+        return data
+
+    def wait_final(self, flow_run_id: str, timeout_s: float) -> str:
+        """The flow run's final state type, waited for up to ``timeout_s`` (its last state if none)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            state = str(self.flow_run(flow_run_id)["state_type"])
+            if state in FINAL_STATES or time.monotonic() > deadline:
+                return state
+            time.sleep(FLOW_RUN_POLL_S)
+
+    def flow_run_logs(self, flow_run_id: str, limit: int = 200) -> str:
+        """The flow run's last ``limit`` log lines, oldest first: what `--watch` would have printed."""
+        response = self.api.post(
+            "/logs/filter",
+            json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "sort": "TIMESTAMP_DESC", "limit": limit},
+        )
+        response.raise_for_status()
+        return "\n".join(entry["message"] for entry in reversed(response.json()))
 
     def start_worker(
         self, pool: str, cwd: Path, name: str, work_queue: str | None = None, **env: str
@@ -238,6 +308,7 @@ class PrefectStack:
             stdout=self._log(name),
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=DIE_WITH_PARENT,
         )
         self.workers.append(worker)
         return worker
