@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import yaml
@@ -77,13 +78,24 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
             if created.returncode != 0:
                 return created.returncode, "".join(output)
     version = code_version(root)
-    # One call per deployment: `prefect deploy --all` ignores --version.
-    for name, _ in chosen:
-        args = ["--no-prompt", "deploy", "--prefect-file", str(prefect_file), "--name", name]
-        if version:
-            args += ["--version", version]
+    with tempfile.TemporaryDirectory(prefix="datagen-deploy-") as folder:
+        # One `prefect deploy` for all of them (each call costs seconds of Prefect imports). With several
+        # deployments it ignores --version, so the version goes into a copy of the file, outside the checkout
+        # (which must stay clean: a changed file there would make the version "-dirty").
+        deploy_file = _with_version(prefect_file, version, Path(folder)) if version else prefect_file
+        args = ["--no-prompt", "deploy", "--prefect-file", str(deploy_file)]
+        for name, _ in chosen:
+            args += ["--name", name]
         result = _prefect(args, root)
-        output.append(result.stdout + result.stderr)
-        if result.returncode != 0:
-            return result.returncode, "".join(output)
-    return 0, "".join(output)
+    output.append(result.stdout + result.stderr)
+    return result.returncode, "".join(output)
+
+
+def _with_version(prefect_file: Path, version: str, folder: Path) -> Path:
+    """A copy of ``prefect_file`` in ``folder`` whose every deployment has ``version``."""
+    data = yaml.safe_load(prefect_file.read_text())
+    for entry in data.get("deployments") or []:
+        entry["version"] = version
+    copy = folder / prefect_file.name
+    copy.write_text(yaml.safe_dump(data, sort_keys=False))
+    return copy
