@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,11 +27,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import yaml
 
-from tests.support.prefect_stack import PrefectStack, copy_checkout, stop_group
+from tests.support.prefect_stack import PrefectStack, copy_checkout, stop_group, stop_groups
 from tests.support.run_states import REPO, alive, descendants, describe
 from tests.support.s3_proxy import S3FaultProxy
 from tests.support.state_box import (
@@ -48,7 +46,6 @@ from tests.support.state_box import (
 
 POOL = "gpu-box"
 HOST_QUEUE = "host-a"
-FLOW_RUN_ID = re.compile(r"UUID: ([0-9a-f-]{36})")
 # The old Prefect limit's lease (60 s) plus 30 s: a killed worker's box takes new work within this.
 WORKER_KILL_BUDGET_S = 60.0 + 30.0
 SIGNAL_EXIT_BUDGET_S = 30.0
@@ -78,36 +75,20 @@ class Stack:
         )
 
     def deployment_run(self, deployment: str, **params: str) -> str:
-        """Start a run of ``deployment`` (not watched); returns its flow run id."""
-        args = ["deployment", "run", deployment]
-        for key, value in params.items():
-            args += ["--param", f"{key}={value}"]
-        result = self.prefect.prefect(*args, cwd=self.root)
-        assert result.returncode == 0, result.stdout + result.stderr
-        return FLOW_RUN_ID.findall(result.stdout)[0]
+        """Start a run of ``deployment`` (not watched) through the API; returns its flow run id.
 
-    def flow_run(self, flow_run_id: str) -> dict[str, Any]:
-        """The flow run as the API returns it."""
-        response = httpx.get(f"{self.prefect.api_url}/flow_runs/{flow_run_id}", timeout=10)
-        response.raise_for_status()
-        data: dict[str, Any] = response.json()
-        return data
+        What is tested here is the worker and the box: test_operations runs `prefect deployment run` itself.
+        """
+        return self.prefect.create_flow_run(deployment, **params)
 
     def wait_final(self, flow_run_id: str, timeout_s: float) -> str:
         """The flow run's final state type, waited for up to ``timeout_s`` (its last state if none)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            state = self.flow_run(flow_run_id)["state_type"]
-            if state in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"} or time.monotonic() > deadline:
-                return str(state)
-            time.sleep(0.5)
+        return self.prefect.wait_final(flow_run_id, timeout_s)
 
     def host_flow_runs(self, run_id: str) -> list[dict[str, Any]]:
         """The `expand-host` flow runs of run ``run_id``."""
-        response = httpx.post(
-            f"{self.prefect.api_url}/flow_runs/filter",
-            json={"flow_runs": {"name": {"like_": f"expand-host-{run_id}-"}}},
-            timeout=10,
+        response = self.prefect.api.post(
+            "/flow_runs/filter", json={"flow_runs": {"name": {"like_": f"expand-host-{run_id}-"}}}
         )
         response.raise_for_status()
         runs: list[dict[str, Any]] = response.json()
@@ -139,8 +120,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             timeout=600,
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-        created = prefect.prefect("work-queue", "create", HOST_QUEUE, "--pool", POOL, cwd=root)
-        assert created.returncode == 0, created.stdout + created.stderr
+        # What `prefect work-queue create` sends, without a CLI start (test_multihost runs that README step).
+        prefect.create_work_queue(POOL, HOST_QUEUE)
         yield Stack(root, prefect, clone)
     finally:
         prefect.stop()
@@ -188,6 +169,7 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
 ) -> None:
     box = make_box()
     first = stack.worker(box, "worker-1")
+    second: subprocess.Popen[bytes] | None = None
     try:
         killed = stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
         _wait(lambda: len(box.server.chat_requests()) >= 3, "generating", RUN_TIMEOUT_S)
@@ -207,7 +189,7 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
         _wait(lambda: not any(alive(pid) for pid in doomed), "gone after the SIGKILL", 10)
         mark = len(box.server.chat_requests())  # from here on, requests are the next run's
 
-        stack.worker(box, "worker-2")
+        second = stack.worker(box, "worker-2")
         resumed = stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
         _wait(
             lambda: len(box.server.chat_requests()) > mark, "sent a request again", WORKER_KILL_BUDGET_S + 60
@@ -215,7 +197,9 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
         first_request_s = box.server.chat_requests()[mark].arrived_at - killed_at
         state = stack.wait_final(resumed, RUN_TIMEOUT_S)
     finally:
-        stop_group(first)
+        # Both: a worker left running polls every queue of the pool, so the next test's host part could go to it
+        # (with this box's state folder and GPU lock) instead of that test's own worker.
+        stop_groups([first] + ([second] if second else []))
 
     assert state == "COMPLETED", f"the next run ended {state}"
     assert first_request_s <= WORKER_KILL_BUDGET_S, (
