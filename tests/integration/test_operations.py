@@ -9,7 +9,9 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * a cancelled run stops its servers.
 
 Generation for the overlap and series checks goes to a small fake OpenAI server (the `external` engine), so
-the whole file stays within a few minutes on a 2-core machine.
+the whole file stays within a few minutes on a 2-core machine. The first two checks are the README's CLI steps;
+the others start their runs through the API (the request `prefect deployment run` sends) and wait for the state
+`--watch` would report: a CLI start and a watching process fewer per run.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
+from datagen.app.codeversion import code_version
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_stack import PrefectStack, copy_checkout
@@ -40,7 +43,6 @@ POOL = "gpu-box"
 WATCH_TIMEOUT_S = 480
 # Per request, so a run's generation lasts a few seconds: long enough for an overlap to show.
 FAKE_SERVER_DELAY_S = 0.4
-FLOW_RUN_ID = re.compile(r"UUID: ([0-9a-f-]{36})")
 
 
 class Stack:
@@ -52,29 +54,26 @@ class Stack:
         self.clone = clone
         self.state_dir = state_dir
 
-    def run(self, deployment: str, *params: str, watch: bool = True) -> subprocess.CompletedProcess[str]:
-        """``prefect deployment run DEPLOYMENT --param ... [--watch]`` from outside the checkout."""
+    def run(self, deployment: str, *params: str) -> subprocess.CompletedProcess[str]:
+        """``prefect deployment run DEPLOYMENT --param ... --watch`` from outside the checkout (the README's step)."""
         args = ["deployment", "run", deployment]
         for param in params:
             args += ["--param", param]
-        if watch:
-            args += ["--watch", "--watch-timeout", str(WATCH_TIMEOUT_S)]
+        args += ["--watch", "--watch-timeout", str(WATCH_TIMEOUT_S)]
         return self.prefect.prefect(*args, cwd=self.root, timeout_s=WATCH_TIMEOUT_S + 60)
 
-    def start_run(self, deployment: str, *params: str) -> subprocess.Popen[str]:
-        """The same, watched in the background."""
-        args = [sys.executable, "-m", "prefect", "deployment", "run", deployment]
-        for param in params:
-            args += ["--param", param]
-        args += ["--watch", "--watch-timeout", str(WATCH_TIMEOUT_S)]
-        return subprocess.Popen(
-            args,
-            cwd=self.root,
-            env=self.prefect.env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
+    def start(self, deployment: str, **parameters: Any) -> str:
+        """Start a run of ``deployment`` through the API (what `prefect deployment run` sends); its flow run id.
+
+        For the tests whose subject is what the flow does on the workers: the first two run the README's
+        `prefect deployment run --watch`, which costs a CLI start and a process polling the run to its end.
+        """
+        return self.prefect.create_flow_run(deployment, **parameters)
+
+    def finish(self, flow_run_id: str) -> tuple[str, str]:
+        """The run's final state type (what `--watch` turns into its exit code) and its log, once it ended."""
+        state = self.prefect.wait_final(flow_run_id, WATCH_TIMEOUT_S)
+        return state, self.prefect.flow_run_logs(flow_run_id)
 
     def wait_for_log(self, text: str, timeout_s: float) -> bool:
         """Poll the API's logs until one contains ``text``; False after ``timeout_s``."""
@@ -89,10 +88,7 @@ class Stack:
 
     def flow_run(self, flow_run_id: str) -> dict[str, Any]:
         """The flow run as the API returns it."""
-        response = self.prefect.api.get(f"/flow_runs/{flow_run_id}")
-        response.raise_for_status()
-        data: dict[str, Any] = response.json()
-        return data
+        return self.prefect.flow_run(flow_run_id)
 
     def cancel(self, flow_run_id: str) -> None:
         """Cancel the flow run: the request `prefect flow-run cancel` and the UI's Cancel button send."""
@@ -171,6 +167,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             timeout=600,
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        # Every deployment carries the clone's commit, which the flow checks on the worker.
+        versions = {
+            found["name"]: found["version"]
+            for found in prefect.api.post("/deployments/filter", json={}).json()
+        }
+        expected = code_version(clone)
+        assert versions == dict.fromkeys(["expand-host", "expand-manual", "expand-nightly"], expected), (
+            versions
+        )
         # Two for the whole module (the overlap test needs both): a second one started by that test alone made it
         # wait ~5 s for the worker to come up, where an idle worker's polls cost ~0.01 CPU-s a second.
         for index in (1, 2):
@@ -232,18 +237,18 @@ def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: S
         # Hold every answer until a run has said it waits for the lock: whichever run generates first stays
         # mid-generation, so the two runs overlap however slowly the workers pick them up.
         server.answering.clear()
-        manual = stack.start_run("expand/expand-manual", f"config_path={paths[0]}", "run_id=overlap-alpha")
-        nightly = stack.start_run("expand/expand-nightly", f"config_path={paths[1]}", "run_id=overlap-beta")
+        manual = stack.start("expand/expand-manual", config_path=paths[0], run_id="overlap-alpha")
+        nightly = stack.start("expand/expand-nightly", config_path=paths[1], run_id="overlap-beta")
         waited = stack.wait_for_log("another run holds this host's GPUs", timeout_s=WATCH_TIMEOUT_S / 2)
         deadline = time.monotonic() + WATCH_TIMEOUT_S / 2
         while not server.chat_requests() and time.monotonic() < deadline:
             time.sleep(0.5)
         held = len(server.chat_requests())
         server.answering.set()
-        outputs = [process.communicate(timeout=WATCH_TIMEOUT_S + 60)[0] for process in (manual, nightly)]
+        ends = [stack.finish(flow_run_id) for flow_run_id in (manual, nightly)]
 
-        for process, output in zip((manual, nightly), outputs, strict=True):
-            assert process.returncode == 0, output[-6000:]
+        for state, log in ends:
+            assert state == "COMPLETED", log[-6000:]
         arrivals: dict[str, list[float]] = {"alpha": [], "beta": []}
         for request in server.chat_requests():
             content = str((request.body or {})["messages"][-1]["content"])
@@ -294,14 +299,16 @@ def test_two_nightly_runs_take_disjoint_prompts_and_publish_v1_then_v2_on_the_ba
         )
         config_path = _write_config(stack, "ci-nightly", config)
         for night in ("night-1", "night-2"):
-            result = stack.run(
-                "expand/expand-nightly",
-                f"config_path={config_path}",
-                f"run_id={night}",
-                "series=ci-nightly",
-                "max_prompts=4",
+            state, log = stack.finish(
+                stack.start(
+                    "expand/expand-nightly",
+                    config_path=config_path,
+                    run_id=night,
+                    series="ci-nightly",
+                    max_prompts=4,
+                )
             )
-            assert result.returncode == 0, result.stdout[-6000:]
+            assert state == "COMPLETED", log[-6000:]
 
     taken = {}
     for night in ("night-1", "night-2"):
@@ -352,9 +359,7 @@ def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None
     config["training"] = _restart_marking(tmp_path / "restarts.txt")
     config_path = _write_config(stack, "ci-cancel", config)
 
-    started = stack.run("expand/expand-manual", f"config_path={config_path}", "run_id=cancel-me", watch=False)
-    assert started.returncode == 0, started.stdout + started.stderr
-    flow_run_id = FLOW_RUN_ID.findall(started.stdout)[0]
+    flow_run_id = stack.start("expand/expand-manual", config_path=config_path, run_id="cancel-me")
     pidfile = stack.state_dir / "fleets" / flow_run_id / "servers.json"
     deadline = time.monotonic() + WATCH_TIMEOUT_S
     pids: list[int] = []
