@@ -214,16 +214,23 @@ def _flags_answer(parser: argparse.ArgumentParser, stubbed: list[str]) -> dict[s
     return {"sglang_version": importlib.metadata.version("sglang"), "stubbed": stubbed, "actions": actions}
 
 
-def _parse_error(parse: Any, argv: list[str]) -> str | None:
+def _refusal(call: Any, argv: list[str]) -> tuple[Any, str | None]:
+    """``call(argv)``'s result and None, or None and why it refused ``argv`` (argparse exits on a bad argument)."""
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):
-            parse(argv)
+            return call(argv), None
     except SystemExit:
-        return stderr.getvalue().strip().splitlines()[-1] if stderr.getvalue().strip() else "exit"
-    except Exception as error:  # argparse.ArgumentError and type conversions
-        return f"{type(error).__name__}: {error}"
-    return None
+        lines = stderr.getvalue().strip().splitlines()
+        return None, lines[-1] if lines else "exit"
+    except (
+        Exception
+    ) as error:  # argparse.ArgumentError, type conversions, a --config file that cannot be merged
+        return None, f"{type(error).__name__}: {error}"
+
+
+def _parse_error(parse: Any, argv: list[str]) -> str | None:
+    return _refusal(parse, argv)[1]
 
 
 def check(request: dict[str, Any]) -> dict[str, Any]:
@@ -266,18 +273,10 @@ def check(request: dict[str, Any]) -> dict[str, Any]:
 def _api_key_answer(parser: argparse.ArgumentParser, argv: list[str]) -> str | dict[str, str] | None:
     """:func:`_api_key_of`, or ``{"error": ...}`` when sglang refuses ``argv``.
 
-    One bad argv is then reported in its own place, not as a crash of the whole check (argparse exits on a
-    bad argument).
+    One bad argv is then reported in its own place, not as a crash of the whole check.
     """
-    stderr = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(stderr):
-            return _api_key_of(parser, argv)
-    except SystemExit:
-        lines = stderr.getvalue().strip().splitlines()
-        return {"error": lines[-1] if lines else "exit"}
-    except Exception as error:  # a --config file that cannot be read or merged
-        return {"error": f"{type(error).__name__}: {error}"}
+    key, error = _refusal(lambda argv: _api_key_of(parser, argv), argv)
+    return {"error": error} if error is not None else key
 
 
 def _api_key_of(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:

@@ -330,11 +330,9 @@ class Trainer:
         Only a process whose command line names this trainer's events file: a pid from the events file may
         have been reused by another process since that trainer exited.
         """
-        mine = str(self.events).encode()
-        for pid in self.running():
-            with contextlib.suppress(OSError):
-                if mine in Path(f"/proc/{pid}/cmdline").read_bytes():
-                    os.kill(pid, signal.SIGKILL)
+        for pid, _ in processes_mentioning(str(self.events)):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def summary(self) -> str:
         """Its events, for assertion messages."""
