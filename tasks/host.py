@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from uuid import UUID
 
@@ -87,24 +89,37 @@ def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | 
     adopted = datagen.host.handback.adopt_halt(halt_record, run_id)
     if adopted is not None:
         halted = adopted
+        signal_time_s = adopted.signal_time_s
         record = datagen.host.training.halt_training(
             adopted.training,
             flow_runs=flow_runs,
-            signalled_before_s=adopted.signalled_at_s if adopted.signalled_at_s is not None else 0.0,
+            signalled_before_s=signal_time_s if signal_time_s is not None else 0.0,
         )
     else:
         halted = HaltedTraining(training=training, run_id=run_id)
         # Recorded before the signal, so a run killed mid-halt leaves a record the next run adopts.
         record_halt(halt_record, halted)
 
-        def signalled(target: JobTarget) -> None:
+        @contextlib.contextmanager
+        def recording_signal(target: JobTarget) -> Iterator[None]:
             nonlocal halted
-            halted = halted.model_copy(
-                update={"signalled": True, "pids": target.pids, "signalled_at_s": time.time()}
-            )
+            before = halted
+            halted = halted.model_copy(update={"pids": target.pids, "signalling_at_s": time.time()})
+            record_halt(halt_record, halted)
+            try:
+                yield
+            except Exception:
+                # The signal's own failure (e.g. no permission): it did not go out, training was not touched.
+                # An interrupt (BaseException) leaves "signalling": the signal may have gone out.
+                halted = before
+                record_halt(halt_record, halted)
+                raise
+            halted = halted.model_copy(update={"signalled": True, "signalled_at_s": time.time()})
             record_halt(halt_record, halted)
 
-        record = datagen.host.training.halt_training(training, flow_runs=flow_runs, on_signalled=signalled)
+        record = datagen.host.training.halt_training(
+            training, flow_runs=flow_runs, recording_signal=recording_signal
+        )
     record_halt(halt_record, halted.model_copy(update={"done": True}))
     if record.already_gone and record.kind != "none" and adopted is None:
         logger.warning(

@@ -4,8 +4,10 @@ The halt is recorded on the host next to the GPU lock (``<state_dir>/locks/<lock
 so it belongs to the box, not to one flow run, and only the lock's holder writes it:
 
 1. before the stop signal goes out the holder records that it is *halting* (``signalled: false``);
-2. the moment the signal (or the flow-run cancel) went out, it records ``signalled: true`` and the pids;
-3. once the job is gone it records the halt as *done*.
+2. right before the signal (or the flow-run cancel) goes out it records the job's pids and when it is
+   *signalling*; a run killed from here on may have signalled, so no later run signals again;
+3. the moment the signal went out, it records ``signalled: true``;
+4. once the job is gone it records the halt as *done*.
 
 Whoever stops the fleet first (the flow's ``finally`` after success, failure or a signal, or the
 cancellation/crash hook from the worker process) calls :func:`hand_back_gpus`: it claims the record by
@@ -53,7 +55,20 @@ class HaltedTraining(Record):
     done: bool = Field(default=False, description="The halt finished: the job is gone (or was never there).")
     pids: list[int] = Field(default_factory=list, description="The job's processes that were signalled.")
     signalled_at_s: float | None = Field(default=None, description="Epoch time the stop signal went out.")
+    signalling_at_s: float | None = Field(
+        default=None, description="Epoch time the stop signal was about to go out (it may have, unrecorded)."
+    )
     recorded_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @property
+    def may_have_signalled(self) -> bool:
+        """Whether the stop signal may have gone out: recorded as sent, or its sending had begun."""
+        return self.signalled or self.signalling_at_s is not None
+
+    @property
+    def signal_time_s(self) -> float | None:
+        """When the stop signal went out (or was about to): the epoch time the halt waits from."""
+        return self.signalled_at_s if self.signalled_at_s is not None else self.signalling_at_s
 
 
 def halt_record_path(lock_file: Path) -> Path:
@@ -87,14 +102,15 @@ def adopt_halt(path: Path, run_id: str | None) -> HaltedTraining | None:
     """A halt left by a run that died holding the GPUs, taken over by ``run_id`` (call with the lock held).
 
     Returns:
-        The adopted record (now naming ``run_id``) when the earlier run had signalled training; None when
-        there is nothing to adopt (no record, or the earlier run died before its stop signal went out, in
-        which case training was never touched and the record is dropped).
+        The adopted record (now naming ``run_id``) when the earlier run may have signalled training (it had
+        begun sending the signal: killed between the signal and its record, it still never gets a second
+        one); None when there is nothing to adopt (no record, or the earlier run died before it began to
+        signal, in which case training was never touched and the record is dropped).
     """
     halt = read_halt(path)
     if halt is None:
         return None
-    if not halt.signalled and not halt.done:
+    if not halt.may_have_signalled and not halt.done:
         path.unlink(missing_ok=True)
         logger.info("earlier run %s died before it signalled training: nothing to adopt", halt.run_id)
         return None
@@ -104,6 +120,13 @@ def adopt_halt(path: Path, run_id: str | None) -> HaltedTraining | None:
         halt.run_id,
         run_id,
     )
+    if not halt.signalled and not halt.done:
+        logger.warning(
+            "run %s died while it sent the stop signal: training is not signalled again; if the signal never "
+            "reached it, it does not stop, and this run waits training.stop_timeout_s before it fails (or "
+            "kills it, with training.escalate)",
+            halt.run_id,
+        )
     adopted = halt.model_copy(update={"run_id": run_id})
     record_halt(path, adopted)
     return adopted
@@ -134,7 +157,7 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
     halt = read_halt(path)
     if halt is None:
         return None
-    if not halt.signalled and not halt.done:
+    if not halt.may_have_signalled and not halt.done:
         # Interrupted before the stop signal: training was never touched.
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

@@ -10,6 +10,7 @@ no longer running is recorded as *already gone*, so a retried flow never fails h
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import logging
 import os
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
@@ -141,7 +143,7 @@ def halt_training(
     flow_runs: FlowRunControl | None = None,
     gpu: GpuQueries | None = None,
     signalled_before_s: float | None = None,
-    on_signalled: Callable[[JobTarget], None] | None = None,
+    recording_signal: Callable[[JobTarget], AbstractContextManager[object]] | None = None,
 ) -> HaltRecord:
     """Stop the training job gracefully and report what happened.
 
@@ -153,7 +155,8 @@ def halt_training(
         signalled_before_s: When an earlier run (killed since) already asked the job to stop: the epoch
             time of that signal. The stop signal is never sent again; the halt only waits for the exit
             (and escalates after the timeout, if configured).
-        on_signalled: Called with the target right after the stop signal went out (to record it).
+        recording_signal: Entered with the target right before the stop signal goes out and left right after
+            (to record both: a crash between the two must never lead to a second signal).
 
     Returns:
         The record. ``already_gone`` when the job no longer runs (a second call after a successful halt
@@ -194,9 +197,8 @@ def halt_training(
             cfg.stop_timeout_s,
         )
     else:
-        handle.request_stop(target, signum)
-        if on_signalled is not None:
-            on_signalled(target)
+        with recording_signal(target) if recording_signal is not None else contextlib.nullcontext():
+            handle.request_stop(target, signum)
         logger.info(
             "asked training to stop kind=%s target=%s signal=%s timeout_s=%.0f",
             cfg.kind,

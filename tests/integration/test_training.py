@@ -4,6 +4,7 @@ run on the real test API; the checkpoint marker, the GPU release check, and the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -118,6 +119,22 @@ def test_graceful_halt_waits_for_the_checkpoint_and_the_exit(trainer: Trainer) -
     assert checkpoint.name.startswith("checkpoint-")
     assert checkpoint.read_bytes()
     assert 0 < record.waited_s < 20
+
+
+def test_the_signal_is_recorded_right_before_it_goes_out_and_right_after(trainer: Trainer) -> None:
+    seen: list[tuple[str, list[int], bool | None]] = []
+
+    @contextlib.contextmanager
+    def recording_signal(target: JobTarget) -> Iterator[None]:
+        # Entered before the signal: the trainer has not begun its checkpoint yet.
+        seen.append(("before", target.pids, any(trainer.checkpoint_dir.glob("checkpoint-*.pt"))))
+        yield
+        seen.append(("after", target.pids, None))
+
+    record = halt_training(trainer.config(), recording_signal=recording_signal)
+
+    assert record.stopped and trainer.process.wait(timeout=5) == 0
+    assert seen == [("before", [trainer.process.pid], False), ("after", [trainer.process.pid], None)]
 
 
 def test_second_halt_finds_the_job_already_gone_and_keeps_the_checkpoint(trainer: Trainer) -> None:

@@ -93,3 +93,30 @@ def test_a_job_still_stopping_is_not_started_beside_itself(
         stopping.wait()
     assert hand_back_gpus(record) is not None
     assert _wait_for(marker).split() == ["up"]
+
+
+def test_a_run_killed_while_sending_the_stop_signal_leaves_a_halt_no_later_run_signals_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The record a run leaves when it dies between the signal and the record of it: pids and "signalling".
+    monkeypatch.setattr(datagen.host.handback, "STOPPING_JOB_WAIT_S", 0.3)
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "gpus.training-halted.json"
+    stopping = subprocess.Popen(["sleep", "30"])  # the job, still writing its checkpoint
+    try:
+        halt = HaltedTraining(
+            training=_training(marker), run_id="killed", pids=[stopping.pid], signalling_at_s=5.0
+        )
+        record_halt(record, halt)
+        # The killed run's own hook (or a signal's `finally`) neither forgets the halt nor restarts the job.
+        assert hand_back_gpus(record) is None
+        assert read_halt(record) == halt
+        adopted = adopt_halt(record, "resume")
+        assert adopted is not None and adopted.run_id == "resume"
+        assert adopted.may_have_signalled and not adopted.signalled
+        assert adopted.signal_time_s == 5.0, "the resume waits from the earlier signal, never sends its own"
+    finally:
+        stopping.kill()
+        stopping.wait()
+    assert hand_back_gpus(record) is not None
+    assert _wait_for(marker).split() == ["up"]
