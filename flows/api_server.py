@@ -111,7 +111,9 @@ class LocalApiServer:
         assert spec is not None and spec.submodule_search_locations
         argv = [
             sys.executable,
+            # uvicorn under datagen's collector settings: importing Prefect's server is most of its boot.
             "-m",
+            "datagen.gc_tuning",
             "uvicorn",
             "--app-dir",
             str(Path(next(iter(spec.submodule_search_locations))).parent),

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from datagen.app import cli
+from datagen.gc_tuning import tune_garbage_collector
 
 if TYPE_CHECKING:
     from datagen.app.runner import ExpandFlow
@@ -49,6 +50,7 @@ def load_expand_flow() -> ExpandFlow:
 
 def main() -> None:
     """Console-script entry point: the `datagen` command line with the `expand` flow."""
+    tune_garbage_collector()
     cli.main(load_expand_flow)
 
 

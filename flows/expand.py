@@ -34,6 +34,7 @@ from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.errors import ShardsFailedError
+from datagen.gc_tuning import tune_garbage_collector
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
@@ -72,9 +73,8 @@ from tasks.runtime import (
 from tasks.series import open_series_entry, write_ledger
 from tasks.task_runner import InterruptibleThreadPoolTaskRunner
 
-# Threads for concurrently running tasks: prepare tasks plus shard tasks. A shard task mostly waits for
-# its results (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the
-# requests in play, not this.
+# Threads for concurrently running tasks (prepare and shard tasks). A shard task mostly waits for its results
+# (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the requests in play.
 FLOW_TASK_WORKERS = 256
 # Shard tasks running at once unless generation.max_concurrent_shards says otherwise: room for shards
 # waiting on their slowest requests (a long tail keeps dozens of them open) while new ones feed the
@@ -437,6 +437,7 @@ def expand(
     Returns:
         Where the run landed and its headline counts.
     """
+    tune_garbage_collector()  # a deployment's flow run is a process of Prefect's runner, not of `datagen`
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     with forward_thread_logs(flow_run_id), explain_failure():

@@ -9,6 +9,7 @@ tests are independent whole runs and go to whichever worker is free. Units are h
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import shutil
 import tempfile
@@ -18,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from datagen.gc_tuning import tune_garbage_collector
 from tests.support.prefect_db import TEMPLATE_ENV, seed_prefect_home, session_folder, start_building
 from tests.support.workers import WORKER_ID
 
@@ -35,6 +37,10 @@ _WORKER_ROOT = Path(tempfile.mkdtemp(prefix=f"datagen-tests-{WORKER_ID}-"))
 atexit.register(shutil.rmtree, _WORKER_ROOT, ignore_errors=True)
 os.environ["DATAGEN_STATE_DIR"] = str(_WORKER_ROOT / "state")
 os.environ["PREFECT_HOME"] = str(_WORKER_ROOT / "prefect-home")
+
+# datagen's own processes run under its collector settings (datagen.gc_tuning); so do the test processes, whose
+# heaps (torch, transformers, Prefect, every test module) are larger still.
+tune_garbage_collector()
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -131,6 +137,11 @@ def _rank(nodeid: str) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put the heaviest units first; the sort is stable, so a module's tests keep their order."""
     items.sort(key=lambda item: _rank(item.nodeid))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Exempt what collection imported (it lives as long as the process) from every later full collection."""
+    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)

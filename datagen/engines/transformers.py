@@ -70,7 +70,10 @@ class TransformersEngine(EngineRecipe):
         device = "cpu" if slot.device == "cpu" else "cuda:0"
         argv = [
             sys.executable,
+            # The serve command under datagen's collector settings: its start imports torch and transformers
+            # (~1 s less CPU; see datagen.gc_tuning), and its batching loop allocates all the time.
             "-m",
+            "datagen.gc_tuning",
             "transformers.cli.transformers",
             "serve",
             "--continuous-batching",

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from datagen.config import MultiTurnPolicy
+from datagen.gc_tuning import tune_garbage_collector
 from datagen.output.s3_client import S3Credentials
 from datagen.prompts.datasets.model import Rejection, RejectionReason
 from datagen.prompts.datasets.registry import normalise_row
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     # kills its workers as it stops); a worker whose parent died stops by itself (scan_dataset).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    tune_garbage_collector()
     request_path, spool_path = (argv if argv is not None else sys.argv[1:])[:2]
     request = ScanRequest.from_json(Path(request_path).read_text())
     revealed = os.environ.get(CREDENTIALS_ENV)

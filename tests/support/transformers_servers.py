@@ -60,7 +60,8 @@ class TransformersServer:
     def argv(self) -> list[str]:
         """The command line."""
         return [
-            sys.executable, "-m", "transformers.cli.transformers", "serve", "--continuous-batching",
+            # Launched as datagen's CPU engine launches it (under datagen.gc_tuning).
+            sys.executable, "-m", "datagen.gc_tuning", "transformers.cli.transformers", "serve", "--continuous-batching",
             "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
             "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-block-size", str(CB_BLOCK_SIZE_TOKENS),
             str(self.model_dir),
