@@ -34,7 +34,8 @@ def _deployments(prefect_file: Path) -> list[tuple[str, str | None]]:
 
 def _prefect(args: list[str], repo: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "prefect", *args],
+        # Prefect's CLI under datagen's collector settings: importing Prefect is most of its work.
+        [sys.executable, "-m", "datagen.gc_tuning", "prefect", *args],
         cwd=repo,
         env=os.environ.copy(),
         capture_output=True,
