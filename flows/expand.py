@@ -24,6 +24,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
+from prefect.exceptions import ExternalSignal
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
@@ -76,12 +77,10 @@ from tasks.task_runner import InterruptibleThreadPoolTaskRunner
 # Threads for concurrently running tasks (prepare and shard tasks). A shard task mostly waits for its results
 # (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the requests in play.
 FLOW_TASK_WORKERS = 256
-# Shard tasks running at once unless generation.max_concurrent_shards says otherwise: room for shards
-# waiting on their slowest requests (a long tail keeps dozens of them open) while new ones feed the
-# backlog, and a few threads left over for prepare tasks.
+# Shard tasks running at once unless generation.max_concurrent_shards says otherwise: room for shards waiting
+# on their slowest requests (a long tail keeps dozens open) while new ones feed the backlog, and for prepares.
 MAX_SHARD_TASKS = 224
-# How often the flow starts shard tasks when the dispatcher's backlog runs low; the backlog holds
-# seconds of work, so a fifth of a second is quick enough and costs nothing.
+# How often the flow starts shard tasks when the dispatcher's backlog runs low (it holds seconds of work).
 SCHEDULE_INTERVAL_S = 0.2
 # How often the flow refreshes the progress bar and the terminal progress line.
 PROGRESS_INTERVAL_S = 5.0
@@ -316,9 +315,8 @@ def _generate_all(
         )
         return registered + starting
 
-    # Finished shard futures arrive here (their done-callback runs on the worker thread). Not prefect's
-    # wait(timeout=): its SIGALRM-based timeout, armed five times a second, was seen to escape as a
-    # CancelledError on a loaded machine and fail the run.
+    # Finished shard futures arrive here (their done-callback runs on the worker thread). Not prefect's wait(
+    # timeout=): its SIGALRM timeout, armed five times a second, escaped as a CancelledError under load.
     finished: queue.SimpleQueue[PrefectFuture[ShardSummary]] = queue.SimpleQueue()
     while waiting_prepare or pending or running:
         take_prepared(block=not pending and not running)
@@ -340,9 +338,11 @@ def _generate_all(
             shard = running.pop(future)
             try:
                 summaries.append(future.result())
-            except BaseException as error:  # keep the other shards going; the run fails at the end
+            except (KeyboardInterrupt, SystemExit, ExternalSignal):  # signalled while it waited here
+                raise
+            except BaseException as error:  # a shard's own failure: the run fails at the end
                 logger.error(
-                    "shard failed dataset=%s shard=%05d error=%s", shard.dataset, shard.shard_index, error
+                    "shard failed dataset=%s shard=%05d error=%r", shard.dataset, shard.shard_index, error
                 )
                 errors.append(error)
         # Finished shards count all their requests (stored by any attempt); running ones what they have so far.
@@ -551,7 +551,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                     _record_generation_window(store, layout, attempt_id, generation_wall_s, servers, finished)
     if errors:
         raise ShardsFailedError(
-            f"{len(errors)} shard(s) failed (first: {errors[0]}); everything else is stored. "
+            f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored. "
             f"Run again with run_id={run.run_id} (datagen run --run-id {run.run_id}) to resume: "
             "finished shards are not generated again.",
             run_id=run.run_id,
