@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -76,44 +77,26 @@ def test_a_halt_left_by_a_killed_run_is_adopted_and_handed_back_once(tmp_path: P
     assert _wait_for(marker).split() == ["up"]
 
 
-def test_a_job_still_stopping_is_not_started_beside_itself(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+# "signalling": the record a run leaves when it dies between the stop signal and the record of it.
+@pytest.mark.parametrize("recorded", ["signalled", "signalling"])
+def test_a_job_still_stopping_is_neither_started_beside_itself_nor_signalled_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded: str
 ) -> None:
     monkeypatch.setattr(datagen.host.handback, "STOPPING_JOB_WAIT_S", 0.3)
     marker = tmp_path / "restarted.txt"
     record = tmp_path / "gpus.training-halted.json"
-    stopping = subprocess.Popen(["sleep", "30"])
-    try:
-        halt = HaltedTraining(training=_training(marker), run_id="r1", signalled=True, pids=[stopping.pid])
-        record_halt(record, halt)
-        assert hand_back_gpus(record) is None
-        assert read_halt(record) == halt, "the record stays for the next run to adopt"
-    finally:
-        stopping.kill()
-        stopping.wait()
-    assert hand_back_gpus(record) is not None
-    assert _wait_for(marker).split() == ["up"]
-
-
-def test_a_run_killed_while_sending_the_stop_signal_leaves_a_halt_no_later_run_signals_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The record a run leaves when it dies between the signal and the record of it: pids and "signalling".
-    monkeypatch.setattr(datagen.host.handback, "STOPPING_JOB_WAIT_S", 0.3)
-    marker = tmp_path / "restarted.txt"
-    record = tmp_path / "gpus.training-halted.json"
+    sent: dict[str, Any] = (
+        {"signalled": True, "signalled_at_s": 5.0} if recorded == "signalled" else {"signalling_at_s": 5.0}
+    )
     stopping = subprocess.Popen(["sleep", "30"])  # the job, still writing its checkpoint
     try:
-        halt = HaltedTraining(
-            training=_training(marker), run_id="killed", pids=[stopping.pid], signalling_at_s=5.0
-        )
+        halt = HaltedTraining(training=_training(marker), run_id="r1", pids=[stopping.pid], **sent)
         record_halt(record, halt)
-        # The killed run's own hook (or a signal's `finally`) neither forgets the halt nor restarts the job.
+        # The run's own hand-back (its `finally`, the crash hook) neither forgets the halt nor restarts the job.
         assert hand_back_gpus(record) is None
-        assert read_halt(record) == halt
+        assert read_halt(record) == halt, "the record stays for the next run to adopt"
         adopted = adopt_halt(record, "resume")
-        assert adopted is not None and adopted.run_id == "resume"
-        assert adopted.may_have_signalled and not adopted.signalled
+        assert adopted is not None and adopted.run_id == "resume" and adopted.may_have_signalled
         assert adopted.signal_time_s == 5.0, "the resume waits from the earlier signal, never sends its own"
     finally:
         stopping.kill()
