@@ -47,6 +47,11 @@ def tune_garbage_collector() -> None:
     atexit.register(gc.freeze)
 
 
+def tuned_module_argv(module: str) -> list[str]:
+    """The start of the command line running ``module`` as ``python -m module`` would, collector tuned."""
+    return [sys.executable, "-m", "datagen.gc_tuning", module]
+
+
 def run_module(argv: list[str]) -> None:
     """Run ``argv[0]`` (a module) as ``__main__`` with ``argv[1:]`` as its arguments, collector tuned.
 

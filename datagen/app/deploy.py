@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import yaml
 
 from datagen.app.codeversion import checkout_root, code_version
 from datagen.errors import ConfigError
+from datagen.gc_tuning import tuned_module_argv
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
 PREFECT_TIMEOUT_S = 600.0
@@ -35,7 +35,7 @@ def _deployments(prefect_file: Path) -> list[tuple[str, str | None]]:
 def _prefect(args: list[str], repo: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         # Prefect's CLI under datagen's collector settings: importing Prefect is most of its work.
-        [sys.executable, "-m", "datagen.gc_tuning", "prefect", *args],
+        [*tuned_module_argv("prefect"), *args],
         cwd=repo,
         env=os.environ.copy(),
         capture_output=True,

@@ -223,9 +223,8 @@ def _refusal(call: Any, argv: list[str]) -> tuple[Any, str | None]:
     except SystemExit:
         lines = stderr.getvalue().strip().splitlines()
         return None, lines[-1] if lines else "exit"
-    except (
-        Exception
-    ) as error:  # argparse.ArgumentError, type conversions, a --config file that cannot be merged
+    # argparse.ArgumentError, type conversions, a --config file that cannot be merged
+    except Exception as error:
         return None, f"{type(error).__name__}: {error}"
 
 

@@ -13,11 +13,12 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
+
+from datagen.gc_tuning import tuned_module_argv
 
 READY_TIMEOUT_S = 120.0
 READY_POLL_S = 0.25
@@ -61,7 +62,7 @@ class TransformersServer:
         """The command line."""
         return [
             # Launched as datagen's CPU engine launches it (under datagen.gc_tuning).
-            sys.executable, "-m", "datagen.gc_tuning", "transformers.cli.transformers", "serve", "--continuous-batching",
+            *tuned_module_argv("transformers.cli.transformers"), "serve", "--continuous-batching",
             "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
             "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-block-size", str(CB_BLOCK_SIZE_TOKENS),
             str(self.model_dir),
