@@ -15,7 +15,8 @@ itself.
 
 ``python -m datagen.gc_tuning MODULE [ARG...]`` runs another module's command line (``uvicorn``,
 ``transformers.cli.transformers``) as ``__main__`` under the same settings, exactly as
-``python -m MODULE [ARG...]`` would.
+``python -m MODULE [ARG...]`` would, and with room on its main thread's frame stack
+(:mod:`datagen.stack_room`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import atexit
 import gc
 import runpy
 import sys
+
+from datagen.stack_room import call_with_stack_room
 
 # Allocations between collections of the young generation (CPython's default: 700).
 YOUNG_COLLECTION_EVERY = 50_000
@@ -67,7 +70,8 @@ def run_module(argv: list[str]) -> None:
     tune_garbage_collector()
     # As under `python -m MODULE`: runpy puts the module's file in argv[0], the arguments follow.
     sys.argv = list(argv)
-    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+    # With room on the frame stack (datagen.stack_room): a server's event loop calls back and forth all the time.
+    call_with_stack_room(runpy.run_module, argv[0], run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

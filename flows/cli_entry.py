@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from datagen.app import cli
 from datagen.gc_tuning import tune_garbage_collector
+from datagen.stack_room import call_with_stack_room
 
 if TYPE_CHECKING:
     from datagen.app.runner import ExpandFlow
@@ -51,7 +52,9 @@ def load_expand_flow() -> ExpandFlow:
 def main() -> None:
     """Console-script entry point: the `datagen` command line with the `expand` flow."""
     tune_garbage_collector()
-    cli.main(load_expand_flow)
+    # The whole command with room on the frame stack: see datagen.stack_room (a run maps and unmaps ~8,000
+    # chunks of it otherwise).
+    call_with_stack_room(cli.main, load_expand_flow)
 
 
 if __name__ == "__main__":

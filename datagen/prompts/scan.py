@@ -264,5 +264,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run as the module's importable name, not as __main__: the events pickle by their module's name.
     from datagen.prompts import scan
+    from datagen.stack_room import call_with_stack_room
 
-    sys.exit(scan.main())
+    sys.exit(call_with_stack_room(scan.main))

@@ -20,7 +20,18 @@ FORBIDDEN_PACKAGES = frozenset({"prefect", "flows", "tasks"})
 # The modules every stage shares, at the top of the package.
 SHARED = "shared"
 SHARED_MODULES = frozenset(
-    {"config", "settings", "errors", "records", "samples", "templates", "processes", "literals", "gc_tuning"}
+    {
+        "config",
+        "settings",
+        "errors",
+        "records",
+        "samples",
+        "templates",
+        "processes",
+        "literals",
+        "gc_tuning",
+        "stack_room",
+    }
 )
 STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")
 # What each layer may import (itself included); the app layer composes everything.
