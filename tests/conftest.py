@@ -12,6 +12,7 @@ import atexit
 import gc
 import os
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from datagen.gc_tuning import tune_garbage_collector
+from datagen.gc_tuning import tune_garbage_collector, tuned_module_argv
 from datagen.stack_room import call_with_stack_room
 from tests.support.prefect_db import TEMPLATE_ENV, seed_prefect_home, session_folder, start_building
 from tests.support.workers import WORKER_ID
@@ -66,6 +67,24 @@ def store_root(tmp_path: Path) -> Path:
     return root
 
 
+class _SubprocessWithTunedUvicorn:
+    """``subprocess`` as the harness's server class sees it: its ``python -m uvicorn`` starts as datagen's own.
+
+    The harness's API server serves every in-process flow of a worker for the whole session; as datagen's
+    temporary server (flows.api_server), it runs under ``python -m datagen.gc_tuning uvicorn``: collector
+    settings and room on its event loop's frame stack (datagen.stack_room). Any other command is unchanged.
+    """
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+    @staticmethod
+    def Popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:  # named as what it stands in for
+        if list(args[1:3]) == ["-m", "uvicorn"]:
+            args = [*tuned_module_argv("uvicorn"), *args[3:]]
+        return subprocess.Popen(args, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
     """Prefect's real test harness (a temporary API server on SQLite); yields its API URL."""
@@ -79,6 +98,7 @@ def prefect_api() -> Iterator[str]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("prefect.testing.utilities.mkdtemp", seeded_mkdtemp)
+        patch.setattr("prefect.server.api.server.subprocess", _SubprocessWithTunedUvicorn())
         with prefect_test_harness(server_startup_timeout=120):
             yield str(PREFECT_API_URL.value())
 
