@@ -1,23 +1,22 @@
-# The two commands a newcomer needs: `make demo` and `make test`. Each installs what it needs into .venv.
-# The interpreter .venv is made from: the system's /usr/bin/python3 when it is 3.11 or newer and can make venvs,
-# else the first python3 on PATH. Debian builds its interpreter with PGO and LTO and links it statically; pyenv's
-# default build (first on PATH on machines of this kind) does neither. On a 2-core box of this kind the suite's
-# ~250 Python processes spend most of their CPU importing: imports take ~15% less CPU there, a pure-Python loop
-# ~25% less, and the suite ran 352.5 s against 384.9 s in the same hour. PYTHON=... picks another.
-PYTHON ?= $(shell for candidate in /usr/bin/python3 python3; do \
-	$$candidate -c 'import ensurepip, sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
-	&& { echo $$candidate; break; }; done)
+# The two commands a newcomer needs: `make demo` and `make test`. Each installs what it needs into .venv, exactly
+# what requirements/dev.txt pins (hashes checked), so what passes today passes next month; `make lock` refreshes
+# every lock (requirements/refresh.py says which file serves which environment).
+# The dev lock is for CPython 3.11 on Linux x86_64; PYTHON=... picks the interpreter a new .venv is made from.
+PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# torch 2.13.0 is the CPU build that lies on this kind of machine's disk; any other spec pulls a CUDA build.
-TORCH_SPEC ?= torch==2.13.0
+LOCKS := requirements/dev.txt requirements/bootstrap.txt requirements/build.txt
+UV := $(BIN)/python -m uv
+# torch's CPU build lies in /opt/wheels on this kind of machine (dev.txt pins torch==2.13.0+cpu); uv reads no
+# pip config, so it is told where.
+UV_FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+export UV_PYTHON_DOWNLOADS := never
 DEMO_RUN_ID ?= demo
 PYTEST_ARGS ?=
-# pytest-xdist workers: two per core, at most 4 (tests/support/workers.py gives 4 workers port ranges of their own).
-# The suite's tests spend about half their time waiting on the servers, CLIs and Prefect processes they start,
-# so a second worker per core fills that time: on 2 cores, 4 workers ran it in 366 s, 3 in 396-422 s, 2 in
-# 452-455 s. PYTEST_WORKERS=0 runs in this process, one test after another.
+# pytest-xdist workers: two per core, at most 4 (tests/support/workers.py gives 4 workers port ranges of their own):
+# the tests spend about half their time waiting on the servers, CLIs and Prefect processes they start, so a second
+# worker per core fills that time. PYTEST_WORKERS=0 runs in this process, one test after another.
 PYTEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( 2 * n < 4 ? 2 * n : 4 )))
 # When make started: `make test` prints the set-up time (venvs) apart from pytest's own test time.
 MAKE_START := $(shell date +%s)
@@ -25,19 +24,23 @@ MAKE_START := $(shell date +%s)
 SGLANG_VENVS := .venv-sglang/.built
 TRAINER_VENVS := .venv-trainers/.built
 
-.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick
+.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick lock
 
 help:
 	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
 	@echo "make test   - run the test suite"
 	@echo "make lint   - ruff + mypy"
+	@echo "make lock   - refresh every lock in requirements/ from pyproject.toml and the venv recipes (commit them)"
 	@echo "make bench  - datagen's whole flow vs an ideal and a SpecForge-style client on simulated servers (~10 min)"
 
-$(STAMP): pyproject.toml
+$(STAMP): $(LOCKS) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[local,dev]" "$(TORCH_SPEC)"
+	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
+		echo "requirements/dev.txt is locked for CPython 3.11: rm -rf $(VENV) and run make with PYTHON=python3.11"; \
+		exit 1; }
+	$(BIN)/python -m pip install -q --no-deps --require-hashes -r requirements/bootstrap.txt
+	$(UV) pip sync -q --python $(BIN)/python --require-hashes $(UV_FIND_LINKS) requirements/dev.txt
+	$(UV) pip install -q --python $(BIN)/python --no-deps --build-constraints requirements/build.txt -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -45,17 +48,16 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m flows.cli_entry demo --run-id $(DEMO_RUN_ID)
 
-# Per-version sglang venvs (wheel --no-deps + a few small packages) for the real-parser contract tests;
-# built once (~2 min from PyPI), reused while tests/support/sglang_venv.py is unchanged.
-$(SGLANG_VENVS): tests/support/sglang_venv.py $(STAMP)
+# Per-version sglang venvs (the wheel + a few small packages, from requirements/sglang-*.txt) for the
+# real-parser contract tests; rebuilt when a lock changes.
+$(SGLANG_VENVS): tests/support/sglang_venv.py tests/support/locked_venv.py $(wildcard requirements/sglang-*.txt) $(STAMP)
 	$(BIN)/python -m tests.support.sglang_venv
 	touch $(SGLANG_VENVS)
 
 sglang-venvs: $(SGLANG_VENVS)
 
-# SpecForge's and speculators' data-loading code (wheels --no-deps + light packages) for the export tests;
-# built once (~1 min from PyPI), reused while tests/support/trainer_venvs.py is unchanged.
-$(TRAINER_VENVS): tests/support/trainer_venvs.py $(STAMP)
+# SpecForge's and speculators' data-loading code (from requirements/trainer-*.txt) for the export tests.
+$(TRAINER_VENVS): tests/support/trainer_venvs.py tests/support/locked_venv.py $(wildcard requirements/trainer-*.txt) $(STAMP)
 	$(BIN)/python -m tests.support.trainer_venvs
 	touch $(TRAINER_VENVS)
 
@@ -70,8 +72,8 @@ test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check datagen flows tasks tests benchmarks
-	$(BIN)/ruff format --check datagen flows tasks tests benchmarks
+	$(BIN)/ruff check datagen flows tasks tests benchmarks requirements
+	$(BIN)/ruff format --check datagen flows tasks tests benchmarks requirements
 	$(BIN)/mypy
 
 # Simulated servers (benchmarks/simulator.py) on this machine; BENCH_ARGS="--quick" for a short run.
@@ -81,6 +83,13 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(BIN)/python benchmarks/bench.py --quick $(BENCH_ARGS)
+
+# Compile the project's locks, sync .venv to the new dev.txt, then lock the validation venvs against it.
+lock:
+	test -x $(BIN)/python || { $(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip install -q "uv>=0.13"; }
+	$(BIN)/python requirements/refresh.py project
+	$(MAKE) setup
+	$(BIN)/python requirements/refresh.py validation
 
 clean-demo:
 	rm -rf runs datasets

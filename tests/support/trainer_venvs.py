@@ -1,36 +1,33 @@
 """Small venvs holding the drafter trainers' data-loading code, for the export contract tests on a CPU box.
 
 ``.venv-trainers/specforge`` holds SpecForge's wheel and ``.venv-trainers/speculators`` vllm-project speculators'
-wheel, each installed ``--no-deps`` from PyPI at the release we validate against, plus the few pure-Python
-packages their data modules import and the ``transformers`` release each one pins (SpecForge ``==5.8.1``,
-speculators ``<=5.19.0``: the test interpreter's is newer). Everything else (torch CPU, numpy, pydantic,
-tokenizers, ...) comes from the interpreter running the tests, through a ``.pth`` file that appends its
-site-packages. Their GPU stacks (sglang, flash-attn, vLLM, torchvision, mooncake) are not installed: the
-modules the tests and ``benchmarks/compare_trainer_masks.py`` use do not import them. Two small real
-dependencies are needed at import time: speculators' package ``__init__`` imports its training data module,
-which imports ``hs_connectors`` (24 kB, pure Python, installed ``--no-deps``); SpecForge's pinned transformers
-checks ``tokenizers<=0.23.0`` and ``huggingface-hub<2`` at import (installed at those versions in its venv).
+wheel at the release we validate against, plus the few pure-Python packages their data modules import and the
+``transformers`` release each one pins (SpecForge ``==5.8.1``, speculators ``<=5.19.0``: the dev venv's is
+newer). Each is installed from its own lock, ``requirements/trainer-<name>.txt``; torch CPU, numpy, pydantic,
+tokenizers, ... come from the locked dev ``.venv`` (:mod:`tests.support.locked_venv`). Their GPU stacks (sglang,
+flash-attn, vLLM, torchvision, mooncake) are not installed: the modules the tests and
+``benchmarks/compare_trainer_masks.py`` use do not import them. Two small real dependencies are needed at import
+time: speculators' package ``__init__`` imports its training data module, which imports ``hs_connectors``
+(24 kB, pure Python); SpecForge's pinned transformers checks ``tokenizers<=0.23.0`` and ``huggingface-hub<2`` at
+import (installed at those versions in its venv).
 
-Built once (about a minute each, from PyPI) and reused while ``.venv-trainers/<trainer>/.ready`` names the same
-packages: ``python -m tests.support.trainer_venvs`` (what ``make test`` runs) or on first use by the tests.
+Built once (seconds, from the lock) and reused while ``.venv-trainers/<trainer>/.ready`` names the same lock:
+``python -m tests.support.trainer_venvs`` (what ``make test`` runs) or on first use by the tests. ``make lock``
+re-resolves :data:`TRAINERS` and rewrites the locks.
 """
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import sys
-import sysconfig
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support.locked_venv import REPO_ROOT, build_from_lock, is_ready, lock_path, mark_ready
+
 VENV_ROOT = REPO_ROOT / ".venv-trainers"
 SPECFORGE_VERSION = "0.2.0"
 SPECULATORS_VERSION = "0.9.0"
-READY_MARKER = ".ready"
-PIP_TIMEOUT_S = 600
-# Per trainer: the wheel (--no-deps), packages installed --no-deps at the trainer's pin, and light packages
-# installed with their dependencies (resolved against the test interpreter's site-packages).
+# Per trainer, the recipe `make lock` resolves: the wheel and packages installed --no-deps at the trainer's pin,
+# and light packages installed with their dependencies (resolved against the dev venv's site-packages).
 TRAINERS: dict[str, dict[str, tuple[str, ...]]] = {
     "specforge": {
         "no_deps": (f"specforge=={SPECFORGE_VERSION}", "transformers==5.8.1", "tokenizers==0.22.2"),
@@ -48,34 +45,18 @@ def venv_python(trainer: str) -> Path:
     return VENV_ROOT / trainer / "bin" / "python"
 
 
-def _pip(venv: Path, *args: str) -> None:
-    command = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", *args]
-    subprocess.run(command, check=True, timeout=PIP_TIMEOUT_S)
+def lock_name(trainer: str) -> str:
+    """The lock file's name (``requirements/<name>.txt``) of ``trainer``'s venv."""
+    return f"trainer-{trainer}"
 
 
 def ensure_venv(trainer: str) -> Path:
-    """Build (once) the venv of ``trainer`` (``specforge`` or ``speculators``); returns its interpreter."""
+    """Build (once) the venv of ``trainer`` (``specforge`` or ``speculators``) from its lock."""
     venv = VENV_ROOT / trainer
-    spec = TRAINERS[trainer]
-    stamp = " ".join(spec["no_deps"] + spec["deps"]) + "\n"
-    marker = venv / READY_MARKER
-    if marker.is_file() and marker.read_text() == stamp:
-        return venv_python(trainer)
-    shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    site = Path(
-        subprocess.run(
-            [str(venv_python(trainer)), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True,
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-    )
-    # After the venv's own packages: the test interpreter's torch, numpy, pydantic, tokenizers, ...
-    (site / "zz_test_interpreter.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _pip(venv, "--no-deps", *spec["no_deps"])
-    _pip(venv, *spec["deps"])
-    marker.write_text(stamp)
+    lock = lock_path(lock_name(trainer))
+    if not is_ready(venv, lock):
+        build_from_lock(venv, lock)
+        mark_ready(venv, lock)
     return venv_python(trainer)
 
 

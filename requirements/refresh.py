@@ -1,0 +1,188 @@
+"""Refresh every lock of the project: ``make lock`` (the one command; commit what it rewrites).
+
+Each environment the project makes installs exactly one of these files, never a fresh resolution:
+
+- ``dev.txt``: ``pyproject.toml``'s dependencies with the ``local`` and ``dev`` extras, for CPython 3.11 on
+  Linux x86_64 (this kind of machine), torch as the CPU build in ``/opt/wheels``; ``make setup``, ``make demo``
+  and ``make test`` sync ``.venv`` to it.
+- ``bootstrap.txt``: uv, the installer, at ``dev.txt``'s version (pip installs it into a new ``.venv``).
+- ``build.txt``: setuptools and wheel for the editable install of datagen itself.
+- ``gpu.txt``: the serving set a GPU host installs into an environment of its own (never the trainer's):
+  the dependencies with the ``gpu`` extra (sglang, its CUDA torch), for CPython 3.12 on Linux x86_64.
+- ``sglang-<version>.txt``, ``trainer-<name>.txt``: the validation venvs' own packages
+  (:mod:`tests.support.locked_venv`).
+
+``dev.txt`` and ``gpu.txt`` record a digest of the declarations they were compiled from;
+``tests/unit/test_locks.py`` fails when ``pyproject.toml`` and a lock disagree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT))
+
+LOCK_DIR = REPO_ROOT / "requirements"
+PYPROJECT = REPO_ROOT / "pyproject.toml"
+DIGEST_PREFIX = "# pyproject-digest: "
+REFRESH_COMMAND = "make lock"
+# The dev lock's interpreter and platform: this kind of machine (CPython 3.11, glibc x86_64).
+DEV_TARGET = ("3.11", "x86_64-manylinux_2_28")
+# The GPU hosts' serving set: CPython 3.12 (what the H200 hosts run), sglang's wheels need glibc 2.34.
+GPU_TARGET = ("3.12", "x86_64-manylinux_2_34")
+# The CPU build of torch that lies on this kind of machine's disk; PyPI's 2.13.0 is a CUDA build.
+DEV_TORCH = "torch==2.13.0+cpu"
+LOCKS: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
+    "dev.txt": (("local", "dev"), DEV_TARGET),
+    "gpu.txt": (("gpu",), GPU_TARGET),
+}
+
+
+def declared(extras: tuple[str, ...]) -> list[str]:
+    """The requirement strings a lock is compiled from: the dependencies plus ``extras``, as written."""
+    project = tomllib.loads(PYPROJECT.read_text())["project"]
+    optional = project.get("optional-dependencies", {})
+    return list(project["dependencies"]) + [req for extra in extras for req in optional[extra]]
+
+
+def declaration_digest(extras: tuple[str, ...]) -> str:
+    """A digest of what a lock is compiled from: any change to those declarations asks for ``make lock``."""
+    return hashlib.sha256(json.dumps(declared(extras)).encode()).hexdigest()
+
+
+def recorded_digest(lock: Path) -> str | None:
+    """The digest a lock file recorded when it was compiled."""
+    for line in lock.read_text().splitlines():
+        if line.startswith(DIGEST_PREFIX):
+            return line.removeprefix(DIGEST_PREFIX).strip()
+    return None
+
+
+def _uv(*args: str) -> list[str]:
+    from tests.support.locked_venv import uv
+
+    return uv(*args)
+
+
+def compile_project_lock(name: str) -> None:
+    """``uv pip compile`` of ``pyproject.toml`` with the extras and target of lock ``name``."""
+    extras, (python_version, platform) = LOCKS[name]
+    with tempfile.TemporaryDirectory() as scratch:
+        constraints = Path(scratch) / "torch.txt"
+        constraints.write_text(DEV_TORCH + "\n" if name == "dev.txt" else "")
+        command = _uv(
+            "pip",
+            "compile",
+            str(PYPROJECT),
+            *[flag for extra in extras for flag in ("--extra", extra)],
+            "--generate-hashes",
+            "--python-version",
+            python_version,
+            "--python-platform",
+            platform,
+            "--constraint",
+            str(constraints),
+            "--custom-compile-command",
+            REFRESH_COMMAND,
+            "-q",
+        )
+        compiled = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO_ROOT).stdout
+    # uv prints the constraint file's temporary path in its annotations: keep the lock the same on every refresh.
+    compiled = re.sub(r"-c /tmp/\S+", "-c torch constraint", compiled)
+    header = f"{DIGEST_PREFIX}{declaration_digest(extras)}\n"
+    (LOCK_DIR / name).write_text(header + compiled)
+
+
+def pinned_block(lock: Path, package: str) -> str:
+    """The lines of ``package``'s pin (with its hashes) in a compiled lock."""
+    lines = lock.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{package}=="))
+    block = [lines[start]]
+    for line in lines[start + 1 :]:
+        if not line.startswith("    --hash="):
+            break
+        block.append(line)
+    return "\n".join(block).rstrip(" \\") + "\n"
+
+
+def write_bootstrap() -> None:
+    """``bootstrap.txt``: uv's pin copied from ``dev.txt``, so the installer is the version the lock holds."""
+    header = f"# uv, installed by pip into a new .venv; copied from dev.txt by `{REFRESH_COMMAND}`.\n"
+    (LOCK_DIR / "bootstrap.txt").write_text(header + pinned_block(LOCK_DIR / "dev.txt", "uv"))
+
+
+def write_build() -> None:
+    """``build.txt``: the build backend of datagen's own editable install."""
+    from tests.support.locked_venv import lock_text
+
+    project = tomllib.loads(PYPROJECT.read_text())
+    requires = project["build-system"]["requires"]
+    with tempfile.TemporaryDirectory() as scratch:
+        source = Path(scratch) / "build.in"
+        source.write_text("\n".join(requires) + "\n")
+        resolved = subprocess.run(
+            _uv("pip", "compile", str(source), "--no-header", "--no-annotate", "-q"),
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.split()
+    header = (
+        f"# The build backend of datagen's editable install ({', '.join(requires)}); `{REFRESH_COMMAND}`.\n"
+    )
+    (LOCK_DIR / "build.txt").write_text(lock_text(resolved, header))
+
+
+def write_validation_locks() -> None:
+    """Resolve each validation venv's recipe once, freeze what landed in the venv itself, lock it."""
+    from tests.support import sglang_venv, trainer_venvs
+    from tests.support.locked_venv import freeze_own, lock_path, lock_text, resolve_into
+
+    recipes: dict[str, tuple[list[str], list[str]]] = {}
+    for version in sglang_venv.SGLANG_VERSIONS:
+        recipes[sglang_venv.lock_name(version)] = sglang_venv.resolve_recipe(version)
+    for trainer, spec in trainer_venvs.TRAINERS.items():
+        recipes[trainer_venvs.lock_name(trainer)] = (list(spec["no_deps"]), list(spec["deps"]))
+    for name, (no_deps, with_deps) in recipes.items():
+        with tempfile.TemporaryDirectory() as scratch:
+            site = resolve_into(Path(scratch) / "venv", no_deps, with_deps)
+            pins = freeze_own(site)
+        header = (
+            f"# {name}: the packages of its validation venv itself (the rest is dev.txt's, shared).\n"
+            f"# Recipe: --no-deps {' '.join(no_deps)}; with dependencies {' '.join(with_deps)}.\n"
+            f"# Installed with --no-deps --require-hashes; refreshed by `{REFRESH_COMMAND}`.\n"
+        )
+        lock_path(name).write_text(lock_text(pins, header))
+        print(f"{name}: {len(pins)} packages")
+
+
+def main() -> int:
+    """``project``: compile the project's locks; ``validation``: the validation venvs' (against ``.venv``).
+
+    ``make lock`` runs ``project``, syncs ``.venv`` to the new ``dev.txt``, then runs ``validation``: the
+    validation venvs share ``.venv``, so they are resolved against the dev lock they will run with.
+    """
+    stage = sys.argv[1] if len(sys.argv) > 1 else ""
+    if stage == "project":
+        for name in LOCKS:
+            compile_project_lock(name)
+            print(f"{name}: compiled")
+        write_bootstrap()
+        write_build()
+    elif stage == "validation":
+        write_validation_locks()
+    else:
+        print("usage: refresh.py project|validation (`make lock` runs both)", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The committed locks agree with pyproject.toml, and every environment holds exactly what its lock pins."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+from tests.support import sglang_venv, trainer_venvs
+from tests.support.locked_venv import LOCK_DIR, lock_path
+
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+# Installed into every venv by `python -m venv` itself, and datagen's own editable install.
+SEED_AND_SELF = {"pip", "setuptools", "datagen"}
+
+
+def _refresh() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("refresh", LOCK_DIR / "refresh.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pins(lock: Path) -> dict[str, str]:
+    """``{canonical name: version}`` of every pin in a lock, checking each carries a hash."""
+    lines = lock.read_text().splitlines()
+    found: dict[str, str] = {}
+    for index, line in enumerate(lines):
+        match = PIN.match(line)
+        if match:
+            assert index + 1 < len(lines) and "--hash=sha256:" in lines[index + 1], (
+                f"{lock.name}: {line} has no hash"
+            )
+            found[canonicalize_name(match[1])] = match[2]
+    return found
+
+
+@pytest.mark.parametrize("lock_name", ["dev.txt", "gpu.txt"])
+def test_a_project_lock_was_compiled_from_todays_pyproject(lock_name: str) -> None:
+    refresh = _refresh()
+    extras, _ = refresh.LOCKS[lock_name]
+    recorded = refresh.recorded_digest(LOCK_DIR / lock_name)
+    assert recorded == refresh.declaration_digest(extras), (
+        f"pyproject.toml's dependencies changed since requirements/{lock_name} was compiled: run `make lock`"
+    )
+
+
+@pytest.mark.parametrize("lock_name", ["dev.txt", "gpu.txt"])
+def test_every_declared_requirement_is_pinned_at_a_version_it_allows(lock_name: str) -> None:
+    refresh = _refresh()
+    extras, (python_version, _) = refresh.LOCKS[lock_name]
+    environment = {**default_environment(), "python_version": python_version, "sys_platform": "linux"}
+    locked = pins(LOCK_DIR / lock_name)
+    for text in refresh.declared(extras):
+        requirement = Requirement(text)
+        if requirement.marker is not None and not requirement.marker.evaluate(environment):
+            continue
+        name = canonicalize_name(requirement.name)
+        assert name in locked, f"{text} is declared but not in requirements/{lock_name}: run `make lock`"
+        assert requirement.specifier.contains(Version(locked[name]), prereleases=True), (
+            f"requirements/{lock_name} pins {name}=={locked[name]}, outside {text}: run `make lock`"
+        )
+
+
+def test_the_dev_lock_takes_the_cpu_build_of_torch_and_the_bootstrap_the_same_uv() -> None:
+    dev = pins(LOCK_DIR / "dev.txt")
+    assert dev["torch"].endswith("+cpu")
+    assert pins(LOCK_DIR / "bootstrap.txt") == {"uv": dev["uv"]}
+
+
+def test_the_serving_lock_holds_sglang_and_never_the_cpu_torch() -> None:
+    gpu = pins(LOCK_DIR / "gpu.txt")
+    assert Requirement("sglang>=0.5.23,<0.6").specifier.contains(gpu["sglang"])
+    assert "sglang-router" in gpu
+    assert not gpu["torch"].endswith("+cpu")
+
+
+def test_each_validation_lock_pins_its_release() -> None:
+    for version in sglang_venv.SGLANG_VERSIONS:
+        locked = pins(lock_path(sglang_venv.lock_name(version)))
+        assert locked["sglang"] == version
+        assert locked["sglang-router"] == sglang_venv.SGLANG_ROUTER_VERSION
+        assert "transformers" in locked and "kernels" in locked
+    for trainer, spec in trainer_venvs.TRAINERS.items():
+        locked = pins(lock_path(trainer_venvs.lock_name(trainer)))
+        for requirement in spec["no_deps"]:
+            parsed = Requirement(requirement)
+            assert parsed.specifier.contains(locked[canonicalize_name(parsed.name)])
+
+
+def test_the_dev_venv_holds_exactly_the_dev_lock() -> None:
+    locked = pins(LOCK_DIR / "dev.txt")
+    installed = {canonicalize_name(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
+    extra = {
+        name: version
+        for name, version in installed.items()
+        if name not in locked and name not in SEED_AND_SELF
+    }
+    assert not extra, f"installed but not locked (make setup syncs .venv to requirements/dev.txt): {extra}"
+    differing = {
+        name: (version, locked[name])
+        for name, version in installed.items()
+        if locked.get(name, version) != version
+    }
+    assert not differing, f"installed at another version than locked: {differing}"
+
+
+def _visible_distributions(python: Path) -> list[tuple[str, str, str]]:
+    """(name, version, folder) of every distribution on ``python``'s path, shadowed ones included."""
+    script = (
+        "import json, importlib.metadata as m\n"
+        "print(json.dumps([[d.metadata['Name'], d.version, str(d._path.parent)] for d in m.distributions()]))"
+    )
+    answer = subprocess.run([str(python), "-c", script], check=True, capture_output=True, text=True)
+    return [(canonicalize_name(name), version, where) for name, version, where in json.loads(answer.stdout)]
+
+
+VALIDATION_VENVS = [
+    *[
+        (sglang_venv.ensure_venv, version, sglang_venv.lock_name(version))
+        for version in sglang_venv.SGLANG_VERSIONS
+    ],
+    *[
+        (trainer_venvs.ensure_venv, trainer, trainer_venvs.lock_name(trainer))
+        for trainer in trainer_venvs.TRAINERS
+    ],
+]
+
+
+@pytest.mark.parametrize(
+    ("ensure", "key", "lock_name"), VALIDATION_VENVS, ids=[v[2] for v in VALIDATION_VENVS]
+)
+def test_a_validation_venv_sees_only_locked_packages(ensure, key: str, lock_name: str) -> None:  # type: ignore[no-untyped-def]
+    """What a validation venv imports is its own lock's or, through the shared .pth, the dev lock's."""
+    python = ensure(key)
+    own = pins(lock_path(lock_name))
+    dev = pins(LOCK_DIR / "dev.txt")
+    own_site = str(Path(python).parent.parent)
+    for name, version, where in _visible_distributions(python):
+        if where.startswith(own_site):
+            assert own.get(name) == version, f"{lock_name}: {name}=={version} is in the venv but not its lock"
+        elif name not in SEED_AND_SELF:
+            assert dev.get(name) == version, f"{lock_name}: {name}=={version} leaks in from {where} unpinned"
+
+
+def test_the_validation_venvs_are_built_with_this_interpreter() -> None:
+    assert sys.version_info[:2] == (3, 11), "requirements/dev.txt is locked for CPython 3.11"
