@@ -152,6 +152,14 @@ class TrainingHaltError(DatagenError, RuntimeError):
     """The training job could not be stopped as configured."""
 
 
+class TrainingEnvironmentChangedError(DatagenError, RuntimeError):
+    """Training was not restarted: its environment changed since the halt (the halt record is kept)."""
+
+    def __init__(self, message: str, *, changes: list[str]) -> None:
+        super().__init__(message)
+        self.changes = changes
+
+
 class ProbeError(DatagenError, RuntimeError):
     """The environment probe could not read what it needs."""
 

@@ -34,7 +34,7 @@ import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
-from datagen.errors import ShardsFailedError
+from datagen.errors import ShardsFailedError, TrainingEnvironmentChangedError
 from datagen.gc_tuning import tune_garbage_collector
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
@@ -501,6 +501,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         taken = [future.result() for future in prepared_futures]
         write_ledger(config, run, series_entry, taken, credentials=credentials)
 
+    held_back: list[TrainingEnvironmentChangedError] = []
     if run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures]):
         logger.info("every shard is already generated: training is not halted, no server is started")
         prepared = [future.result() for future in prepared_futures]
@@ -549,6 +550,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                     # Recorded even when interrupted: the report's throughput counts every attempt's time.
                     generation_wall_s = time.monotonic() - generation_started
                     _record_generation_window(store, layout, attempt_id, generation_wall_s, servers, finished)
+        held_back = serving.held_back
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored. "
@@ -589,6 +591,9 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         summary.tokenized_rows,
         summary.run_url,
     )
+    if held_back:
+        # Every object is stored and the run is complete; only training's restart was held back.
+        raise held_back[0]
     return summary
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefect import get_run_logger
 from pydantic import BaseModel
 
 from datagen.config import RunConfig
+from datagen.errors import TrainingEnvironmentChangedError
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan
 from datagen.settings import get_settings, server_api_key
@@ -40,11 +41,16 @@ def fleet_state_dir(flow_run_id: str) -> Path:
 
 @dataclass(frozen=True)
 class Serving:
-    """The box's servers, up: their plan, their owner, and the URLs requests go to."""
+    """The box's servers, up: their plan, their owner, and the URLs requests go to.
+
+    ``held_back`` is filled on the way out when training was not restarted because its environment changed
+    since the halt: the caller finishes the run (merge, report) and then raises it.
+    """
 
     plan: ServerPlan
     fleet: Fleet
     urls: list[str]
+    held_back: list[TrainingEnvironmentChangedError] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -72,6 +78,7 @@ def serve_on_this_box(
     """
     logger = get_run_logger()
     fleet: Fleet | None = None
+    serving: Serving | None = None
     try:
         # Inside the try: a signal mid-halt still hands training back (once it has stopped).
         logger.info("stage=halt-training kind=%s", config.training.kind)
@@ -92,11 +99,19 @@ def serve_on_this_box(
         logger.info("stage=start-servers servers=%d engine=%s", len(plan.servers), plan.engine)
         urls = start_fleet(fleet, fleets_root())
         fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
-        yield Serving(plan=plan, fleet=fleet, urls=urls)
+        serving = Serving(plan=plan, fleet=fleet, urls=urls)
+        yield serving
     finally:
         if fleet is not None:
             stop_fleet(fleet)
         # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
-        restarted = hand_back_gpus(gpus.halt_record)
+        try:
+            restarted = hand_back_gpus(gpus.halt_record)
+        except TrainingEnvironmentChangedError as held_back:
+            # The data is not at stake: the run finishes, then ends with this (the halt record stays).
+            logger.error("%s", held_back)
+            restarted = None
+            if serving is not None:
+                serving.held_back.append(held_back)
         if restarted is not None:
             (record_restart or record)("training-restart", restarted)

@@ -26,6 +26,7 @@ import datagen.host.fleet_registry
 import datagen.host.handback
 import datagen.host.plan
 import datagen.host.probe
+import datagen.host.trainer_env
 import datagen.host.training
 from datagen.config import RunConfig, TrainingJobConfig
 from datagen.host.env_report import EnvReport
@@ -104,7 +105,12 @@ def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | 
         def recording_signal(target: JobTarget) -> Iterator[None]:
             nonlocal halted
             before = halted
-            halted = halted.model_copy(update={"pids": target.pids, "signalling_at_s": time.time()})
+            environment = (
+                datagen.host.trainer_env.read_process_environment(target.pids[0]) if target.pids else None
+            )
+            halted = halted.model_copy(
+                update={"pids": target.pids, "signalling_at_s": time.time(), "environment": environment}
+            )
             record_halt(halt_record, halted)
             try:
                 yield

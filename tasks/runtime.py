@@ -18,7 +18,7 @@ from prefect.runtime import deployment as runtime_deployment
 
 from datagen.app.codeversion import check_code_version
 from datagen.app.terminal import REFUSALS, RUN_FAILED_LOG_PREFIX
-from datagen.errors import DatagenError
+from datagen.errors import DatagenError, TrainingEnvironmentChangedError
 from datagen.host.gpu_lock import (
     GpuLockHolder,
     HostGpuLock,
@@ -142,6 +142,9 @@ def hand_back_if_gpus_free() -> RestartRecord | None:
         return None
     try:
         return hand_back_gpus(halt_record_path(path))
+    except TrainingEnvironmentChangedError as held_back:
+        logging.getLogger(__name__).error("%s", held_back)
+        return None
     finally:
         lock.release()
 

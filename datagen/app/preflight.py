@@ -389,6 +389,7 @@ def _training_job_state(config: RunConfig) -> str:
         return f"training job: {config.training.kind}"
     target = handle.find()
     if target.running:
+        _refuse_the_trainers_environment(target.pids)
         return f"training job running: {target.description}"
     logger.warning(
         "training job named by the config is not running kind=%s target=%r: nothing will be halted; if "
@@ -397,6 +398,26 @@ def _training_job_state(config: RunConfig) -> str:
         target.description,
     )
     return f"training job NOT running ({target.description}): nothing to halt"
+
+
+def _refuse_the_trainers_environment(pids: list[int]) -> None:
+    """Refuse when datagen runs in (or imports from) the training job's Python environment.
+
+    Installing datagen and its serving stack there once moved the trainer's torch to another CUDA build and
+    the restarted training ran out of memory; the serving stack belongs in an environment of its own.
+    """
+    from datagen.host.trainer_env import read_process_environment, shares_environment
+
+    trainer = read_process_environment(pids[0]) if pids else None
+    if trainer is None:
+        return
+    shared = shares_environment(trainer)
+    if shared is not None:
+        raise DatagenError(
+            f"{shared}: installing or upgrading datagen's serving stack there changes what training restarts "
+            "with. Install datagen into an environment of its own (python3 -m venv ~/datagen-venv, then "
+            "install requirements/gpu.txt and datagen there: docs/operations.md#environments) and run it from there"
+        )
 
 
 def _check_external_servers(config: RunConfig, store: Store) -> str:

@@ -6,6 +6,7 @@ The exit codes (README and docs/operations.md list them too):
 0     done (or already complete)
 1     the run failed after it started; everything finished is stored, rerun with ``--run-id``
 2     bad configuration or a preflight refusal: nothing was halted or started
+3     the run is complete, but training was not restarted: its environment changed since the halt
 130   interrupted by SIGINT (Ctrl-C); servers stopped, resumable with ``--run-id``
 143   interrupted by SIGTERM; servers stopped, resumable with ``--run-id``
 ====  =========================================================================================
@@ -29,7 +30,13 @@ from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
-from datagen.errors import ConfigError, DatagenError, PreflightError, RunInterrupted
+from datagen.errors import (
+    ConfigError,
+    DatagenError,
+    PreflightError,
+    RunInterrupted,
+    TrainingEnvironmentChangedError,
+)
 
 # The errors that refuse a run before anything was halted or started (exit 2): their message is the whole story.
 REFUSALS: tuple[type[DatagenError], ...] = (PreflightError, ConfigError)
@@ -37,6 +44,7 @@ REFUSALS: tuple[type[DatagenError], ...] = (PreflightError, ConfigError)
 EXIT_DONE = 0
 EXIT_RUN_FAILED = 1
 EXIT_REFUSED = 2
+EXIT_TRAINING_HELD_BACK = 3
 # The shell's convention for a process ended by a signal: 128 + the signal number.
 SIGNAL_EXIT_BASE = 128
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -189,6 +197,10 @@ def run_in_terminal(
                 f"finished so far is stored. Resume with: {resume_command}"
             )
             return exit_code_for_signal(interrupted.signum), None
+        except TrainingEnvironmentChangedError as held_back:
+            logging.getLogger(__name__).info("training held back", exc_info=True)
+            _echo_error(f"datagen: run {run_id} is complete and stored, but {held_back}")
+            return EXIT_TRAINING_HELD_BACK, None
         except REFUSALS as refused:
             logging.getLogger(__name__).info("run refused", exc_info=True)
             _echo_error(f"datagen: {refused}")

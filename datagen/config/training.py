@@ -52,6 +52,11 @@ class TrainingJobConfig(StrictModel):
         default=None,
         description="argv that resumes training (kind systemd: `systemctl start <unit>` when unset).",
     )
+    allow_env_change: bool = Field(
+        default=False,
+        description="Restart training even when its environment (interpreter, installed packages, torch's "
+        "CUDA build, NVIDIA driver) changed since the halt; off: such a restart is held back and said.",
+    )
 
     @model_validator(mode="after")
     def _kind_needs_its_target(self) -> TrainingJobConfig:

@@ -29,6 +29,8 @@ from pathlib import Path
 from pydantic import Field, ValidationError
 
 from datagen.config import TrainingJobConfig
+from datagen.errors import TrainingEnvironmentChangedError
+from datagen.host.trainer_env import TrainerEnvironment, environment_changes, read_environment
 from datagen.host.training import RestartRecord, restart_training
 from datagen.processes import is_running
 from datagen.records import Record
@@ -57,6 +59,9 @@ class HaltedTraining(Record):
     signalled_at_s: float | None = Field(default=None, description="Epoch time the stop signal went out.")
     signalling_at_s: float | None = Field(
         default=None, description="Epoch time the stop signal was about to go out (it may have, unrecorded)."
+    )
+    environment: TrainerEnvironment | None = Field(
+        default=None, description="What the trainer ran with when it was halted (compared before a restart)."
     )
     recorded_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
 
@@ -153,6 +158,9 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
 
     Raises:
         TrainingHaltError: The restart command could not be started.
+        TrainingEnvironmentChangedError: The trainer's environment changed since the halt (and
+            ``training.allow_env_change`` is off): nothing is restarted and the record is kept, so a later run
+            hands the GPUs back once the environment is rolled back.
     """
     halt = read_halt(path)
     if halt is None:
@@ -169,6 +177,8 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
             halt.pids,
         )
         return None
+    if halt.training.restart_after_run:
+        _refuse_a_changed_environment(halt)
     claimed = path.with_name(path.name + CLAIMED_SUFFIX)
     try:
         path.rename(claimed)
@@ -182,3 +192,23 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
     else:
         logger.info("training restarted pid=%d argv=%s", restarted.pid, restarted.argv)
     return restarted
+
+
+def _refuse_a_changed_environment(halt: HaltedTraining) -> None:
+    """Raise when the trainer's environment differs from the one recorded at the halt (unless allowed)."""
+    before = halt.environment
+    if before is None:
+        return
+    changes = environment_changes(before, read_environment(before.interpreter))
+    if not changes:
+        logger.info("training's environment is unchanged since the halt interpreter=%s", before.interpreter)
+        return
+    if halt.training.allow_env_change:
+        logger.warning("training restarts in a changed environment (training.allow_env_change): %s", changes)
+        return
+    raise TrainingEnvironmentChangedError(
+        f"training was not restarted: its environment changed since the halt ({'; '.join(changes)}). Roll it "
+        f"back (then the next datagen run on this box restarts training), or set training.allow_env_change: "
+        "true to restart it anyway",
+        changes=changes,
+    )
