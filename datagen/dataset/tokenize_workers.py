@@ -28,7 +28,6 @@ from pydantic import ValidationError
 from datagen.dataset.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
 from datagen.dataset.tokenizer import TokenizerSpec
 from datagen.errors import TokenizeError
-from datagen.gc_tuning import tune_garbage_collector
 from datagen.output.objects import size_text
 from datagen.output.store import Store
 from datagen.records import CompletionRecord
@@ -195,7 +194,6 @@ _worker_error: BaseException | None = None
 
 def _start_worker(jobs: Any) -> None:
     global _worker, _worker_error
-    tune_garbage_collector()  # it builds lists of token ids all the time
     # One process per core already: the tokenizer's own thread pool would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:

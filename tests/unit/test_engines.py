@@ -47,7 +47,6 @@ def test_transformers_cpu_launch_is_the_serve_cli_with_cpu_device_and_hidden_gpu
     assert launch.argv == [
         sys.executable,
         "-m",
-        "datagen.gc_tuning",
         "transformers.cli.transformers",
         "serve",
         "--continuous-batching",
