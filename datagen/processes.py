@@ -1,9 +1,10 @@
-"""Processes on this host as ``/proc`` shows them, and the teardown of whole process groups.
+"""Processes on this host as ``/proc`` shows them, the teardown of whole process groups, and usable cores.
 
 One place for what the fleet (its servers and their registry) and the training-job handles both need:
 ``/proc/<pid>/stat`` parsing (state, parent, process group, start time), zombie checks, command lines,
 descendants and group members, and stopping process groups (SIGTERM, a grace period, SIGKILL). Where there
 is no ``/proc`` (macOS laptops), command lines come from ``ps`` and groups are probed with ``killpg``.
+:func:`usable_cores` is the one count of cores that every pool and CPU server of datagen sizes itself by.
 """
 
 from __future__ import annotations
@@ -28,6 +29,17 @@ _STATE, _PARENT, _GROUP, _START_TICKS = 0, 1, 2, 19
 GROUP_POLL_INTERVAL_S = 0.125
 # Bound on how long SIGKILLed processes may take to disappear (they cannot refuse; this only guards waits).
 KILL_WAIT_S = 10.0
+
+
+def usable_cores() -> int:
+    """CPU cores this process may run on: its affinity mask where the OS has one, else the machine's count.
+
+    A pinned container or ``taskset`` leaves fewer cores than the machine has: pools and CPU servers size by these.
+    """
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - macOS has no affinity masks
+        return os.cpu_count() or 1
 
 
 def _stat_fields(pid: int) -> list[str] | None:

@@ -28,8 +28,6 @@ from typing import Any
 
 import httpx
 
-from datagen.gc_tuning import tuned_module_argv
-
 logger = logging.getLogger(__name__)
 
 # The server imports Prefect and migrates its SQLite database before it answers: ~8-12 s on a 2-core box,
@@ -112,8 +110,9 @@ class LocalApiServer:
         spec = importlib.util.find_spec("prefect")
         assert spec is not None and spec.submodule_search_locations
         argv = [
-            # uvicorn under datagen's collector settings: importing Prefect's server is most of its boot.
-            *tuned_module_argv("uvicorn"),
+            sys.executable,
+            "-m",
+            "uvicorn",
             "--app-dir",
             str(Path(next(iter(spec.submodule_search_locations))).parent),
             "--factory",

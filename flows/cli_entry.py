@@ -12,8 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from datagen.app import cli
-from datagen.gc_tuning import tune_garbage_collector
-from datagen.stack_room import call_with_stack_room
 
 if TYPE_CHECKING:
     from datagen.app.runner import ExpandFlow
@@ -51,10 +49,7 @@ def load_expand_flow() -> ExpandFlow:
 
 def main() -> None:
     """Console-script entry point: the `datagen` command line with the `expand` flow."""
-    tune_garbage_collector()
-    # The whole command with room on the frame stack: see datagen.stack_room (a run maps and unmaps ~8,000
-    # chunks of it otherwise).
-    call_with_stack_room(cli.main, load_expand_flow)
+    cli.main(load_expand_flow)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.errors import ShardsFailedError, TrainingEnvironmentChangedError
-from datagen.gc_tuning import tune_garbage_collector
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
@@ -437,7 +436,6 @@ def expand(
     Returns:
         Where the run landed and its headline counts.
     """
-    tune_garbage_collector()  # a deployment's flow run is a process of Prefect's runner, not of `datagen`
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     with forward_thread_logs(flow_run_id), explain_failure():

@@ -25,7 +25,6 @@ from pydantic import BaseModel
 import datagen.app.preflight
 from datagen.config import RunConfig
 from datagen.errors import PreflightError
-from datagen.gc_tuning import tune_garbage_collector
 from datagen.output.hosts import (
     HostFleet,
     HostPreflight,
@@ -72,7 +71,6 @@ def expand_host(config: RunConfig, host: str, attempt_id: str, parent_flow_run_i
     Returns:
         What this host did, in one line.
     """
-    tune_garbage_collector()  # as the expand flow does: this is a process of Prefect's runner
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     with forward_thread_logs(flow_run_id), explain_failure():

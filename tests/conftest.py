@@ -9,10 +9,8 @@ tests are independent whole runs and go to whichever worker is free. Units are h
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +18,6 @@ from typing import Any
 
 import pytest
 
-from datagen.gc_tuning import tune_garbage_collector, tuned_module_argv
-from datagen.stack_room import call_with_stack_room
 from tests.support.prefect_db import TEMPLATE_ENV, seed_prefect_home, session_folder, start_building
 from tests.support.workers import WORKER_ID
 
@@ -39,10 +35,6 @@ _WORKER_ROOT = Path(tempfile.mkdtemp(prefix=f"datagen-tests-{WORKER_ID}-"))
 atexit.register(shutil.rmtree, _WORKER_ROOT, ignore_errors=True)
 os.environ["DATAGEN_STATE_DIR"] = str(_WORKER_ROOT / "state")
 os.environ["PREFECT_HOME"] = str(_WORKER_ROOT / "prefect-home")
-
-# datagen's own processes run under its collector settings (datagen.gc_tuning); so do the test processes, whose
-# heaps (torch, transformers, Prefect, every test module) are larger still.
-tune_garbage_collector()
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -67,24 +59,6 @@ def store_root(tmp_path: Path) -> Path:
     return root
 
 
-class _SubprocessWithTunedUvicorn:
-    """``subprocess`` as the harness's server class sees it: its ``python -m uvicorn`` starts as datagen's own.
-
-    The harness's API server serves every in-process flow of a worker for the whole session; as datagen's
-    temporary server (flows.api_server), it runs under ``python -m datagen.gc_tuning uvicorn``: collector
-    settings and room on its event loop's frame stack (datagen.stack_room). Any other command is unchanged.
-    """
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-    @staticmethod
-    def Popen(args: list[str], **kwargs: Any) -> subprocess.Popen[Any]:  # named as what it stands in for
-        if list(args[1:3]) == ["-m", "uvicorn"]:
-            args = [*tuned_module_argv("uvicorn"), *args[3:]]
-        return subprocess.Popen(args, **kwargs)
-
-
 @pytest.fixture(scope="session")
 def prefect_api() -> Iterator[str]:
     """Prefect's real test harness (a temporary API server on SQLite); yields its API URL."""
@@ -98,7 +72,6 @@ def prefect_api() -> Iterator[str]:
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("prefect.testing.utilities.mkdtemp", seeded_mkdtemp)
-        patch.setattr("prefect.server.api.server.subprocess", _SubprocessWithTunedUvicorn())
         with prefect_test_harness(server_startup_timeout=120):
             yield str(PREFECT_API_URL.value())
 
@@ -158,23 +131,6 @@ def _rank(nodeid: str) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Put the heaviest units first; the sort is stable, so a module's tests keep their order."""
     items.sort(key=lambda item: _rank(item.nodeid))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool:
-    """Pytest's own protocol for one test, called with room on the frame stack (datagen.stack_room).
-
-    A test that polls a run calls back and forth over a frame-stack chunk boundary: one signal test's process
-    mapped and unmapped a chunk 49,703 times. Only where the protocol is called from changes.
-    """
-    from _pytest.runner import pytest_runtest_protocol as run_protocol
-
-    return call_with_stack_room(run_protocol, item, nextitem)
-
-
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Exempt what collection imported (it lives as long as the process) from every later full collection."""
-    gc.freeze()
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -16,7 +17,6 @@ import yaml
 
 from datagen.app.codeversion import checkout_root, code_version
 from datagen.errors import ConfigError
-from datagen.gc_tuning import tuned_module_argv
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
 PREFECT_TIMEOUT_S = 600.0
@@ -34,8 +34,7 @@ def _deployments(prefect_file: Path) -> list[tuple[str, str | None]]:
 
 def _prefect(args: list[str], repo: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        # Prefect's CLI under datagen's collector settings: importing Prefect is most of its work.
-        [*tuned_module_argv("prefect"), *args],
+        [sys.executable, "-m", "prefect", *args],
         cwd=repo,
         env=os.environ.copy(),
         capture_output=True,

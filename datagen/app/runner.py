@@ -36,8 +36,8 @@ PREFECT_ENV_DEFAULTS = {
 def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], RunSummary]:
     """Import the `expand` flow (Prefect with it, which configures its logging) and return its run.
 
-    Split from :func:`run_flow` so the terminal can set up its log file once Prefect's logging exists
-    (see :func:`datagen.app.terminal.run_in_terminal`).
+    The flow runs when the returned function is called, so the terminal can set up its log file once
+    Prefect's logging exists (see :func:`datagen.app.terminal.run_in_terminal`).
 
     Args:
         load_flow: Imports and returns the flow; called after Prefect's environment defaults are set,
@@ -53,11 +53,6 @@ def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], R
         os.environ.setdefault(name, value)
     flow = load_flow()
     return lambda: flow(config)
-
-
-def run_flow(load_flow: FlowLoader, config: RunConfig) -> RunSummary:
-    """Run the `expand` flow in this process and return its summary (see :func:`prepare_flow_run`)."""
-    return prepare_flow_run(load_flow, config)()
 
 
 def print_summary(summary: RunSummary) -> None:

@@ -28,9 +28,9 @@ from pydantic import ValidationError
 from datagen.dataset.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
 from datagen.dataset.tokenizer import TokenizerSpec
 from datagen.errors import TokenizeError
-from datagen.gc_tuning import tune_garbage_collector
 from datagen.output.objects import size_text
 from datagen.output.store import Store
+from datagen.processes import usable_cores
 from datagen.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
@@ -52,14 +52,6 @@ IN_FLIGHT_PER_WORKER = 2
 # MB on many. 16 MiB is where they stop losing time on two cores, while a run below it pays at most ~2 s
 # more on a large host; every worker started for less burns its start-up CPU for nothing.
 IN_PROCESS_BELOW_BYTES = 16 << 20
-
-
-def available_cores() -> int:
-    """CPU cores this process may run on (its affinity set, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True)
@@ -195,7 +187,6 @@ _worker_error: BaseException | None = None
 
 def _start_worker(jobs: Any) -> None:
     global _worker, _worker_error
-    tune_garbage_collector()  # it builds lists of token ids all the time
     # One process per core already: the tokenizer's own thread pool would only oversubscribe the cores.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
@@ -240,7 +231,7 @@ def plan_workers(
         requested: ``tokenize.workers`` (None: choose).
         shards: Completions files to tokenize.
         shard_bytes: Their bytes (from the store's listing).
-        cores: Cores to use when choosing (default: :func:`available_cores`).
+        cores: Cores to use when choosing (default: :func:`~datagen.processes.usable_cores`).
         in_process_below: When choosing, fewer bytes than this are tokenized in this process
             (:data:`IN_PROCESS_BELOW_BYTES`).
 
@@ -256,7 +247,7 @@ def plan_workers(
                 workers, f"tokenizing in {workers} worker processes (tokenize.workers={requested}): {work}"
             )
         return WorkerPlan(1, f"tokenizing in this process (tokenize.workers={requested}): {work}")
-    cores = cores or available_cores()
+    cores = cores or usable_cores()
     if shard_bytes < in_process_below:
         return WorkerPlan(1, f"tokenizing in this process: {work} (< {size_text(in_process_below)})")
     workers = min(cores, shards)

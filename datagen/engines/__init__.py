@@ -1,18 +1,22 @@
 """Generation engines: every engine rule behind one protocol (:class:`Engine`), see docs/engines.md.
 
-``get_engine(kind)`` returns the recipe for ``fleet.engine``; :mod:`model_size` reads a model's size and
-per-request state from its ``config.json``; :mod:`sglang_flags` asks the installed sglang's own parser for
-its flags; :mod:`sglang_tuning` sizes SGLang servers, :mod:`cpu_sizing` CPU servers; :mod:`router` is
-sglang-router's argv; :mod:`capacity` decides the dispatcher's in-flight cap per server, once, for every
-engine (tuned, explicit config, the engine's sizing), reading ``datagen tune``'s result (:mod:`tune_result`).
-Nothing here imports an engine package: availability is checked with ``importlib.util.find_spec`` so the
-orchestrator stays light.
+:data:`ENGINES` is the one table of engines by their ``fleet.engine`` name (``EngineKind`` lists the same
+names, checked on import); ``get_engine(kind)`` returns the recipe for ``fleet.engine``. :mod:`model_size`
+reads a model's size and per-request state from its ``config.json``; :mod:`sglang_flags` asks the installed
+sglang's own parser for its flags; :mod:`sglang_tuning` sizes SGLang servers, :mod:`cpu_sizing` CPU servers;
+:mod:`router` is sglang-router's argv; :mod:`capacity` decides the dispatcher's in-flight cap per server,
+once, for every engine (tuned, explicit config, the engine's sizing), reading ``datagen tune``'s result
+(:mod:`tune_result`). Nothing here imports an engine package: availability is checked with
+``importlib.util.find_spec`` so the orchestrator stays light.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import get_args
+
 from datagen.config import EngineKind, RunConfig
-from datagen.engines.base import COMMON_FATAL_LOG_PATTERNS, Engine, LaunchCommand, ServerSlot
+from datagen.engines.base import COMMON_FATAL_LOG_PATTERNS, Engine, EngineRecipe, LaunchCommand, ServerSlot
 from datagen.engines.external import ExternalEngine
 from datagen.engines.sglang import SGLangEngine
 from datagen.engines.transformers import TransformersEngine
@@ -20,6 +24,7 @@ from datagen.errors import ConfigError
 
 __all__ = [
     "COMMON_FATAL_LOG_PATTERNS",
+    "ENGINES",
     "Engine",
     "ExternalEngine",
     "LaunchCommand",
@@ -31,16 +36,17 @@ __all__ = [
     "get_engine",
 ]
 
-_ENGINE_CLASSES: dict[str, type[ExternalEngine] | type[SGLangEngine] | type[TransformersEngine]] = {
+ENGINES: Mapping[str, type[EngineRecipe]] = {
     "transformers": TransformersEngine,
     "sglang": SGLangEngine,
     "external": ExternalEngine,
 }
+"""Every engine's recipe by its ``fleet.engine`` name: add an engine here (and its name to ``EngineKind``)."""
+assert set(ENGINES) == set(get_args(EngineKind)), "EngineKind and ENGINES must name the same engines"
+assert all(recipe.name == kind for kind, recipe in ENGINES.items()), "a recipe's name is its fleet.engine"
 
 
-def engine_class(
-    kind: EngineKind | str,
-) -> type[ExternalEngine] | type[SGLangEngine] | type[TransformersEngine]:
+def engine_class(kind: EngineKind | str) -> type[EngineRecipe]:
     """The recipe class of an engine kind, for its class attributes, without building the recipe.
 
     Health/metrics paths, refused sampling fields and ``supports_generate`` are class attributes; building
@@ -50,31 +56,28 @@ def engine_class(
         ConfigError: Unknown kind.
 
     """
-    if kind not in _ENGINE_CLASSES:
-        raise ConfigError(f"unknown engine {kind!r}; use one of: transformers, sglang, external", kind=kind)
-    return _ENGINE_CLASSES[kind]
+    if kind not in ENGINES:
+        raise ConfigError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}", kind=kind)
+    return ENGINES[kind]
 
 
-def get_engine(kind: EngineKind | str) -> Engine:
+def get_engine(kind: EngineKind | str, accepted_flags: Collection[str] | None = None) -> Engine:
     """The launch recipe of an engine kind.
 
     Args:
-        kind: ``transformers``, ``sglang`` or ``external`` (as in ``fleet.engine``).
+        kind: A name of :data:`ENGINES` (as in ``fleet.engine``).
+        accepted_flags: The launch flags a probe found the engine's install accepts (see
+            ``EnvReport.engine_flags``); None: the recipe asks the install here, if its flags vary.
 
     Returns:
-        The recipe; the sglang one has its flag names detected from the installed sglang.
+        The recipe; the sglang one has its flag names from ``accepted_flags`` or the installed sglang.
 
     Raises:
         ConfigError: Unknown kind.
 
     """
-    if kind == "transformers":
-        return TransformersEngine()
-    if kind == "sglang":
-        return SGLangEngine.for_installed()
-    if kind == "external":
-        return ExternalEngine()
-    raise ConfigError(f"unknown engine {kind!r}; use one of: transformers, sglang, external", kind=kind)
+    recipe = engine_class(kind)
+    return recipe.for_installed() if accepted_flags is None else recipe.for_flags(accepted_flags)
 
 
 def exact_tokens_enabled(config: RunConfig) -> bool:

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 import re
-from collections.abc import Mapping
-from typing import Any, Literal, NamedTuple, Protocol, runtime_checkable
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Mapping
+from typing import Any, Literal, NamedTuple, Protocol, Self, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -178,12 +179,13 @@ class Engine(Protocol):
         ...
 
 
-class EngineRecipe:
+class EngineRecipe(ABC):
     """Defaults every engine shares; an engine overrides what it does differently.
 
     The defaults describe the plainest engine: it serves the OpenAI API only, on one device per server,
-    needs nothing installed, has no API key option, reports nothing about the host, and keeps
-    ``fleet.max_inflight_per_server`` as its in-flight cap (``configured_cap_note`` says why, in the plan).
+    needs nothing installed, reads no launch flags from its install, has no API key option, reports nothing
+    about the host, and keeps ``fleet.max_inflight_per_server`` as its in-flight cap (``configured_cap_note``
+    says why, in the plan). Every engine builds its own launch (:meth:`build_launch`).
     """
 
     name: str
@@ -197,6 +199,20 @@ class EngineRecipe:
     launches_processes = True
     configured_cap_note = "fleet.max_inflight_per_server"
     """Why the configured cap stands, shown in the plan's in-flight reason."""
+
+    @classmethod
+    def for_installed(cls) -> Self:
+        """The recipe for the engine installed here (an engine whose flags vary asks its install for them)."""
+        return cls()
+
+    @classmethod
+    def for_flags(cls, flags: Collection[str] | None) -> Self:
+        """The recipe for an install accepting launch ``flags`` (a probed host's); the same for every install."""
+        return cls()
+
+    @abstractmethod
+    def build_launch(self, slot: ServerSlot, model: ModelConfig, fleet: FleetConfig) -> LaunchCommand:
+        """The argv and env that start the server of ``slot``."""
 
     def launch_command(self, argv: list[str], slot: ServerSlot, fleet: FleetConfig) -> LaunchCommand:
         """``argv`` with the environment every launched server gets, later entries winning.

@@ -8,11 +8,11 @@ requests at their longest, within :data:`CPU_CACHE_MEMORY_FRACTION` of the RAM f
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from datagen.engines.model_size import BYTES_PER_MIB, ModelShape
+from datagen.processes import usable_cores
 
 # Share of the host's free RAM that all CPU servers' KV caches may take together (the rest is for the
 # models, the flow, and everything else on a laptop or CI box).
@@ -42,8 +42,8 @@ def cpu_slot_fields(
         The ``ServerSlot`` fields of each server and the plan's reason line.
 
     """
-    cores = os.cpu_count()
-    threads = max(1, (cores or 1) // servers)
+    cores = usable_cores()
+    threads = max(1, cores // servers)
     fields: dict[str, Any] = {"cpu_threads": threads}
     if shape is None:
         fraction = round(CPU_CACHE_MEMORY_FRACTION / servers, 4)

@@ -5,6 +5,8 @@ Only flags present in both transformers 5.17 (the H200 hosts) and 5.24 (the proj
 
 from __future__ import annotations
 
+import sys
+
 from datagen.config import FleetConfig, ModelConfig
 from datagen.engines.base import (
     EngineRecipe,
@@ -13,7 +15,6 @@ from datagen.engines.base import (
     compile_fatal_patterns,
     module_importable,
 )
-from datagen.gc_tuning import tuned_module_argv
 
 # What `transformers[serving]` adds on top of transformers (see transformers.utils.is_serve_available).
 SERVING_MODULES: tuple[str, ...] = ("torch", "fastapi", "uvicorn", "openai", "pydantic")
@@ -68,9 +69,9 @@ class TransformersEngine(EngineRecipe):
         """
         device = "cpu" if slot.device == "cpu" else "cuda:0"
         argv = [
-            # The serve command under datagen's collector settings: its start imports torch and transformers
-            # (~1 s less CPU; see datagen.gc_tuning), and its batching loop allocates all the time.
-            *tuned_module_argv("transformers.cli.transformers"),
+            sys.executable,
+            "-m",
+            "transformers.cli.transformers",
             "serve",
             "--continuous-batching",
             "--device",

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from datagen.errors import is_transient_http_status
 from datagen.generation.dispatch_state import Final, Job, Outcome, ServerState, Success, Transient
 from datagen.generation.generate_api import (
     GENERATE_PATH,
@@ -27,7 +28,6 @@ from datagen.generation.http import (
     HttpError,
     MalformedResponseError,
 )
-from datagen.generation.retry import retryable_status
 from datagen.generation.wire import (
     CHAT_COMPLETIONS_PATH,
     BadToolArgumentsError,
@@ -113,7 +113,7 @@ class RequestSender:
         status, raw = response.status, response.body
         latency_s = time.monotonic() - started
         if status != 200:
-            if retryable_status(status):
+            if is_transient_http_status(status):
                 return Transient(reason=f"HTTP {status}: {excerpt(_text(raw))}", status=status)
             return Final(
                 reason=f"HTTP {status}: {excerpt(_text(raw))}", error_type=f"http_{status}", status=status

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from datagen.generation.http import new_event_loop
-from datagen.stack_room import call_with_stack_room
 
 CLOSE_TIMEOUT_S = 30.0
 
@@ -52,10 +51,9 @@ class LoopThread:
                 raise RuntimeError(f"{self.owner} cannot start: it is {self.state}")
             started = threading.Event()
             self.loop = new_event_loop()
-            # The loop calls back and forth all the time: room on its frame stack (datagen.stack_room).
             self._thread = threading.Thread(
-                target=call_with_stack_room,
-                args=(self._thread_main, main, started),
+                target=self._thread_main,
+                args=(main, started),
                 name=self.thread_name,
                 daemon=True,
             )

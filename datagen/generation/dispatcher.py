@@ -1,48 +1,22 @@
 """The fleet-wide request dispatcher: one per flow process, shared by every running shard task.
 
-Shard tasks run in different threads (Prefect's thread pool) and hand their requests over from any of
-them: :meth:`Dispatcher.submit_stream` registers a shard's whole list of requests at once (results come
-back through a callback), :meth:`Dispatcher.submit` one request (a future comes back). The dispatcher
-owns a background thread running an asyncio loop; all scheduling state lives on that loop.
-
-How work flows (see docs/architecture.md, "Generation: from shards to servers and back"):
-
-* Streams: every registered stream is a backlog the dispatcher pulls from, oldest stream first. Only
-  ``admission_limit`` requests (a few times the fleet's total slots) are admitted at once, whichever
-  shards they come from; a request is admitted the moment another one resolves. So the fleet never
-  waits for a whole shard, a shard finishing late never starves it, and memory and per-request
-  bookkeeping stay bounded by requests, not by shards.
-* Slots: admitted requests wait in one FIFO queue; each server holds at most
-  ``max_inflight_per_server``; the next request goes to the live server with the fewest outstanding
-  requests. When a request finishes, its server's slot is refilled at once (O(1): while requests wait,
-  no other server has a free slot), so a wave of many slots freeing together is refilled in one pass.
-* HTTP: one keep-alive pool per server (:mod:`datagen.generation.http`, a plain asyncio protocol with
-  httptools' parser), at most that server's in-flight cap busy: connections are reused, the pool never
-  queues, and a request costs a few microseconds of bookkeeping whatever the fleet's size (measured:
-  ~0.06 ms of CPU per request, against ~0.4 ms for aiohttp's ``ClientSession`` and ~2 ms for httpx, whose
-  ``AsyncConnectionPool`` scans every connection for every request).
-
-Failures: transient errors (connection errors, resets, timeouts, 5xx, 408/409/429, an empty or invalid
-body) are retried with exponential backoff and jitter, preferring another server, up to
-``GenerationConfig.max_attempts`` tries; other 4xx answers are final (the policy:
-:mod:`datagen.generation.retry`). A reset or a connect timeout makes
-the server suspect: it takes no new request until ``GET /health`` answers (then it is known good again)
-or refuses (then it is down). A server that refuses connections, or that ``liveness`` reports dead, is
-marked down and its in-flight requests go back to the head of the queue at the cost of one attempt
-each; the health checker marks it up again once ``/health`` answers, so restarted servers rejoin. When
-no server is up for ``GenerationConfig.no_live_server_timeout_s`` the waiting requests fail with "no
-live servers". Every request resolves exactly once, with a :class:`~datagen.records.CompletionRecord`
-or a :class:`~datagen.records.FailureRecord`; a retried request that a server may already have answered
-(a reset after the server finished) still yields one record, never two.
-
-:meth:`Dispatcher.stats` reads plain counters from the calling thread: it never waits for the loop, so
-a saturated dispatcher cannot make a progress read fail or stall.
+Shard tasks hand their requests over from any thread: :meth:`Dispatcher.submit_stream` registers a shard's
+whole list (results come back through a callback), :meth:`Dispatcher.submit` one request (a future comes
+back). All scheduling state lives on one asyncio loop on the dispatcher's own thread. At most
+``admission_limit`` requests are admitted at once, oldest stream first, so the fleet never waits for a whole
+shard and memory stays bounded by requests, not shards; each server holds at most its in-flight cap, and a
+freed slot is refilled at once. Transient failures are retried, preferably on another server
+(:mod:`~datagen.generation.retry`); a suspect or dead server takes no new request until ``/health`` answers
+again. Every request resolves exactly once, with a :class:`~datagen.records.CompletionRecord` or a
+:class:`~datagen.records.FailureRecord`. :meth:`Dispatcher.stats` reads plain counters and never waits for
+the loop, so a saturated dispatcher cannot stall a progress read.
 
 The parts, one concern each: :mod:`~datagen.generation.dispatch_admission` (streams, the queue, the choice
 of a server), :mod:`~datagen.generation.dispatch_attempt` (one try: body, HTTP, what the answer means),
 :mod:`~datagen.generation.retry` (the retry policy), :mod:`~datagen.generation.dispatch_health` (the server
 table, pools and health loop), :mod:`~datagen.generation.dispatch_stats` (counters and snapshots). This
-module wires them on one loop thread and is the only one other code uses.
+module wires them on one loop thread and is the only one other code uses. The whole path, step by step:
+docs/architecture.md, "Generation: from shards to servers and back".
 """
 
 from __future__ import annotations

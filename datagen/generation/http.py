@@ -1,15 +1,11 @@
 """The dispatcher's HTTP/1.1 client: one keep-alive connection pool per server, a few microseconds a request.
 
 Why not aiohttp or httpx here: the dispatcher sends thousands of small JSON requests a second from one
-Python thread, so the client's own per-request work sets the ceiling. Measured on the 2-core CI machine
-against the benchmark simulator (``make bench``, ``saturate`` scenario), an asyncio client keeping the
-same requests in flight reached ~2,300 requests/s at 100% of a core with aiohttp's ``ClientSession`` (its
-request and response objects, header multidicts, timers and tracing hooks cost ~0.4 ms per request) and
-~600 with httpx (its pool scans every connection per request), against ~8,000-10,000 requests/s at 50-60% of
-a core with a plain :class:`asyncio.Protocol` per connection. This module is that protocol: the request
-bytes are built with one concatenation, responses are parsed by ``httptools`` (the C parser uvicorn
-serves with; it handles ``Content-Length``, chunked bodies and keep-alive rules), and each connection
-carries one request at a time (no pipelining).
+Python thread, so the client's own per-request work sets the ceiling, and a plain :class:`asyncio.Protocol`
+per connection does several times less of it than aiohttp's ``ClientSession`` or httpx's pool (figures:
+docs/performance.md, "The HTTP client"). The request bytes are built with one concatenation, responses
+are parsed by ``httptools`` (the C parser uvicorn serves with; it handles ``Content-Length``, chunked bodies
+and keep-alive rules), and each connection carries one request at a time (no pipelining).
 
 What it does not do, on purpose: redirects, cookies, proxies, compression, HTTP/2. The servers it talks
 to (SGLang, vLLM, ``transformers serve``, the SGLang router) answer JSON over HTTP/1.1 with keep-alive.

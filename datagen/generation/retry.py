@@ -2,7 +2,7 @@
 
 - Which answers are transient: connection errors, resets, timeouts, an empty or unusable body, and the HTTP
   statuses of :func:`datagen.errors.is_transient_http_status` (the rule S3 shares); other 4xx answers are
-  final (:mod:`datagen.generation.dispatch_attempt` classifies each try with :func:`retryable_status`).
+  final (:mod:`datagen.generation.dispatch_attempt` classifies each try with it).
 - How many tries: ``GenerationConfig.max_attempts``; a request that got HTTP 500 (an internal error, unlike
   502-504) from ``max_internal_error_attempts`` tries on at least two servers fails early, since every try
   redoes the whole generation for an answer the servers cannot give.
@@ -17,17 +17,12 @@ import random
 from typing import NamedTuple
 
 from datagen.config import GenerationConfig
-from datagen.errors import HTTP_SERVER_ERROR, is_transient_http_status
+from datagen.errors import HTTP_SERVER_ERROR
 from datagen.generation.dispatch_state import Job, Transient
 
 # Backoff delays are drawn from [JITTER_FLOOR * delay, delay] so retries of a burst spread out.
 JITTER_FLOOR = 0.5
 HTTP_INTERNAL_ERROR = HTTP_SERVER_ERROR
-
-
-def retryable_status(status: int) -> bool:
-    """Whether a generation request answered with ``status`` may succeed on another try."""
-    return is_transient_http_status(status)
 
 
 class Retry(NamedTuple):

@@ -94,6 +94,10 @@ class EnvReport(ReportModel):
         """Distinct SMs of the GPUs, e.g. ``['9.0']``."""
         return sorted({gpu.compute_capability for gpu in self.gpus if gpu.compute_capability})
 
+    def engine_flags(self, engine: str) -> list[str] | None:
+        """Launch flags the probe found ``engine``'s install accepts; None when not probed (only sglang's are)."""
+        return self.sglang_flags if engine == "sglang" else None
+
     def jit_env(self) -> dict[str, str]:
         """Server environment that fixes the found JIT problems (empty when none or not probed)."""
         return jit_env_fixes(self.cuda_toolkit) if self.cuda_toolkit is not None else {}

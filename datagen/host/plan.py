@@ -27,7 +27,7 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import EngineKind, FleetConfig, RunConfig
-from datagen.engines import Engine, LaunchCommand, ServerSlot, SGLangEngine, get_engine
+from datagen.engines import Engine, LaunchCommand, ServerSlot, get_engine
 from datagen.engines.base import CapacityRequest
 from datagen.engines.capacity import decide_inflight_cap, per_client_url, tuned_slot_fields
 from datagen.engines.cpu_sizing import cpu_slot_fields
@@ -134,10 +134,8 @@ class ServerPlan(BaseModel):
 
 
 def engine_for_env(kind: EngineKind, env: EnvReport) -> Engine:
-    """The launch recipe of ``kind``; for sglang, with the flags the probed sglang accepts."""
-    if kind == "sglang" and env.sglang_flags is not None:
-        return SGLangEngine.for_flags(env.sglang_flags)
-    return get_engine(kind)
+    """The launch recipe of ``kind``, with the launch flags the probe found its install accepts."""
+    return get_engine(kind, env.engine_flags(kind))
 
 
 def plan_servers(

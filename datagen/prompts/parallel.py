@@ -66,14 +66,6 @@ def is_remote(path: str) -> bool:
     return "://" in path or looks_like_hub_id(path)
 
 
-def usable_cores() -> int:
-    """CPU cores this process may run on (its affinity mask where the OS has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS has no affinity masks
-        return os.cpu_count() or 1
-
-
 def _file_bytes(path: Path) -> int:
     """Bytes of one file as its rows are decoded: a Parquet file's uncompressed size (its pages compress)."""
     if path.suffix == ".parquet":

@@ -35,6 +35,7 @@ from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.objects import size_text
 from datagen.output.store import Store
+from datagen.processes import usable_cores
 from datagen.prompts.datasets.corpus import load_corpus_ids
 from datagen.prompts.datasets.inspect import InspectReport, inspect_dataset
 from datagen.prompts.datasets.registry import get_normaliser
@@ -47,7 +48,6 @@ from datagen.prompts.parallel import (
     is_remote,
     local_bytes,
     plan_parts,
-    usable_cores,
 )
 from datagen.prompts.rules import Candidate, LengthRule, QuotaRule, first_rejection, prompt_rules
 from datagen.prompts.scan import RowRejection, ScanEnd, ScanRequest, scan_dataset

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 from datagen.config import MultiTurnPolicy
-from datagen.gc_tuning import tune_garbage_collector
 from datagen.output.s3_client import S3Credentials
 from datagen.prompts.datasets.model import Rejection, RejectionReason
 from datagen.prompts.datasets.registry import normalise_row
@@ -248,7 +247,6 @@ def main(argv: list[str] | None = None) -> int:
     # kills its workers as it stops); a worker whose parent died stops by itself (scan_dataset).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    tune_garbage_collector()
     request_path, spool_path = (argv if argv is not None else sys.argv[1:])[:2]
     request = ScanRequest.from_json(Path(request_path).read_text())
     revealed = os.environ.get(CREDENTIALS_ENV)
@@ -264,6 +262,5 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     # Run as the module's importable name, not as __main__: the events pickle by their module's name.
     from datagen.prompts import scan
-    from datagen.stack_room import call_with_stack_room
 
-    sys.exit(call_with_stack_room(scan.main))
+    sys.exit(scan.main())

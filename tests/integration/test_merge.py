@@ -13,13 +13,13 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.dataset.merge import TokenizeSummary, merge_and_tokenize
-from datagen.dataset.tokenize_workers import available_cores
 from datagen.dataset.tokenizer import load_tokenizer
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from datagen.errors import TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.objects import size_text
 from datagen.output.store import Store
+from datagen.processes import usable_cores
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -311,7 +311,7 @@ def test_without_workers_set_small_shards_are_tokenized_in_this_process_and_larg
     assert started["default"] == [] and started["one byte short"] == []
     assert f"tokenizing in this process: 3 shards, {size_text(total)} (< 16 MiB)" in messages
     assert f"tokenizing in this process: 3 shards, {size_text(total)} (< {size_text(total + 1)})" in messages
-    cores = available_cores()
+    cores = usable_cores()
     if cores >= 2:  # one core: no worker would gain anything, so none starts
         assert len(started["at the threshold"]) == min(cores, 3)
         assert any(

@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +21,6 @@ from typing import IO, Any
 
 import httpx
 
-from datagen.gc_tuning import tuned_module_argv
 from flows.api_server import _PRCTL, _die_with_parent
 from tests.support.prefect_db import seed_prefect_home
 
@@ -41,9 +41,8 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CRASHED", "CANCELLED"})
 # SIGTERMs them when the thread that started them dies.
 DIE_WITH_PARENT = _die_with_parent if _PRCTL is not None else None
 
-# Prefect's command line (server, workers, CLI calls) as datagen runs its own processes, under datagen.gc_tuning:
-# the same answers for a sixth less CPU or so, the suite being CPU-bound on 2 cores.
-PREFECT = tuned_module_argv("prefect")
+# Prefect's command line (server, workers, CLI calls), from this interpreter.
+PREFECT = [sys.executable, "-m", "prefect"]
 
 OFFLINE_ENV = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",

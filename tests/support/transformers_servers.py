@@ -13,12 +13,11 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
-
-from datagen.gc_tuning import tuned_module_argv
 
 READY_TIMEOUT_S = 120.0
 READY_POLL_S = 0.25
@@ -61,8 +60,8 @@ class TransformersServer:
     def argv(self) -> list[str]:
         """The command line."""
         return [
-            # Launched as datagen's CPU engine launches it (under datagen.gc_tuning).
-            *tuned_module_argv("transformers.cli.transformers"), "serve", "--continuous-batching",
+            # Launched as datagen's CPU engine launches it.
+            sys.executable, "-m", "transformers.cli.transformers", "serve", "--continuous-batching",
             "--device", "cpu", "--host", "127.0.0.1", "--port", str(self.port),
             "--cb-num-blocks", str(CB_NUM_BLOCKS), "--cb-block-size", str(CB_BLOCK_SIZE_TOKENS),
             str(self.model_dir),

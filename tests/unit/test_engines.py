@@ -4,11 +4,13 @@ import importlib.util
 import inspect
 import sys
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
-from datagen.config import FleetConfig, ModelConfig, RunConfig, SGLangOptions
+from datagen.config import EngineKind, FleetConfig, ModelConfig, RunConfig, SGLangOptions
 from datagen.engines import (
+    ENGINES,
     ExternalEngine,
     ServerSlot,
     SGLangEngine,
@@ -47,7 +49,6 @@ def test_transformers_cpu_launch_is_the_serve_cli_with_cpu_device_and_hidden_gpu
     assert launch.argv == [
         sys.executable,
         "-m",
-        "datagen.gc_tuning",
         "transformers.cli.transformers",
         "serve",
         "--continuous-batching",
@@ -265,6 +266,20 @@ def test_get_engine_returns_each_recipe_and_rejects_unknown_kinds() -> None:
     assert not external.launches_processes
     with pytest.raises(ConfigError, match="unknown engine"):
         get_engine("vllm")
+
+
+def test_one_table_names_every_engine_kind_and_its_recipe() -> None:
+    assert list(ENGINES) == list(get_args(EngineKind))
+    assert {kind: engine_class(kind).name for kind in ENGINES} == {kind: kind for kind in ENGINES}
+    with pytest.raises(ConfigError, match="use one of: transformers, sglang, external"):
+        engine_class("vllm")
+
+
+def test_get_engine_builds_the_recipe_for_the_flags_a_probe_found() -> None:
+    old_sglang = get_engine("sglang", accepted_flags=[MAMBA_FLAG_OLD, "--port"])
+    assert isinstance(old_sglang, SGLangEngine) and old_sglang.mamba_strategy_flag == MAMBA_FLAG_OLD
+    assert old_sglang.accepted_flags == {MAMBA_FLAG_OLD, "--port"}
+    assert isinstance(get_engine("transformers", accepted_flags=["--port"]), TransformersEngine)
 
 
 def test_external_engine_has_nothing_to_launch() -> None:

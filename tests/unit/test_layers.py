@@ -29,8 +29,6 @@ SHARED_MODULES = frozenset(
         "templates",
         "processes",
         "literals",
-        "gc_tuning",
-        "stack_room",
     }
 )
 STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")

@@ -12,6 +12,7 @@ import pytest
 
 from datagen.config import RunConfig
 from datagen.engines import SGLangEngine
+from datagen.engines.cpu_sizing import cpu_slot_fields
 from datagen.engines.model_size import shape_from_config
 from datagen.engines.router import router_launch
 from datagen.engines.sglang import MAMBA_FLAG_OLD
@@ -598,3 +599,18 @@ def test_a_tune_result_sets_the_inflight_cap_and_the_measured_max_running_reques
     assert _flag(argv, "--cuda-graph-max-bs-decode") == "120"
     assert {server.max_inflight for server in plan.servers} == {135}
     assert any("datagen tune" in reason for reason in plan.reasons)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no affinity masks here")
+def test_cpu_servers_share_the_cores_this_process_may_run_on() -> None:
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs two cores to pin this thread to fewer than the machine has")
+    os.sched_setaffinity(0, {min(allowed)})
+    try:
+        fields, reason = cpu_slot_fields(None, request_tokens=1024, configured_inflight=4, servers=1)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+    assert fields["cpu_threads"] == 1
+    assert "share 1 cores" in reason

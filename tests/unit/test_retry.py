@@ -7,7 +7,7 @@ import pytest
 from datagen.config import GenerationConfig
 from datagen.errors import is_transient_http_status
 from datagen.generation.dispatch_state import Job, RequestStream, Transient
-from datagen.generation.retry import GiveUp, Retry, RetryPolicy, retryable_status
+from datagen.generation.retry import GiveUp, Retry, RetryPolicy
 from datagen.generation.wire import GenerationRequest
 from datagen.output.s3_client import is_transient_status
 from datagen.records import Message, PromptRecord, SamplingParams
@@ -25,12 +25,12 @@ def _job(attempts: int) -> Job:
 
 @pytest.mark.parametrize("status", [408, 409, 429, 500, 502, 503, 504])
 def test_the_same_statuses_are_transient_for_servers_and_storage(status: int) -> None:
-    assert retryable_status(status) and is_transient_http_status(status) and is_transient_status("", status)
+    assert is_transient_http_status(status) and is_transient_status("", status)
 
 
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 422])
 def test_other_4xx_answers_are_final(status: int) -> None:
-    assert not retryable_status(status)
+    assert not is_transient_http_status(status)
 
 
 def test_backoff_grows_with_jitter_up_to_the_ceiling() -> None:
