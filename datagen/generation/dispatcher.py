@@ -29,7 +29,9 @@ body) are retried with exponential backoff and jitter, preferring another server
 the server suspect: it takes no new request until ``GET /health`` answers (then it is known good again)
 or refuses (then it is down). A server that refuses connections, or that ``liveness`` reports dead, is
 marked down and its in-flight requests go back to the head of the queue at the cost of one attempt
-each; the health checker marks it up again once ``/health`` answers, so restarted servers rejoin. When
+each; the health checker marks it up again once ``/health`` answers, so restarted servers rejoin. A server
+that holds requests and answers none for several times the slowest completion seen is stalled: marked down
+whatever its ``/health`` says, and held out for a while (:mod:`~datagen.generation.dispatch_health`). When
 no server is up for ``GenerationConfig.no_live_server_timeout_s`` the waiting requests fail with "no
 live servers". Every request resolves exactly once, with a :class:`~datagen.records.CompletionRecord`
 or a :class:`~datagen.records.FailureRecord`; a retried request that a server may already have answered
@@ -40,9 +42,11 @@ a saturated dispatcher cannot make a progress read fail or stall.
 
 The parts, one concern each: :mod:`~datagen.generation.dispatch_admission` (streams, the queue, the choice
 of a server), :mod:`~datagen.generation.dispatch_attempt` (one try: body, HTTP, what the answer means),
-:mod:`~datagen.generation.retry` (the retry policy), :mod:`~datagen.generation.dispatch_health` (the server
-table, pools and health loop), :mod:`~datagen.generation.dispatch_stats` (counters and snapshots). This
-module wires them on one loop thread and is the only one other code uses.
+:mod:`~datagen.generation.retry` (the retry policy), :mod:`~datagen.generation.dispatch_health` (pools,
+the health loop, the stall rule), :mod:`~datagen.generation.dispatch_stats` (counters and snapshots), over
+one :class:`~datagen.generation.dispatch_state.ServerTable`. Each gets what it uses in its constructor (the
+table, then admission, then health, which tells admission when servers come and go). This module builds
+them on one loop thread and is the only one other code uses.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from datagen.generation.dispatch_state import (
     RequestStream,
     ResultCallback,
     ServerState,
+    ServerTable,
     Success,
 )
 from datagen.generation.dispatch_stats import Counters, snapshot
@@ -134,20 +139,18 @@ class Dispatcher:
         self.generation = generation
         self.exact_tokens = exact_tokens
         rules = engine_class(engine)
+        self._table = ServerTable([_normalise(url) for url in servers], max_inflight_per_server)
+        self._admission = Admission(
+            self._table, start=self._start, fail=self._fail, fixed_limit=admission_limit
+        )
         self._health = ServerHealth(
-            [_normalise(url) for url in servers],
-            cap=max_inflight_per_server,
+            self._table,
+            self._admission,
             generation=generation,
             health_path=rules.health_path,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
             liveness=liveness,
         )
-        self._admission = Admission(
-            self._health, start=self._start, fail=self._fail, fixed_limit=admission_limit
-        )
-        self._health.on_usable = self._admission.pump
-        self._health.has_waiting = self._admission.has_waiting
-        self._health.fail_waiting = self._admission.fail_waiting
         self._sender = RequestSender(
             model=model,
             engine=engine,
@@ -181,7 +184,7 @@ class Dispatcher:
         logger.info(
             "dispatcher started servers=%d model=%s engine=%s max_inflight_per_server=%d admission_limit=%d "
             "exact_tokens=%s",
-            len(self._health.servers),
+            len(self._table.servers),
             self.model,
             self.engine,
             self.max_inflight_per_server,
@@ -277,7 +280,7 @@ class Dispatcher:
         """A snapshot of backlog, queue, in-flight and throughput counters; never waits for the loop."""
         if not self._thread.running and self._final_stats is not None:
             return self._final_stats
-        return snapshot(self._health.servers, self._admission, self._counters)
+        return snapshot(self._table.servers, self._admission, self._counters)
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -305,7 +308,7 @@ class Dispatcher:
             self._admission.fail_backlog(reason, "dispatcher_closed")
             self._admission.clear()
             self._health.close()
-            self._final_stats = snapshot(self._health.servers, self._admission, self._counters)
+            self._final_stats = snapshot(self._table.servers, self._admission, self._counters)
 
     def _start(self, job: Job, server: ServerState) -> None:
         assert self._loop is not None
@@ -320,7 +323,7 @@ class Dispatcher:
     async def _run(self, job: Job, server: ServerState) -> None:
         job.attempts += 1
         job.last_server = server.url
-        started = time.monotonic()
+        started = job.sent_at = time.monotonic()
         try:
             outcome = await self._sender.attempt(job, server, started)
         except asyncio.CancelledError:
@@ -333,6 +336,7 @@ class Dispatcher:
         finally:
             server.in_flight.discard(job)
             job.task = None
+        self._health.answered(server, outcome, time.monotonic())
         admission = self._admission
         saturated = bool(admission.queue)
         self._settle(job, server, outcome)
@@ -359,7 +363,7 @@ class Dispatcher:
             self._health.mark_down(server, outcome.reason)
         elif outcome.suspect:
             self._health.mark_suspect(server, outcome.reason)
-        step = self._retry.after(job, outcome, server.url, len(self._health.servers))
+        step = self._retry.after(job, outcome, server.url, len(self._table.servers))
         if isinstance(step, GiveUp):
             self._fail(job, step.reason, step.error_type, outcome.status, server.url)
             return
