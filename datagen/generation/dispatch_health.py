@@ -143,6 +143,14 @@ class ServerHealth:
         logger.info("server removed url=%s", url)
         _close_pools(server)
 
+    def move(self, old_url: str, new_url: str) -> None:
+        """The server at ``old_url`` now listens at ``new_url``: the same cap there, the old URL removed."""
+        server = self.servers.get(old_url)
+        if server is None:
+            return
+        self.remove(old_url)
+        self.add(new_url, server.cap)
+
     def mark_up(self, server: ServerState) -> None:
         """``/health`` answered (or a suspect server was trusted again): give it requests."""
         if self.servers.get(server.url) is not server:

@@ -276,6 +276,14 @@ class Dispatcher:
         """Stop routing to a server; its in-flight requests go back to the queue without losing an attempt."""
         self._thread.call_now_or_soon(lambda: self._health.remove(_normalise(url)))
 
+    def move_server(self, old_url: str, new_url: str) -> None:
+        """A server now listens at ``new_url``: route to it there, at its cap, and never to ``old_url`` again.
+
+        Requests in flight on the old URL go back to the queue without losing an attempt (the fleet moved it
+        because another program took its port: ``Fleet.on_server_moved``).
+        """
+        self._thread.call_now_or_soon(lambda: self._health.move(_normalise(old_url), _normalise(new_url)))
+
     def stats(self) -> DispatcherStats:
         """A snapshot of backlog, queue, in-flight and throughput counters; never waits for the loop."""
         if not self._thread.running and self._final_stats is not None:

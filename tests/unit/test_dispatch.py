@@ -419,3 +419,17 @@ def test_connection_resets_count_toward_the_repeated_error_limit() -> None:
     assert isinstance(record, FailureRecord)
     assert record.error_type == "repeated_internal_error"
     assert record.attempts == 3, "three resets on two servers are enough: each one takes a server's work down"
+
+
+def test_a_moved_server_is_used_at_its_new_url_only() -> None:
+    with FaultServer() as before, FaultServer() as after:
+        with dispatcher_for([before.url], cap=3) as dispatcher:
+            wait_until(lambda: servers_up(dispatcher) == [before.url])
+            dispatcher.move_server(before.url, after.url)
+            wait_until(lambda: servers_up(dispatcher) == [after.url])
+            records = results([dispatcher.submit(make_request(f"m{i}")) for i in range(6)])
+            caps = [server.url for server in dispatcher.stats().servers]
+        assert before.chat_requests() == []
+    assert caps == [after.url]
+    assert all(isinstance(record, CompletionRecord) and record.server == after.url for record in records)
+    assert after.max_in_flight <= 3
