@@ -196,14 +196,14 @@ def terminate_groups(pgids: list[int], grace_s: float) -> None:
 # --- listening sockets --------------------------------------------------------------------------
 
 
-def listening_sockets(port: int) -> list[tuple[IPAddress, int]] | None:
-    """Every TCP socket listening on ``port`` in this network namespace: (local address, socket inode).
+def listening_sockets() -> dict[int, list[tuple[IPAddress, int]]] | None:
+    """Every TCP socket listening in this network namespace, by port: (local address, socket inode).
 
     IPv4-mapped IPv6 addresses are given as IPv4. None where there is no ``/proc`` (nothing can be told).
     """
     if not (PROC / "net" / "tcp").exists():
         return None
-    found: list[tuple[IPAddress, int]] = []
+    found: dict[int, list[tuple[IPAddress, int]]] = {}
     for table in ("tcp", "tcp6"):
         try:
             lines = (PROC / "net" / table).read_text().splitlines()[1:]
@@ -214,8 +214,7 @@ def listening_sockets(port: int) -> list[tuple[IPAddress, int]] | None:
             if len(fields) < 10 or fields[3] != TCP_LISTEN:
                 continue
             address_hex, _, port_hex = fields[1].partition(":")
-            if int(port_hex, 16) == port:
-                found.append((_proc_net_address(address_hex), int(fields[9])))
+            found.setdefault(int(port_hex, 16), []).append((_proc_net_address(address_hex), int(fields[9])))
     return found
 
 

@@ -128,6 +128,8 @@ class ServerLauncher:
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # Servers whose model could not be checked (no model list): warned about once each.
         self._unchecked: set[str] = set()
+        # The last read of the listening sockets: when, and what (None: no /proc here).
+        self._listening: tuple[float, dict[int, list[tuple[processes.IPAddress, int]]] | None] | None = None
 
     def launch(self, server: ServerProcess) -> None:
         """Start ``server``'s process (its log appended to, a banner with the command first).
@@ -261,10 +263,10 @@ class ServerLauncher:
     def listener(self, server: ServerProcess) -> Listener:
         """Who listens on launched ``server``'s port (sockets that its URL does not reach are ignored)."""
         spec = server.spec
-        sockets = processes.listening_sockets(spec.port)
-        if sockets is None or server.process is None:
+        listening = self._listening_sockets()
+        if listening is None or server.process is None:
             return Listener("unknown")
-        inodes = {inode for address, inode in sockets if _reaches(address, spec)}
+        inodes = {inode for address, inode in listening.get(spec.port, []) if _reaches(address, spec)}
         if not inodes:
             return Listener("none")
         foreign = processes.not_held_by(server.process.pid, inodes)
@@ -283,6 +285,13 @@ class ServerLauncher:
             "foreign",
             f"another program listens on port {spec.port} ({'; '.join(holders)}), not server {spec.index}",
         )
+
+    def _listening_sockets(self) -> dict[int, list[tuple[processes.IPAddress, int]]] | None:
+        """The host's listening sockets, read at most once per poll round (the table grows with connections)."""
+        now = time.monotonic()
+        if self._listening is None or now - self._listening[0] >= POLL_INTERVAL_S / 2:
+            self._listening = (now, processes.listening_sockets())
+        return self._listening[1]
 
     def served_models(self, url: str) -> list[str] | None:
         """The model names the server at ``url`` lists; None when it has no usable list (warned once)."""
