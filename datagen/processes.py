@@ -2,13 +2,15 @@
 
 One place for what the fleet (its servers and their registry) and the training-job handles both need:
 ``/proc/<pid>/stat`` parsing (state, parent, process group, start time), zombie checks, command lines,
-descendants and group members, and stopping process groups (SIGTERM, a grace period, SIGKILL). Where there
-is no ``/proc`` (macOS laptops), command lines come from ``ps`` and groups are probed with ``killpg``.
+descendants and group members, the TCP sockets listening on a port and the processes holding them, and
+stopping process groups (SIGTERM, a grace period, SIGKILL). Where there is no ``/proc`` (macOS laptops),
+command lines come from ``ps``, groups are probed with ``killpg`` and listeners are unknown (None).
 :func:`usable_cores` is the one count of cores that every pool and CPU server of datagen sizes itself by.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import signal
@@ -29,6 +31,10 @@ _STATE, _PARENT, _GROUP, _START_TICKS = 0, 1, 2, 19
 GROUP_POLL_INTERVAL_S = 0.125
 # Bound on how long SIGKILLed processes may take to disappear (they cannot refuse; this only guards waits).
 KILL_WAIT_S = 10.0
+# The socket state of a listening TCP socket in /proc/net/tcp{,6}.
+TCP_LISTEN = "0A"
+
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 
 def usable_cores() -> int:
@@ -197,3 +203,79 @@ def terminate_groups(pgids: list[int], grace_s: float) -> None:
     while stubborn and time.monotonic() < kill_deadline:
         time.sleep(GROUP_POLL_INTERVAL_S)
         stubborn = [pgid for pgid in stubborn if group_exists(pgid)]
+
+
+# --- listening sockets --------------------------------------------------------------------------
+
+
+def listening_sockets() -> dict[int, list[tuple[IPAddress, int]]] | None:
+    """Every TCP socket listening in this network namespace, by port: (local address, socket inode).
+
+    IPv4-mapped IPv6 addresses are given as IPv4. None where there is no ``/proc`` (nothing can be told).
+    """
+    if not (PROC / "net" / "tcp").exists():
+        return None
+    found: dict[int, list[tuple[IPAddress, int]]] = {}
+    for table in ("tcp", "tcp6"):
+        try:
+            lines = (PROC / "net" / table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != TCP_LISTEN:
+                continue
+            address_hex, _, port_hex = fields[1].partition(":")
+            found.setdefault(int(port_hex, 16), []).append((_proc_net_address(address_hex), int(fields[9])))
+    return found
+
+
+def _proc_net_address(hex_address: str) -> IPAddress:
+    """An address as /proc/net/tcp{,6} writes it: 32-bit words in host (little-endian) byte order."""
+    raw = b"".join(bytes.fromhex(hex_address[i : i + 8])[::-1] for i in range(0, len(hex_address), 8))
+    if len(raw) == 4:
+        return ipaddress.IPv4Address(raw)
+    address = ipaddress.IPv6Address(raw)
+    return address.ipv4_mapped or address
+
+
+def socket_inodes(pid: int) -> set[int]:
+    """The inodes of the sockets ``pid`` holds open (empty when gone or not ours to read)."""
+    fd_dir = PROC / str(pid) / "fd"
+    try:
+        entries = os.listdir(fd_dir)
+    except OSError:
+        return set()
+    inodes: set[int] = set()
+    for entry in entries:
+        try:
+            target = os.readlink(fd_dir / entry)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def not_held_by(pid: int, inodes: set[int]) -> set[int]:
+    """The sockets of ``inodes`` that neither ``pid`` nor a member of its group or a descendant holds.
+
+    The leader is checked first: a server's listening socket is almost always its own, and the tree is only
+    walked when it is not.
+    """
+    left = inodes - socket_inodes(pid)
+    if not left:
+        return left
+    for member in sorted((set(descendants(pid)) | set(group_members(pid))) - {pid}):
+        left -= socket_inodes(member)
+        if not left:
+            break
+    return left
+
+
+def socket_holder(inode: int) -> int | None:
+    """The pid holding socket ``inode``; None when no process we may inspect holds it (another user's)."""
+    for pid in _pids():
+        if inode in socket_inodes(pid):
+            return pid
+    return None

@@ -537,6 +537,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 api_key=server_api_key(),
                 exact_tokens=datagen.engines.exact_tokens_enabled(config),
             ) as dispatcher:
+                serving.fleet.on_server_moved(dispatcher.move_server)
                 generation_started = time.monotonic()
                 finished = False
                 try:

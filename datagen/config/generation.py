@@ -15,8 +15,9 @@ class GenerationConfig(StrictModel):
     max_internal_error_attempts: int = Field(
         default=3,
         gt=0,
-        description="A request answered HTTP 500 this many times, by at least two servers, fails for good "
-        "(each try redoes a whole generation); 502-504 and resets keep the full max_attempts.",
+        description="A request whose tries ended in HTTP 500 or a connection reset this many times, on at "
+        "least two servers, fails for good (each try redoes a whole generation); 502-504 keep the full "
+        "max_attempts.",
     )
     backoff_initial_s: float = Field(default=0.5, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)
@@ -32,6 +33,12 @@ class GenerationConfig(StrictModel):
         default=None,
         gt=0,
         description="Shard tasks running at once; enough to keep every slot busy if unset.",
+    )
+    stall_min_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A server holding requests that answers none for the larger of this and 3x the slowest "
+        "completion seen is stalled: marked down (whatever its /health says) and its requests sent elsewhere.",
     )
     no_live_server_timeout_s: float = Field(
         default=300.0, gt=0, description="How long requests wait for a server to come back before failing."

@@ -21,13 +21,19 @@ from datagen.engines.model_size import ModelShape
 DeviceKind = Literal["cpu", "cuda"]
 ProblemSeverity = Literal["info", "warning", "error"]
 
+# Log lines that mean a starting server could not bind its port (another program holds it): the fleet
+# relaunches it on the next free port instead of failing.
+BIND_FAILURE_LOG_PATTERNS: tuple[str, ...] = (
+    r"[Aa]ddress already in use",
+    r"error while attempting to bind on address",
+    r"EADDRINUSE",
+)
 # Log lines that mean a starting server is dead or will never serve; shared by every engine.
 COMMON_FATAL_LOG_PATTERNS: tuple[str, ...] = (
     r"^Traceback \(most recent call last\)",
     r"CUDA out of memory",
     r"torch\.OutOfMemoryError",
-    r"Address already in use",
-    r"error while attempting to bind on address",
+    *BIND_FAILURE_LOG_PATTERNS,
 )
 
 
@@ -129,6 +135,9 @@ class Engine(Protocol):
     """Engine kind as written in ``fleet.engine``."""
     health_path: str
     """HTTP path answering 200 once the server serves (readiness and liveness)."""
+    models_path: str
+    """HTTP path listing the served models (OpenAI's ``{"data": [{"id": ...}]}``): readiness checks the planned
+    model is among them, so a server of another run or model is never used."""
     metrics_path: str | None
     """Prometheus metrics path; None when the engine has none (clients then measure themselves)."""
     unsupported_sampling_fields: frozenset[str]
@@ -168,6 +177,10 @@ class Engine(Protocol):
         """
         ...
 
+    def launch_on_port(self, launch: LaunchCommand, port: int) -> LaunchCommand:
+        """``launch`` listening on ``port`` instead (a planned port another program took)."""
+        ...
+
     def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
         """Size one GPU server (memory share, concurrency, batch sizes) and the dispatcher's cap for it."""
         ...
@@ -190,6 +203,9 @@ class EngineRecipe(ABC):
 
     name: str
     health_path = "/health"
+    models_path = "/v1/models"
+    port_flag = "--port"
+    """The flag whose value is the port a launched server listens on."""
     metrics_path: str | None = None
     unsupported_sampling_fields: frozenset[str] = frozenset()
     supports_generate = False
@@ -233,6 +249,20 @@ class EngineRecipe(ABC):
     def api_key_args(self, key_file: str) -> list[str] | None:
         """No API key option: None."""
         return None
+
+    def launch_on_port(self, launch: LaunchCommand, port: int) -> LaunchCommand:
+        """``launch`` with the value of its last :attr:`port_flag` replaced by ``port``.
+
+        Raises:
+            ValueError: The argv has no such flag (the server cannot be moved to another port).
+
+        """
+        argv = list(launch.argv)
+        positions = [index for index, arg in enumerate(argv[:-1]) if arg == self.port_flag]
+        if not positions:
+            raise ValueError(f"the launch command has no {self.port_flag} flag: {launch.shell_line()}")
+        argv[positions[-1] + 1] = str(port)
+        return launch.model_copy(update={"argv": argv})
 
     def plan_capacity(self, request: CapacityRequest, fleet: FleetConfig) -> CapacityPlan:
         """The engine sizes itself: the dispatcher keeps ``fleet.max_inflight_per_server``."""

@@ -16,8 +16,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
-from datagen.generation.dispatch_health import ServerHealth
-from datagen.generation.dispatch_state import GenerationResult, Job, RequestStream, ServerState
+from datagen.generation.dispatch_state import GenerationResult, Job, RequestStream, ServerState, ServerTable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ class Admission:
     """The streams, the queue of admitted requests, and the choice of a server for each.
 
     Args:
-        health: The server table (its slots size the admission limit).
+        table: The servers (their slots size the admission limit).
         start: Starts one try of a job on a server (the dispatcher's).
         fail: Resolves a job as a failure ``fail(job, reason, error_type, status)``.
         fixed_limit: Requests admitted at once; None: ``ADMISSION_SLOTS_FACTOR`` x the fleet's slots.
@@ -46,14 +45,14 @@ class Admission:
 
     def __init__(
         self,
-        health: ServerHealth,
+        table: ServerTable,
         *,
         start: Callable[[Job, ServerState], None],
         fail: Fail,
         fixed_limit: int | None,
     ) -> None:
-        self.health = health
-        self.servers = health.servers
+        self.table = table
+        self.servers = table.servers
         self._start = start
         self._fail = fail
         self.fixed_limit = fixed_limit
@@ -72,7 +71,7 @@ class Admission:
         """Requests admitted at once (queued, in flight or backing off), across every stream."""
         if self.fixed_limit is not None:
             return self.fixed_limit
-        return max(ADMISSION_MIN_REQUESTS, ADMISSION_SLOTS_FACTOR * self.health.slots)
+        return max(ADMISSION_MIN_REQUESTS, ADMISSION_SLOTS_FACTOR * self.table.slots)
 
     def add_stream(self, stream: RequestStream) -> None:
         """Register a stream; its requests are admitted as the limit allows."""

@@ -2,7 +2,8 @@
 
 A try never raises (except when cancelled): it returns a :class:`Success` with the completion record, a
 :class:`Final` failure, or a :class:`Transient` one that :class:`datagen.generation.retry.RetryPolicy` may
-retry, flagged ``server_down`` (nothing listens) or ``suspect`` (a reset or connect timeout: probe it).
+retry, flagged ``server_down`` (nothing listens) or ``suspect`` (a reset or connect timeout: probe it), and
+``reset`` or ``timed_out`` for the retry policy and the stall rule.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from datagen.generation.http import (
     ConnectTimeoutError,
     HttpError,
     MalformedResponseError,
+    ResponseTimeoutError,
 )
 from datagen.generation.wire import (
     CHAT_COMPLETIONS_PATH,
@@ -104,12 +106,16 @@ class RequestSender:
         except ConnectionBrokenError as error:
             # The server may have finished the request before the connection broke: the retry is safe
             # because the request resolves once (one record), whichever try answers.
-            return Transient(reason=f"connection reset: {describe(error)}", suspect=True)
+            return Transient(reason=f"connection reset: {describe(error)}", suspect=True, reset=True)
         except MalformedResponseError as error:
             return Transient(reason=f"malformed response: {describe(error)}", suspect=True)
         except HttpError as error:
-            # The request timeout: a slow answer is not proof the server is ill.
-            return Transient(reason=f"{type(error).__name__}: {describe(error)}")
+            # The request timeout: a slow answer is not proof the server is ill (its silence is judged by
+            # the health loop's stall rule, across all its requests).
+            return Transient(
+                reason=f"{type(error).__name__}: {describe(error)}",
+                timed_out=isinstance(error, ResponseTimeoutError),
+            )
         status, raw = response.status, response.body
         latency_s = time.monotonic() - started
         if status != 200:

@@ -1,11 +1,20 @@
-"""The dispatcher's servers and their health: who is in the fleet, who is up, suspect or down.
+"""The dispatcher's servers and their health: who is up, suspect, stalled or down.
 
-Owns the server table (:class:`~datagen.generation.dispatch_state.ServerState` by URL), each server's two
-connection pools (generation requests sized to its cap; a small one for ``/health``), servers joining and
-leaving, and the health loop: once a second it polls ``liveness``, probes down and suspect servers, trusts a
-suspect server again after :data:`SUSPECT_MAX_S` without a verdict, and fails the waiting requests when no
-server has been up for ``GenerationConfig.no_live_server_timeout_s``. Loop thread only, except
-:attr:`ServerHealth.slots` and the table, which stats read from any thread.
+Owns each server's two connection pools (generation requests sized to its cap; a small one for ``/health``),
+servers joining and leaving, and the health loop: once a second it polls ``liveness``, probes down and
+suspect servers, trusts a suspect server again after :data:`SUSPECT_MAX_S` without a verdict, marks down a
+stalled server (below), and fails the waiting requests when no server has been up for
+``GenerationConfig.no_live_server_timeout_s``. Loop thread only, except the table, which stats read from
+any thread.
+
+A stalled server is one that holds requests and has answered nothing for :meth:`ServerHealth.stall_limit_s`:
+the larger of ``GenerationConfig.stall_min_s`` and :data:`STALL_FACTOR` times the slowest completion any
+server gave so far. The dispatcher never gives a server more than its cap, so a healthy server works on every
+request it holds and answers one at least every slowest-completion; one silent for several times that is
+wedged, whatever its ``/health`` says (a chat-hung server still answers it). Its tries are cut short and sent
+elsewhere at once, and it is held out of rotation (``/health`` is not asked) for the limit, doubled for each
+stall in a row, before it may rejoin. Until some server has completed a request there is no yardstick and
+only ``request_timeout_s`` applies.
 """
 
 from __future__ import annotations
@@ -16,8 +25,9 @@ import time
 from collections.abc import Callable
 
 from datagen.config import GenerationConfig
+from datagen.generation.dispatch_admission import Admission
 from datagen.generation.dispatch_attempt import describe
-from datagen.generation.dispatch_state import ServerState
+from datagen.generation.dispatch_state import Outcome, ServerState, ServerTable, Success, Transient
 from datagen.generation.http import ConnectFailedError, HttpError, HttpPool
 
 logger = logging.getLogger(__name__)
@@ -38,15 +48,21 @@ SUSPECT_MAX_S = 10.0
 # /health probes: one at a time per server (a probe is skipped while the last one runs); two connections
 # leave room for the one closing.
 HEALTH_POOL_SIZE = 2
+# A server silent for this many times the slowest completion seen is stalled (module docstring).
+STALL_FACTOR = 3.0
+# The longest a stalled server is held out of rotation, however many stalls in a row.
+STALL_HOLD_MAX_S = 600.0
 
 
 class ServerHealth:
     """The fleet as the dispatcher sees it (see the module docstring).
 
     Args:
-        urls: The first servers (normalised base URLs), each kept at ``cap`` requests in flight.
-        cap: Their in-flight cap.
-        generation: The request timeout (caps the connect timeout) and the no-live-server deadline.
+        table: The servers.
+        admission: The waiting requests: told when a server becomes usable (fill its slots), asked whether
+            requests wait, and told to fail them when no server was up for too long.
+        generation: The request timeout (caps the connect timeout and the stall limit), the stall floor
+            and the no-live-server deadline.
         health_path: The engine's readiness path.
         headers: Sent with every request (the API key).
         liveness: Optional check that a server's process is alive; False marks it down at once.
@@ -55,29 +71,25 @@ class ServerHealth:
 
     def __init__(
         self,
-        urls: list[str],
+        table: ServerTable,
+        admission: Admission,
         *,
-        cap: int,
         generation: GenerationConfig,
         health_path: str,
         headers: dict[str, str],
         liveness: Callable[[str], bool] | None,
     ) -> None:
-        self.servers: dict[str, ServerState] = {}
-        for url in urls:
-            self.servers.setdefault(url, ServerState(url, cap=cap))
-        # Sum of the servers' caps, kept as servers come and go (read from any thread).
-        self.slots = sum(server.cap for server in self.servers.values())
+        self.table = table
+        self.servers = table.servers
+        self.admission = admission
         self.generation = generation
         self.health_path = health_path
         self.headers = headers
         self.liveness = liveness
         self.all_down_since: float | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        # Told when a server becomes usable (fill its slots), and when nothing was up for too long.
-        self.on_usable: Callable[[], None] = lambda: None
-        self.has_waiting: Callable[[], bool] = lambda: False
-        self.fail_waiting: Callable[[str], None] = lambda reason: None
+        # The slowest completion any server gave (seconds): the stall yardstick; None until the first.
+        self.slowest_completion_s: float | None = None
         # The loop holds tasks only weakly: keep probe tasks referenced until they end.
         self.probes: set[asyncio.Task[None]] = set()
 
@@ -113,11 +125,9 @@ class ServerHealth:
 
     def add(self, url: str, cap: int) -> None:
         """Add a server; it takes requests once its ``/health`` answers 200."""
-        if url in self.servers:
+        server = self.table.add(url, cap)
+        if server is None:
             return
-        server = ServerState(url, cap=cap)
-        self.servers[url] = server
-        self.slots += server.cap
         logger.info("server added url=%s max_inflight=%d", url, server.cap)
         if self.loop is not None and self.loop.is_running():
             self._open_pools(server)
@@ -129,10 +139,17 @@ class ServerHealth:
         if server is None:
             return
         self.mark_down(server, "removed", refund=True)
-        del self.servers[url]
-        self.slots -= server.cap
+        self.table.remove(url)
         logger.info("server removed url=%s", url)
         _close_pools(server)
+
+    def move(self, old_url: str, new_url: str) -> None:
+        """The server at ``old_url`` now listens at ``new_url``: the same cap there, the old URL removed."""
+        server = self.servers.get(old_url)
+        if server is None:
+            return
+        self.remove(old_url)
+        self.add(new_url, server.cap)
 
     def mark_up(self, server: ServerState) -> None:
         """``/health`` answered (or a suspect server was trusted again): give it requests."""
@@ -147,7 +164,27 @@ class ServerHealth:
         server.up = True
         server.suspect_since = None
         self.all_down_since = None
-        self.on_usable()
+        self.admission.pump()
+
+    def answered(self, server: ServerState, outcome: Outcome, now: float) -> None:
+        """Record that ``server`` ended a try with ``outcome`` (the stall clock and its yardstick)."""
+        if isinstance(outcome, Success):
+            latency_s = outcome.record.latency_s
+            if self.slowest_completion_s is None or latency_s > self.slowest_completion_s:
+                self.slowest_completion_s = latency_s
+            server.stalls = 0
+        elif isinstance(outcome, Transient) and (outcome.timed_out or outcome.interrupted):
+            # Silence, or a try the dispatcher cut short: the server said nothing.
+            return
+        server.last_answer_at = now
+
+    def stall_limit_s(self) -> float | None:
+        """How long a server holding requests may answer nothing before it is stalled; None: no yardstick yet."""
+        slowest = self.slowest_completion_s
+        if slowest is None:
+            return None
+        limit = max(self.generation.stall_min_s, STALL_FACTOR * slowest)
+        return min(limit, self.generation.request_timeout_s)
 
     def mark_suspect(self, server: ServerState, reason: str) -> None:
         """A reset or connect timeout: no new request for this server until its /health answers."""
@@ -201,10 +238,13 @@ class ServerHealth:
         else:
             alive = [True] * len(servers)
         now = time.monotonic()
+        stall_limit_s = self.stall_limit_s()
         probes = []
         for server, is_alive in zip(servers, alive, strict=True):
             if not is_alive:
                 self.mark_down(server, "liveness check reports the process dead")
+            elif stall_limit_s is not None and self._stalled(server, now, stall_limit_s):
+                continue
             elif server.suspect_since is not None and now - server.suspect_since >= SUSPECT_MAX_S:
                 logger.warning(
                     "server suspect for %.0fs without a verdict; trusting it again url=%s",
@@ -212,9 +252,41 @@ class ServerHealth:
                     server.url,
                 )
                 self.mark_up(server)
-            elif (not server.up or server.suspect_since is not None) and not server.probing:
+            elif self._needs_probe(server, now):
                 probes.append(self._probe(server))
         await asyncio.gather(*probes)
+
+    @staticmethod
+    def _needs_probe(server: ServerState, now: float) -> bool:
+        """Down or suspect, not being probed, and not held out after a stall (its /health proves nothing)."""
+        waiting = not server.up or server.suspect_since is not None
+        return waiting and not server.probing and now >= server.held_until
+
+    def _stalled(self, server: ServerState, now: float, limit_s: float) -> bool:
+        """Mark ``server`` down and hold it out when it held requests and answered nothing for ``limit_s``."""
+        if not server.up or not server.in_flight:
+            return False
+        oldest_sent = min(job.sent_at for job in server.in_flight)
+        silent_since = max(server.last_answer_at or oldest_sent, oldest_sent)
+        silent_s = now - silent_since
+        if silent_s < limit_s:
+            return False
+        server.stalls += 1
+        hold_s = min(limit_s * 2 ** (server.stalls - 1), STALL_HOLD_MAX_S)
+        server.held_until = now + hold_s
+        logger.warning(
+            "server stalled url=%s in_flight=%d silent_s=%.1f limit_s=%.1f slowest_completion_s=%.2f "
+            "stalls=%d hold_s=%.0f: its requests go to other servers",
+            server.url,
+            len(server.in_flight),
+            silent_s,
+            limit_s,
+            self.slowest_completion_s or 0.0,
+            server.stalls,
+            hold_s,
+        )
+        self.mark_down(server, f"stalled: no answer for {silent_s:.0f}s while holding requests")
+        return True
 
     def probe_soon(self, server: ServerState) -> None:
         """Probe ``server``'s ``/health`` now, in the background (skipped while a probe runs)."""
@@ -254,9 +326,9 @@ class ServerHealth:
             self.all_down_since = now
             return
         waited_s = now - self.all_down_since
-        if waited_s < self.generation.no_live_server_timeout_s or not self.has_waiting():
+        if waited_s < self.generation.no_live_server_timeout_s or not self.admission.has_waiting():
             return
-        self.fail_waiting(
+        self.admission.fail_waiting(
             f"no live servers for {waited_s:.0f}s (limit no_live_server_timeout_s="
             f"{self.generation.no_live_server_timeout_s:g}); servers: {', '.join(self.servers) or 'none'}"
         )

@@ -115,9 +115,12 @@ class Job:
     # shutdown; `refund` gives the attempt back (a server removed on purpose is not the request's fault).
     interrupted: str | None = None
     refund: bool = False
-    # Servers that answered this request with HTTP 500 (an internal error, as opposed to 502-504 which say
-    # the server is busy or restarting): the same error from several servers is the request's own fault.
+    # Servers whose try of this request ended in HTTP 500 (an internal error, as opposed to 502-504 which
+    # say the server is busy or restarting) or a connection reset (the server died under it): the same
+    # error from several servers is the request's own fault.
     internal_error_servers: list[str] = field(default_factory=list)
+    # When the current try was sent (monotonic): how long its server has had work without answering.
+    sent_at: float = 0.0
 
 
 @dataclass(eq=False)
@@ -134,6 +137,12 @@ class ServerState:
     dispatched: int = 0
     completed: int = 0
     probing: bool = False
+    # When the server last answered anything (monotonic; a response of any status, a reset, a refusal):
+    # a server holding requests that answers nothing for far longer than any answer took is stalled.
+    last_answer_at: float | None = None
+    # Stalls in a row (an answer resets it) and when a stalled server may be probed again.
+    stalls: int = 0
+    held_until: float = 0.0
     # Generation requests, sized to the in-flight cap; and a separate small pool for /health probes,
     # so a probe never waits behind (or takes) a generation slot.
     pool: HttpPool | None = None
@@ -171,6 +180,42 @@ class Transient:
     server_down: bool = False
     suspect: bool = False
     interrupted: bool = False
+    # reset: the connection broke before the whole answer (counts toward max_internal_error_attempts);
+    # timed_out: no answer within the request timeout (the server said nothing).
+    reset: bool = False
+    timed_out: bool = False
+
+
+class ServerTable:
+    """The servers by URL and the sum of their caps: what admission and health both read.
+
+    Args:
+        urls: The first servers (normalised base URLs), each kept at ``cap`` requests in flight.
+        cap: Their in-flight cap.
+
+    """
+
+    def __init__(self, urls: list[str], cap: int) -> None:
+        self.servers: dict[str, ServerState] = {}
+        # Sum of the servers' caps, kept as servers come and go (read from any thread).
+        self.slots = 0
+        for url in urls:
+            self.add(url, cap)
+
+    def add(self, url: str, cap: int) -> ServerState | None:
+        """Add a server; None when ``url`` is already in the table."""
+        if url in self.servers:
+            return None
+        server = self.servers[url] = ServerState(url, cap=cap)
+        self.slots += server.cap
+        return server
+
+    def remove(self, url: str) -> ServerState | None:
+        """Take a server out of the table; None when it was not in it."""
+        server = self.servers.pop(url, None)
+        if server is not None:
+            self.slots -= server.cap
+        return server
 
 
 Outcome = Success | Final | Transient

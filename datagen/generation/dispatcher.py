@@ -7,15 +7,19 @@ back). All scheduling state lives on one asyncio loop on the dispatcher's own th
 shard and memory stays bounded by requests, not shards; each server holds at most its in-flight cap, and a
 freed slot is refilled at once. Transient failures are retried, preferably on another server
 (:mod:`~datagen.generation.retry`); a suspect or dead server takes no new request until ``/health`` answers
-again. Every request resolves exactly once, with a :class:`~datagen.records.CompletionRecord` or a
-:class:`~datagen.records.FailureRecord`. :meth:`Dispatcher.stats` reads plain counters and never waits for
-the loop, so a saturated dispatcher cannot stall a progress read.
+again, and a server that holds requests and answers none for several times the slowest completion seen is
+marked down whatever its ``/health`` says. Every request resolves exactly once, with a
+:class:`~datagen.records.CompletionRecord` or a :class:`~datagen.records.FailureRecord`.
+:meth:`Dispatcher.stats` reads plain counters and never waits for the loop, so a saturated dispatcher cannot
+stall a progress read.
 
 The parts, one concern each: :mod:`~datagen.generation.dispatch_admission` (streams, the queue, the choice
 of a server), :mod:`~datagen.generation.dispatch_attempt` (one try: body, HTTP, what the answer means),
-:mod:`~datagen.generation.retry` (the retry policy), :mod:`~datagen.generation.dispatch_health` (the server
-table, pools and health loop), :mod:`~datagen.generation.dispatch_stats` (counters and snapshots). This
-module wires them on one loop thread and is the only one other code uses. The whole path, step by step:
+:mod:`~datagen.generation.retry` (the retry policy), :mod:`~datagen.generation.dispatch_health` (pools,
+the health loop, the stall rule), :mod:`~datagen.generation.dispatch_stats` (counters and snapshots), over
+one :class:`~datagen.generation.dispatch_state.ServerTable`. Each gets what it uses in its constructor (the
+table, then admission, then health, which tells admission when servers come and go). This module builds
+them on one loop thread and is the only one other code uses. The whole path, step by step:
 docs/architecture.md, "Generation: from shards to servers and back".
 """
 
@@ -46,6 +50,7 @@ from datagen.generation.dispatch_state import (
     RequestStream,
     ResultCallback,
     ServerState,
+    ServerTable,
     Success,
 )
 from datagen.generation.dispatch_stats import Counters, snapshot
@@ -108,20 +113,18 @@ class Dispatcher:
         self.generation = generation
         self.exact_tokens = exact_tokens
         rules = engine_class(engine)
+        self._table = ServerTable([_normalise(url) for url in servers], max_inflight_per_server)
+        self._admission = Admission(
+            self._table, start=self._start, fail=self._fail, fixed_limit=admission_limit
+        )
         self._health = ServerHealth(
-            [_normalise(url) for url in servers],
-            cap=max_inflight_per_server,
+            self._table,
+            self._admission,
             generation=generation,
             health_path=rules.health_path,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
             liveness=liveness,
         )
-        self._admission = Admission(
-            self._health, start=self._start, fail=self._fail, fixed_limit=admission_limit
-        )
-        self._health.on_usable = self._admission.pump
-        self._health.has_waiting = self._admission.has_waiting
-        self._health.fail_waiting = self._admission.fail_waiting
         self._sender = RequestSender(
             model=model,
             engine=engine,
@@ -155,7 +158,7 @@ class Dispatcher:
         logger.info(
             "dispatcher started servers=%d model=%s engine=%s max_inflight_per_server=%d admission_limit=%d "
             "exact_tokens=%s",
-            len(self._health.servers),
+            len(self._table.servers),
             self.model,
             self.engine,
             self.max_inflight_per_server,
@@ -247,11 +250,19 @@ class Dispatcher:
         """Stop routing to a server; its in-flight requests go back to the queue without losing an attempt."""
         self._thread.call_now_or_soon(lambda: self._health.remove(_normalise(url)))
 
+    def move_server(self, old_url: str, new_url: str) -> None:
+        """A server now listens at ``new_url``: route to it there, at its cap, and never to ``old_url`` again.
+
+        Requests in flight on the old URL go back to the queue without losing an attempt (the fleet moved it
+        because another program took its port: ``Fleet.on_server_moved``).
+        """
+        self._thread.call_now_or_soon(lambda: self._health.move(_normalise(old_url), _normalise(new_url)))
+
     def stats(self) -> DispatcherStats:
         """A snapshot of backlog, queue, in-flight and throughput counters; never waits for the loop."""
         if not self._thread.running and self._final_stats is not None:
             return self._final_stats
-        return snapshot(self._health.servers, self._admission, self._counters)
+        return snapshot(self._table.servers, self._admission, self._counters)
 
     # --- the loop ---------------------------------------------------------------------------------
 
@@ -279,7 +290,7 @@ class Dispatcher:
             self._admission.fail_backlog(reason, "dispatcher_closed")
             self._admission.clear()
             self._health.close()
-            self._final_stats = snapshot(self._health.servers, self._admission, self._counters)
+            self._final_stats = snapshot(self._table.servers, self._admission, self._counters)
 
     def _start(self, job: Job, server: ServerState) -> None:
         assert self._loop is not None
@@ -294,7 +305,7 @@ class Dispatcher:
     async def _run(self, job: Job, server: ServerState) -> None:
         job.attempts += 1
         job.last_server = server.url
-        started = time.monotonic()
+        started = job.sent_at = time.monotonic()
         try:
             outcome = await self._sender.attempt(job, server, started)
         except asyncio.CancelledError:
@@ -307,6 +318,7 @@ class Dispatcher:
         finally:
             server.in_flight.discard(job)
             job.task = None
+        self._health.answered(server, outcome, time.monotonic())
         admission = self._admission
         saturated = bool(admission.queue)
         self._settle(job, server, outcome)
@@ -333,7 +345,7 @@ class Dispatcher:
             self._health.mark_down(server, outcome.reason)
         elif outcome.suspect:
             self._health.mark_suspect(server, outcome.reason)
-        step = self._retry.after(job, outcome, server.url, len(self._health.servers))
+        step = self._retry.after(job, outcome, server.url, len(self._table.servers))
         if isinstance(step, GiveUp):
             self._fail(job, step.reason, step.error_type, outcome.status, server.url)
             return

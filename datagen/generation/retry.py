@@ -3,9 +3,10 @@
 - Which answers are transient: connection errors, resets, timeouts, an empty or unusable body, and the HTTP
   statuses of :func:`datagen.errors.is_transient_http_status` (the rule S3 shares); other 4xx answers are
   final (:mod:`datagen.generation.dispatch_attempt` classifies each try with it).
-- How many tries: ``GenerationConfig.max_attempts``; a request that got HTTP 500 (an internal error, unlike
-  502-504) from ``max_internal_error_attempts`` tries on at least two servers fails early, since every try
-  redoes the whole generation for an answer the servers cannot give.
+- How many tries: ``GenerationConfig.max_attempts``; a request whose tries ended in HTTP 500 (an internal
+  error, unlike 502-504) or a connection reset (the server died under it) ``max_internal_error_attempts``
+  times, on at least two servers, fails early: every try redoes the whole generation for an answer the
+  servers cannot give, and a request that crashes every server it reaches takes their other requests down too.
 - How long to wait: exponential backoff from ``backoff_initial_s`` up to ``backoff_max_s``, with jitter;
   a try the dispatcher itself cut short (its server went away) is retried at once, and when the server was
   removed on purpose (a host leaving the run) the try is not counted.
@@ -63,15 +64,15 @@ class RetryPolicy:
 
         """
         generation = self.generation
-        if outcome.status == HTTP_INTERNAL_ERROR:
+        if outcome.status == HTTP_INTERNAL_ERROR or outcome.reset:
             job.internal_error_servers.append(server_url)
             repeated = len(job.internal_error_servers) >= generation.max_internal_error_attempts
             distinct = len(set(job.internal_error_servers))
             cut_short = job.attempts < generation.max_attempts
             if repeated and cut_short and distinct >= min(2, fleet_size):
                 return GiveUp(
-                    f"HTTP 500 from {distinct} server(s) on each of {len(job.internal_error_servers)} attempts; "
-                    f"last error: {outcome.reason}",
+                    f"HTTP 500 or a connection reset from {distinct} server(s) on each of "
+                    f"{len(job.internal_error_servers)} attempts; last error: {outcome.reason}",
                     "repeated_internal_error",
                 )
         if job.attempts >= generation.max_attempts:

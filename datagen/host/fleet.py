@@ -3,9 +3,12 @@
 :class:`Fleet` launches every server of a :class:`datagen.host.plan.ServerPlan` at once, each in its own
 process group with its output in its own log file, and records them in a JSON pidfile registry
 (``<state_dir>/servers.json``, :mod:`datagen.host.fleet_registry`) so another process (a Prefect state
-hook, the next run after a crash) can stop them. Readiness means HTTP 200
-on the engine's health path *and* a live process *and* no fatal line in the log, all under one deadline:
-a crashed server is noticed at once, never after the whole timeout. When the plan has a router
+hook, the next run after a crash) can stop them. Readiness means a live process with no fatal line in
+its log, *and* the socket on its port its own, *and* HTTP 200 on the engine's health path, *and* the
+planned model in its model list (:mod:`datagen.host.server_process`), under one deadline: a crashed server
+is noticed at once, never after the whole timeout. A server whose port another program took after the plan
+(a bind failure in its log, or a listener not of its process tree) is stopped and launched again on the next
+free port, at start and on restarts; :meth:`Fleet.on_server_moved` tells the dispatcher. When the plan has a router
 (sglang-router), it is one more owned process, started once every server is ready; clients then use
 :attr:`Fleet.client_urls` (the router) only.
 """
@@ -15,13 +18,15 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 
 from datagen import processes
-from datagen.errors import ServerStartError
+from datagen.errors import PlanError, ServerStartError
 from datagen.host.fleet_registry import STOP_GRACE_S, fleet_pidfile, mark_live, mark_stopped
 from datagen.host.plan import ServerPlan, ServerSpec
+from datagen.host.ports import client_url, next_free_port
 from datagen.host.server_process import (
     ServerLauncher,
     ServerProcess,
@@ -32,6 +37,11 @@ from datagen.host.server_process import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Moves one server may make off ports other programs took before its start counts as failed.
+MAX_PORT_MOVES = 5
+# A server moved off a taken port is still loading: it is stopped with this grace, not the fleet's.
+MOVE_STOP_GRACE_S = 5.0
 
 
 class Fleet:
@@ -74,8 +84,14 @@ class Fleet:
         self._owned = [*self._servers, *([self._router] if self._router else [])]
         self._launches = any(server.spec.launch is not None for server in self._owned)
         self._launcher = ServerLauncher(
-            plan.engine, self.state_dir, self._api_key, self.health_path, trust_env=not self._launches
+            plan.engine,
+            self.state_dir,
+            self._api_key,
+            self.health_path,
+            plan.served_model_name,
+            trust_env=not self._launches,
         )
+        self._moved_listeners: list[Callable[[str, str], None]] = []
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -118,12 +134,19 @@ class Fleet:
                     if server.spec.launch is not None:
                         self._launch(server)
                 failures = self._launcher.wait_ready(
-                    self._servers, self.ready_timeout_s, self._stopping, fail_fast=True
+                    self._servers,
+                    self.ready_timeout_s,
+                    self._stopping,
+                    fail_fast=True,
+                    relocate=self._relocate,
                 )
                 if not failures and self._router is not None:
                     # The router health-checks its workers at start: launch it once they answer.
+                    self._route_to_current_urls()
                     self._launch(self._router)
-                    failures = self._launcher.wait_ready([self._router], self.ready_timeout_s, self._stopping)
+                    failures = self._launcher.wait_ready(
+                        [self._router], self.ready_timeout_s, self._stopping, relocate=self._relocate
+                    )
             except BaseException:
                 self.stop()
                 raise
@@ -188,6 +211,8 @@ class Fleet:
         server = self._server_by_url(url)
         if server.spec.launch is None:
             return self._launcher.healthy(server.spec.url)
+        if server.spec.url != url.rstrip("/"):
+            return False  # a URL it was moved off: another program listens there
         return server.ready and server.process is not None and server.process.poll() is None
 
     def ensure_running(self) -> list[str]:
@@ -239,6 +264,13 @@ class Fleet:
             monitor.join()
         self._monitor = None
 
+    def on_server_moved(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(old_url, new_url)`` whenever a server moves to another port on a restart.
+
+        Moves while :meth:`start` runs need no callback: :attr:`urls` are final once it returns.
+        """
+        self._moved_listeners.append(callback)
+
     def restarts(self, url: str) -> int:
         """How many times the server at ``url`` was restarted."""
         return self._server_by_url(url).restarts
@@ -260,7 +292,7 @@ class Fleet:
     def _server_by_url(self, url: str) -> ServerProcess:
         wanted = url.rstrip("/")
         for server in self._owned:
-            if server.spec.url == wanted:
+            if server.spec.url == wanted or wanted in server.former_urls:
                 return server
         raise KeyError(f"{url} is not a server of this fleet ({', '.join(self.urls)})")
 
@@ -286,8 +318,13 @@ class Fleet:
             server.restarts,
             self.max_restarts_per_server,
         )
+        url_before = server.spec.url
         self._launch(server)
-        failures = self._launcher.wait_ready([server], self.ready_timeout_s, self._stopping)
+        failures = self._launcher.wait_ready(
+            [server], self.ready_timeout_s, self._stopping, relocate=self._relocate
+        )
+        if not failures and server.spec.url != url_before:
+            self._announce_move(server, url_before)
         if failures:
             logger.error("restart failed url=%s: %s", server.spec.url, failures[0][1])
             if server.process is not None:
@@ -297,6 +334,67 @@ class Fleet:
             return False
         logger.info("server restarted url=%s", server.spec.url)
         return True
+
+    def _relocate(self, server: ServerProcess, why: str) -> str | None:
+        """Stop ``server`` and launch it again on the next free port; None when relaunched, else why not."""
+        spec = server.spec
+        if spec.launch is None:
+            return why
+        if server.port_moves >= MAX_PORT_MOVES:
+            return f"its port was taken {server.port_moves + 1} times in a row; last: {why}"
+        logger.warning("server port taken url=%s index=%d: %s", spec.url, spec.index, why)
+        if server.process is not None:
+            processes.terminate_groups([server.process.pid], grace_s=MOVE_STOP_GRACE_S)
+            with suppress(subprocess.TimeoutExpired):
+                server.process.wait(timeout=processes.KILL_WAIT_S)
+        taken = {other.spec.port for other in self._owned}
+        try:
+            port = next_free_port(spec.host, spec.port, taken)
+            launch = self._launcher.engine.launch_on_port(spec.launch, port)
+        except (PlanError, ValueError) as error:
+            return f"{why}; it cannot be moved: {error}"
+        server.former_urls.append(spec.url)
+        server.port_moves += 1
+        server.spec = spec.model_copy(
+            update={"port": port, "url": client_url(spec.host, port), "launch": launch}
+        )
+        logger.warning(
+            "server moved index=%d from=%s to=%s move=%d/%d",
+            spec.index,
+            spec.url,
+            server.spec.url,
+            server.port_moves,
+            MAX_PORT_MOVES,
+        )
+        self._launch(server)
+        return None
+
+    def _route_to_current_urls(self) -> None:
+        """Point the router's argv at the servers' current URLs (some may have moved since the plan)."""
+        router = self._router
+        if router is None or router.spec.launch is None:
+            return
+        moved = {former: server.spec.url for server in self._servers for former in server.former_urls}
+        argv = [moved.get(arg, arg) for arg in router.spec.launch.argv]
+        if argv != router.spec.launch.argv:
+            launch = router.spec.launch.model_copy(update={"argv": argv})
+            router.spec = router.spec.model_copy(update={"launch": launch})
+
+    def _announce_move(self, server: ServerProcess, old_url: str) -> None:
+        """A restart moved ``server``: reroute the router (restarted by the monitor) or tell the listeners."""
+        if self._router is not None and server is not self._router:
+            self._route_to_current_urls()
+            if self._router.process is not None:
+                logger.warning(
+                    "restarting the router: server %d moved to %s", server.spec.index, server.spec.url
+                )
+                processes.terminate_groups([self._router.process.pid], grace_s=self.stop_grace_s)
+            return
+        for callback in self._moved_listeners:
+            try:
+                callback(old_url, server.spec.url)
+            except Exception:
+                logger.exception("server move listener failed old=%s new=%s", old_url, server.spec.url)
 
     def _monitor_loop(self, interval_s: float) -> None:
         while not self._monitor_stop.wait(interval_s):

@@ -60,6 +60,24 @@ def choose_ports(host: str, base_port: int, count: int, reasons: list[str]) -> l
     return ports
 
 
+def next_free_port(host: str, after: int, avoid: set[int]) -> int:
+    """The first port above ``after`` that is free now and not in ``avoid`` (the fleet's other ports).
+
+    Raises:
+        PlanError: None within :data:`MAX_PORT_PROBES` of ``after``.
+
+    """
+    for candidate in range(after + 1, min(after + 1 + MAX_PORT_PROBES, 65536)):
+        if candidate not in avoid and port_is_free(host, candidate):
+            return candidate
+    raise PlanError(
+        f"no free port on {host} in {after + 1}-{after + MAX_PORT_PROBES} to move a server to; free some ports "
+        "or set fleet.base_port elsewhere",
+        host=host,
+        base_port=after,
+    )
+
+
 def client_url(host: str, port: int) -> str:
     """The base URL clients use for a server bound to ``host:port``."""
     connect_host = "127.0.0.1" if host in WILDCARD_HOSTS else host

@@ -1,14 +1,22 @@
-"""One server process of a fleet: its launch (argv, API key file, log), whether its start failed, its log.
+"""One server process of a fleet: its launch (argv, API key file, log), its readiness, why its start failed.
 
-:class:`datagen.host.fleet.Fleet` decides when servers start, restart and stop; this module does what one
-launch takes. Each server runs in its own process group with its output appended to its own log file (a
+:class:`datagen.host.fleet.Fleet` decides when servers start, restart, move and stop; this module does what
+one launch takes. Each server runs in its own process group with its output appended to its own log file (a
 restarted server's earlier output, why it died, stays in the file); its API key, when the run has one, is
 written to a file only this user can read, never put on its command line, and replaced by ``***`` in every
 log line datagen quotes.
+
+Ready means ours and the planned model: for a launched server, the socket listening on its port belongs to
+its process tree (``/proc/net/tcp{,6}`` against ``/proc/<pid>/fd``), and only then is ``/health`` asked;
+for every server, once ``/health`` answers 200, the engine's model list names the planned model. A
+listener that is not ours, or a bind failure in the log, means the port was taken after the plan: the
+fleet moves the server to the next free port. A foreign listener is named in the log and never sent a
+request.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import os
@@ -16,20 +24,22 @@ import re
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO
+from typing import IO, Literal, NamedTuple
 
 import httpx
 
 from datagen import processes
 from datagen.engines import get_engine
-from datagen.engines.base import LaunchCommand
+from datagen.engines.base import BIND_FAILURE_LOG_PATTERNS, LaunchCommand, compile_patterns
 from datagen.errors import ServerStartError
 from datagen.host.fleet_registry import FleetRegistry, ServerRecord, write_registry
 from datagen.host.plan import ServerSpec
+from datagen.host.ports import url_host
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +48,19 @@ HEALTH_TIMEOUT_S = 5.0
 LOG_TAIL_LINES = 40
 # Startup logs are small; reading more than this from the end is never needed to spot a fatal line.
 MAX_LOG_SCAN_BYTES = 4 * 1024 * 1024
+BIND_FAILURE_PATTERNS = compile_patterns(BIND_FAILURE_LOG_PATTERNS)
+
+# What one readiness poll of a server found: it is ready, not yet, will never be, or lost its port.
+PollVerdict = Literal["ready", "waiting", "failed", "port_taken"]
+# Moves a server to another port after its port was taken: None when relaunched, else why it cannot be.
+Relocate = Callable[["ServerProcess", str], str | None]
+
+
+class Listener(NamedTuple):
+    """Who listens on a launched server's port: nobody yet, its own process tree, another program, or unknown."""
+
+    verdict: Literal["none", "ours", "foreign", "unknown"]
+    detail: str = ""
 
 
 @dataclass
@@ -55,6 +78,9 @@ class ServerProcess:
     history: list[str] = field(default_factory=list)
     # As launched: the plan's argv plus the key file's arguments.
     argv: list[str] = field(default_factory=list)
+    # URLs it had before it was moved off ports another program took (oldest first), and how many moves.
+    former_urls: list[str] = field(default_factory=list)
+    port_moves: int = 0
 
     @property
     def pgid(self) -> int | None:
@@ -72,24 +98,38 @@ class ServerLauncher:
     """Launch the servers of one plan's engine and tell a failed start from a slow one.
 
     Args:
-        engine: The plan's engine kind (its fatal log lines and API-key arguments).
+        engine: The plan's engine kind (its fatal log lines, API-key arguments and model list).
         state_dir: Host-local folder (key files under ``secrets/``, logs under ``logs/`` unless planned).
         api_key: Key every launched server requires; None for none.
         health_path: The readiness path.
+        served_model: The model name requests carry: a ready server's model list must name it.
         trust_env: Whether health checks honour proxy variables (only for servers datagen did not start).
 
     """
 
     def __init__(
-        self, engine: str, state_dir: Path, api_key: str | None, health_path: str, *, trust_env: bool
+        self,
+        engine: str,
+        state_dir: Path,
+        api_key: str | None,
+        health_path: str,
+        served_model: str,
+        *,
+        trust_env: bool,
     ) -> None:
         self.engine = get_engine(engine)
         self.state_dir = state_dir
         self.api_key = api_key
         self.health_path = health_path
+        self.served_model = served_model
         self.fatal_patterns = self.engine.fatal_log_patterns
         # Proxies from the environment only for servers datagen did not start (they may sit behind one).
         self._client = httpx.Client(timeout=HEALTH_TIMEOUT_S, trust_env=trust_env)
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # Servers whose model could not be checked (no model list): warned about once each.
+        self._unchecked: set[str] = set()
+        # The last read of the listening sockets: when, and what (None: no /proc here).
+        self._listening: tuple[float, dict[int, list[tuple[processes.IPAddress, int]]] | None] | None = None
 
     def launch(self, server: ServerProcess) -> None:
         """Start ``server``'s process (its log appended to, a banner with the command first).
@@ -145,17 +185,19 @@ class ServerLauncher:
         stopping: threading.Event,
         *,
         fail_fast: bool = False,
+        relocate: Relocate | None = None,
     ) -> list[tuple[ServerProcess, str]]:
         """Poll until every server is ready; return (server, reason) for those that failed.
 
         Args:
             servers: The servers just launched.
-            timeout_s: The deadline for all of them.
+            timeout_s: The deadline for each of them (from its launch; a moved server's from its move).
             stopping: Set when the fleet stops: the wait ends at once.
             fail_fast: Stop at the first failure (one dead server dooms the fleet's start).
+            relocate: Moves a server whose port another program took; without it that is a failure.
 
         """
-        deadline = time.monotonic() + timeout_s
+        deadlines = {id(server): time.monotonic() + timeout_s for server in servers}
         pending = list(servers)
         failures: list[tuple[ServerProcess, str]] = []
         while pending:
@@ -163,27 +205,112 @@ class ServerLauncher:
                 failures += [(server, "the fleet is stopping") for server in pending]
                 break
             for server in list(pending):
-                reason = self.startup_failure(server)
-                if reason is not None:
-                    failures.append((server, reason))
+                verdict, detail = self.poll(server)
+                if verdict == "port_taken":
+                    reason = relocate(server, detail) if relocate is not None else detail
+                    if reason is None:
+                        deadlines[id(server)] = time.monotonic() + timeout_s
+                        continue
+                    verdict, detail = "failed", reason
+                if verdict == "failed":
+                    failures.append((server, detail))
                     pending.remove(server)
-                elif self.healthy(server.spec.url):
+                elif verdict == "ready":
                     server.ready = True
                     pending.remove(server)
-                    logger.info("server ready url=%s", server.spec.url)
+                    logger.info("server ready url=%s model=%s", server.spec.url, self.served_model)
+                elif time.monotonic() >= deadlines[id(server)]:
+                    failures.append(
+                        (
+                            server,
+                            f"not ready after {timeout_s:.0f}s (GET {self.health_path} never answered 200)",
+                        )
+                    )
+                    pending.remove(server)
             if not pending:
-                break
-            if time.monotonic() >= deadline:
-                failures += [
-                    (server, f"not ready after {timeout_s:.0f}s (GET {self.health_path} never answered 200)")
-                    for server in pending
-                ]
                 break
             # Fail fast: one dead server dooms the start, so do not wait for the others.
             if failures and fail_fast:
                 break
             time.sleep(POLL_INTERVAL_S)
         return failures
+
+    def poll(self, server: ServerProcess) -> tuple[PollVerdict, str]:
+        """One readiness check of ``server`` (see the module docstring), with why when it is not ready."""
+        if server.spec.launch is not None:
+            bind_failure = self._log_match(server, BIND_FAILURE_PATTERNS)
+            if bind_failure is not None:
+                return "port_taken", f"it could not bind port {server.spec.port}: {bind_failure!r}"
+            reason = self.startup_failure(server)
+            if reason is not None:
+                return "failed", reason
+            listener = self.listener(server)
+            if listener.verdict == "foreign":
+                return "port_taken", listener.detail
+            if listener.verdict == "none":
+                return "waiting", ""
+        if not self.healthy(server.spec.url):
+            return "waiting", ""
+        models = self.served_models(server.spec.url)
+        if models is not None and self.served_model not in models:
+            return "failed", (
+                f"it serves {', '.join(repr(model) for model in models) or 'no model'}, not the planned "
+                f"{self.served_model!r} (GET {self.engine.models_path}): another program or run holds this "
+                "address; point the run at its own servers or set model.served_name to the name they serve"
+            )
+        return "ready", ""
+
+    def listener(self, server: ServerProcess) -> Listener:
+        """Who listens on launched ``server``'s port (sockets that its URL does not reach are ignored)."""
+        spec = server.spec
+        listening = self._listening_sockets()
+        if listening is None or server.process is None:
+            return Listener("unknown")
+        inodes = {inode for address, inode in listening.get(spec.port, []) if _reaches(address, spec)}
+        if not inodes:
+            return Listener("none")
+        foreign = processes.not_held_by(server.process.pid, inodes)
+        if not foreign:
+            return Listener("ours")
+        holders = []
+        for inode in sorted(foreign):
+            pid = processes.socket_holder(inode)
+            if pid is None:
+                holders.append("pid unknown (a process this user cannot inspect)")
+            else:
+                holders.append(
+                    f"pid={pid} cmd={redact(processes.read_command_line(pid) or '?', self.api_key)!r}"
+                )
+        return Listener(
+            "foreign",
+            f"another program listens on port {spec.port} ({'; '.join(holders)}), not server {spec.index}",
+        )
+
+    def _listening_sockets(self) -> dict[int, list[tuple[processes.IPAddress, int]]] | None:
+        """The host's listening sockets, read at most once per poll round (the table grows with connections)."""
+        now = time.monotonic()
+        if self._listening is None or now - self._listening[0] >= POLL_INTERVAL_S / 2:
+            self._listening = (now, processes.listening_sockets())
+        return self._listening[1]
+
+    def served_models(self, url: str) -> list[str] | None:
+        """The model names the server at ``url`` lists; None when it has no usable list (warned once)."""
+        path = self.engine.models_path
+        try:
+            response = self._client.get(url + path, headers=self._auth)
+            entries = response.json()["data"] if response.status_code == httpx.codes.OK else None
+            models = [str(entry["id"]) for entry in entries] if isinstance(entries, list) else None
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            models = None
+        if models is None and url not in self._unchecked:
+            self._unchecked.add(url)
+            logger.warning(
+                "served model not checked url=%s: GET %s gave no model list; requests name model=%s",
+                url,
+                path,
+                self.served_model,
+            )
+        return models
 
     def healthy(self, url: str) -> bool:
         """Whether ``url`` answers 200 on the health path now."""
@@ -248,8 +375,12 @@ class ServerLauncher:
         return args
 
     def _fatal_line(self, server: ServerProcess) -> str | None:
+        return self._log_match(server, self.fatal_patterns)
+
+    def _log_match(self, server: ServerProcess, patterns: tuple[re.Pattern[str], ...]) -> str | None:
+        """The first log line since the launch matching one of ``patterns`` (redacted); None if none does."""
         text = redact(_read_log(server.spec.log_path, server.log_offset), self.api_key)
-        for pattern in self.fatal_patterns:
+        for pattern in patterns:
             match = pattern.search(text)
             if match is not None:
                 line_end = text.find("\n", match.start())
@@ -277,6 +408,15 @@ def write_pidfile(path: Path, owned: list[ServerProcess]) -> None:
         owner_pid=os.getpid(), owner_start_ticks=processes.start_ticks(os.getpid()), servers=records
     )
     write_registry(path, registry)
+
+
+def _reaches(address: processes.IPAddress, spec: ServerSpec) -> bool:
+    """Whether a socket listening on ``address`` receives what is sent to ``spec``'s URL."""
+    try:
+        targets = {ipaddress.ip_address(spec.host), ipaddress.ip_address(url_host(spec.url))}
+    except ValueError:
+        return True  # a host name: any listener on the port may be the one it resolves to
+    return address.is_unspecified or address in targets
 
 
 # --- logs and messages ------------------------------------------------------------------------

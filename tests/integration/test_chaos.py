@@ -346,3 +346,39 @@ def test_two_flow_processes_on_one_run_id_neither_overwrite_nor_duplicate(
     versions = [key for key in end if key.startswith("expansion/datasets/")]
     assert len(versions) == 1, f"one run makes one dataset version, got {versions}"
     _check_every_object_parses(s3_endpoint, bucket, sorted(end))
+
+
+def test_a_server_hung_on_chat_with_a_healthy_health_costs_seconds_and_the_run_completes(
+    tmp_path: Path, bucket: str, s3_endpoint: str, prefect_api: str, tiny_model_dir: Path
+) -> None:
+    plan = FaultPlan(base_delay_s=0.05, seed=5)
+    with FaultServer(plan) as steady, FaultServer(plan) as hung:
+        hung.answering.clear()  # chat requests are never answered; GET /health answers 200 throughout
+        config = _write_inputs(tmp_path, bucket, [steady.url, hung.url], tiny_model_dir, "hung")
+        data = yaml.safe_load(config.read_text())
+        # request_timeout_s stays at its default (1,800 s): only the stall rule can free the hung requests.
+        data["generation"]["stall_min_s"] = 2.0
+        config.write_text(yaml.safe_dump(data))
+        log = tmp_path / "flow.log"
+        started = time.monotonic()
+        process = _start_flow(config, _flow_env(tmp_path, prefect_api, s3_endpoint), log)
+        code = process.wait(timeout=FLOW_TIMEOUT_S)
+        elapsed_s = time.monotonic() - started
+        hung_requests = len(hung.chat_requests())
+        hung.answering.set()
+    output = log.read_text()
+    assert code == 0, output[-5000:]
+    assert hung_requests > 0, "the hung server must have been given requests"
+    assert "server stalled url=" + hung.url in output, output[-5000:]
+    assert elapsed_s < FLOW_TIMEOUT_S
+
+    end = _snapshot(s3_endpoint, bucket)
+    run_prefix = "expansion/runs/hung/"
+    completed: list[str] = []
+    failed: list[str] = []
+    for key in end:
+        if key.startswith((run_prefix + "completions/", run_prefix + "failures/")):
+            lines = [line for line in _read(s3_endpoint, bucket, key).decode().splitlines() if line.strip()]
+            ids = [json.loads(line)["prompt_id"] for line in lines]
+            (completed if "/completions/" in key else failed).extend(ids)
+    assert failed == [] and len(completed) == len(set(completed)) == PROMPTS

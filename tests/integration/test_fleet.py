@@ -4,8 +4,10 @@ HTTP servers written here (health endpoint only) for the fast stop/orphan/fault 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -16,16 +18,22 @@ from pathlib import Path
 import httpx
 import pytest
 
-from datagen.config import RunConfig
+from datagen.config import GenerationConfig, RunConfig
 from datagen.engines import LaunchCommand
 from datagen.errors import ServerStartError
+from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet import Fleet
 from datagen.host.fleet_registry import PIDFILE_NAME, FleetRegistry, cleanup_orphans
 from datagen.host.plan import ServerPlan, plan_servers
 from datagen.host.ports import port_is_free
 from datagen.host.probe import probe_environment
+from datagen.records import CompletionRecord
+from tests.support.fault_server import FaultServer
 from tests.support.plans import local_plan
 from tests.support.workers import worker_port
+from tests.unit.test_dispatch import make_request
+
+REPO = Path(__file__).resolve().parents[2]
 
 READY_TIMEOUT_S = 120.0
 CHAT_TIMEOUT_S = 60.0
@@ -354,3 +362,118 @@ def test_router_starts_after_the_servers_and_is_the_only_client_url(tmp_path: Pa
         groups = [fleet.pid(url) for url in [*fleet.urls, router_spec.url]]
         fleet.close()
     assert all(_group_members(pgid) == [] for pgid in groups if pgid is not None)
+
+
+# --- our server or none: ports taken after the plan, foreign listeners, the model check ----------------
+
+
+def _standin_plan(tmp_path: Path, ports: list[int], load_s: float, model: str = "none") -> ServerPlan:
+    """Launched stand-ins (tests/support/standin_server.py) that load for ``load_s`` and list ``model``."""
+
+    def argv(port: int) -> list[str]:
+        return [
+            sys.executable, "-m", "tests.support.standin_server",
+            "--port", str(port), "--load-s", str(load_s), "--model", model,
+        ]  # fmt: skip
+
+    return local_plan(tmp_path, ports, argv, env={"PYTHONPATH": str(REPO)})
+
+
+def _answers(fleet: Fleet, count: int) -> list[object]:
+    generation = GenerationConfig(
+        max_attempts=2, backoff_initial_s=0.01, backoff_max_s=0.05, request_timeout_s=30
+    )
+    with Dispatcher(
+        fleet.client_urls,
+        model="none",
+        engine="transformers",
+        max_inflight_per_server=2,
+        generation=generation,
+    ) as dispatcher:
+        return [dispatcher.submit(make_request(f"q{index}")).result(60) for index in range(count)]
+
+
+def test_a_foreign_listener_on_a_planned_port_is_named_never_asked_and_our_server_moves_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = _free_ports(2, start=PORT_SEARCH_START + 1200)
+    plan = _standin_plan(tmp_path, ports, load_s=1.0)
+    # Another program binds server 0's port right after the plan, while our server is still loading.
+    with FaultServer(port=ports[0]) as foreign, caplog.at_level(logging.INFO, logger="datagen.host"):
+        foreign.models = ["none"]  # it even serves a model of the same name: only the socket tells them apart
+        with Fleet(plan, tmp_path / "state", ready_timeout_s=60, stop_grace_s=5) as fleet:
+            moved_url = fleet.urls[0]
+            answers = _answers(fleet, 8)
+            registry = FleetRegistry.model_validate_json(fleet.pidfile_path.read_text())
+        assert foreign.health_checks == 0 and foreign.requests == [], "the foreign listener was sent requests"
+
+    assert moved_url != foreign.url and fleet.urls[1] == plan.servers[1].url
+    assert registry.servers[0].url == moved_url
+    assert all(isinstance(answer, CompletionRecord) for answer in answers)
+    assert {answer.server for answer in answers if isinstance(answer, CompletionRecord)} == set(fleet.urls)
+    messages = [record.getMessage() for record in caplog.records]
+    named = [m for m in messages if f"another program listens on port {ports[0]}" in m]
+    assert named and f"pid={os.getpid()}" in named[0], messages
+    assert any(f"server moved index=0 from={foreign.url} to={moved_url}" in m for m in messages), messages
+
+
+def test_a_bind_failure_in_the_log_relaunches_the_server_on_the_next_free_port(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ports = _free_ports(1, start=PORT_SEARCH_START + 1300)
+    plan = _standin_plan(tmp_path, ports, load_s=0.2)
+    # Bound, not listening: invisible as a listener, yet our server's bind fails (a race the log tells).
+    with socket.socket() as squatter, caplog.at_level(logging.INFO, logger="datagen.host"):
+        squatter.bind(("127.0.0.1", ports[0]))
+        with Fleet(plan, tmp_path / "state", ready_timeout_s=60, stop_grace_s=5) as fleet:
+            url = fleet.urls[0]
+            answers = _answers(fleet, 2)
+
+    assert url != plan.servers[0].url
+    assert all(isinstance(answer, CompletionRecord) and answer.server == url for answer in answers)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("could not bind port" in m and "address already in use" in m for m in messages), messages
+    log = Path(plan.servers[0].log_path or "").read_text()
+    assert "error while attempting to bind on address" in log and f"--port {ports[0]}" in log
+
+
+def test_a_restarted_server_whose_port_was_taken_moves_and_the_dispatcher_is_told(tmp_path: Path) -> None:
+    ports = _free_ports(1, start=PORT_SEARCH_START + 1400)
+    plan = _standin_plan(tmp_path, ports, load_s=0.2)
+    moves: list[tuple[str, str]] = []
+    with Fleet(plan, tmp_path / "state", ready_timeout_s=60, stop_grace_s=5) as fleet:
+        fleet.on_server_moved(lambda old, new: moves.append((old, new)))
+        old_url = fleet.urls[0]
+        pid = fleet.pid(old_url)
+        assert pid is not None
+        os.killpg(pid, signal.SIGKILL)
+        assert _wait_for(lambda: not fleet.is_alive(old_url), timeout_s=10)
+        with FaultServer(port=ports[0]) as foreign:
+            restarted = fleet.ensure_running()
+            assert foreign.health_checks == 0 and foreign.requests == []
+            new_url = fleet.urls[0]
+            assert restarted == [new_url] and new_url != old_url
+            assert moves == [(old_url, new_url)]
+            assert fleet.is_alive(new_url) and not fleet.is_alive(old_url)
+            assert fleet.restarts(old_url) == fleet.restarts(new_url) == 1
+
+
+def test_an_external_server_serving_another_model_is_refused_before_any_request(tmp_path: Path) -> None:
+    with FaultServer() as other_run:
+        other_run.models = ["someone-elses-model"]
+        config = RunConfig.model_validate(
+            {
+                "model": {"path": "our-model"},
+                "datasets": [{"name": "chat", "format": "sharegpt", "path": "/unused"}],
+                "output": "/unused",
+                "fleet": {"engine": "external", "external_urls": [other_run.url]},
+            }
+        )
+        plan = plan_servers(probe_environment(), config, tmp_path)
+        fleet = Fleet(plan, tmp_path, ready_timeout_s=30)
+        with pytest.raises(
+            ServerStartError, match="serves 'someone-elses-model', not the planned 'our-model'"
+        ):
+            fleet.start()
+        fleet.close()
+        assert other_run.chat_requests() == []

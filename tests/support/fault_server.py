@@ -76,6 +76,8 @@ class FaultServer:
         self.answering.set()
         # When set, every path but /health and /metrics needs "Authorization: Bearer <key>" (SGLang's rule).
         self.api_key: str | None = None
+        # When set, GET /v1/models lists these names (an engine's model list); unset, the path is 404.
+        self.models: list[str] | None = None
         self.requests: list[SeenRequest] = []
         self.in_flight = 0
         self.max_in_flight = 0
@@ -100,8 +102,14 @@ class FaultServer:
         self.stop()
 
     def start(self) -> None:
-        """Bind and serve in a background thread."""
+        """Bind and serve in a background thread.
+
+        Raises:
+            OSError: The port cannot be bound (another program holds it).
+
+        """
         ready = threading.Event()
+        bind_errors: list[OSError] = []
         self._loop = asyncio.new_event_loop()
 
         async def bind() -> None:
@@ -114,13 +122,23 @@ class FaultServer:
         def run() -> None:
             assert self._loop is not None
             asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(bind())
+            try:
+                self._loop.run_until_complete(bind())
+            except OSError as error:
+                bind_errors.append(error)
+                ready.set()
+                return
             ready.set()
             self._loop.run_forever()
 
         self._thread = threading.Thread(target=run, name=f"fault-server-{self.port}", daemon=True)
         self._thread.start()
         ready.wait(10)
+        if bind_errors:
+            self._thread.join(10)
+            self._loop.close()
+            self._loop = None
+            raise bind_errors[0]
 
     def stop(self) -> None:
         """Close the listener and abort every open connection (clients see resets)."""
@@ -193,6 +211,12 @@ class FaultServer:
             self.health_checks += 1
             status = 200 if self.healthy else 503
             await send_json(writer, status, {"status": "ok" if self.healthy else "starting"})
+            return True
+        if path == "/v1/models" and self.models is not None:
+            with self._lock:
+                self.requests.append(SeenRequest(path, None, "ok", self.in_flight, time.monotonic()))
+            data = [{"id": model, "object": "model", "owned_by": "fault-server"} for model in self.models]
+            await send_json(writer, 200, {"object": "list", "data": data})
             return True
         if method != "POST" or path != "/v1/chat/completions":
             await send_json(writer, 404, {"detail": "not found"})

@@ -382,3 +382,54 @@ def test_a_server_added_with_its_own_cap_is_kept_at_that_cap_beside_the_others()
         assert small.max_in_flight == 2 and large.max_in_flight == 6
         # Shares follow the caps: the large server answered about three times as many.
         assert len(large.chat_requests()) > 2 * len(small.chat_requests())
+
+
+def test_a_server_hung_on_chat_with_a_healthy_health_is_marked_down_and_its_requests_resent() -> None:
+    # The default request timeout (1,800 s) stays: only the stall rule may rescue the hung server's requests.
+    generation = FAST_RETRIES.model_copy(update={"request_timeout_s": 1800.0, "stall_min_s": 1.0})
+    plan = FaultPlan(base_delay_s=0.02)
+    with FaultServer(plan) as steady, FaultServer(plan) as hung:
+        hung.answering.clear()  # chat requests wait forever; /health still answers 200
+        with dispatcher_for([steady.url, hung.url], cap=4, generation=generation) as dispatcher:
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            started = time.monotonic()
+            futures = [dispatcher.submit(make_request(f"h{i}")) for i in range(40)]
+            wait_until(lambda: hung.in_flight > 0)
+            records = results(futures)
+            elapsed_s = time.monotonic() - started
+        hung.answering.set()
+        wait_until(lambda: hung.in_flight == 0)  # its handlers see the closed connections and end
+
+    assert all(isinstance(record, CompletionRecord) for record in records)
+    assert {record.server for record in records if isinstance(record, CompletionRecord)} == {steady.url}
+    assert hung.chat_requests(), "the hung server was given requests before it was found out"
+    assert elapsed_s < 30, f"the hung server's requests waited {elapsed_s:.0f}s"
+
+
+def test_connection_resets_count_toward_the_repeated_error_limit() -> None:
+    generation = FAST_RETRIES.model_copy(update={"max_attempts": 6, "max_internal_error_attempts": 3})
+    with (
+        FaultServer() as first,
+        FaultServer() as second,
+        dispatcher_for([first.url, second.url], generation=generation) as dispatcher,
+    ):
+        wait_until(lambda: len(servers_up(dispatcher)) == 2)
+        [record] = results([dispatcher.submit(make_request("[[reset,reset,reset,reset]] crashes servers"))])
+
+    assert isinstance(record, FailureRecord)
+    assert record.error_type == "repeated_internal_error"
+    assert record.attempts == 3, "three resets on two servers are enough: each one takes a server's work down"
+
+
+def test_a_moved_server_is_used_at_its_new_url_only() -> None:
+    with FaultServer() as before, FaultServer() as after:
+        with dispatcher_for([before.url], cap=3) as dispatcher:
+            wait_until(lambda: servers_up(dispatcher) == [before.url])
+            dispatcher.move_server(before.url, after.url)
+            wait_until(lambda: servers_up(dispatcher) == [after.url])
+            records = results([dispatcher.submit(make_request(f"m{i}")) for i in range(6)])
+            caps = [server.url for server in dispatcher.stats().servers]
+        assert before.chat_requests() == []
+    assert caps == [after.url]
+    assert all(isinstance(record, CompletionRecord) and record.server == after.url for record in records)
+    assert after.max_in_flight <= 3

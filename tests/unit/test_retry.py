@@ -69,3 +69,14 @@ def test_a_removed_server_gives_the_attempt_back() -> None:
 
     assert outcome.interrupted and outcome.reason == "server removed"
     assert job.attempts == 1 and job.interrupted is None and not job.refund
+
+
+def test_resets_from_two_servers_count_like_internal_errors() -> None:
+    policy = RetryPolicy(GenerationConfig(max_attempts=10, max_internal_error_attempts=2))
+    job = _job(1)
+
+    assert isinstance(policy.after(job, Transient(reason="reset", reset=True), "http://a", 2), Retry)
+    job.attempts = 2
+    step = policy.after(job, Transient(reason="reset", reset=True), "http://b", 2)
+
+    assert isinstance(step, GiveUp) and step.error_type == "repeated_internal_error"
