@@ -3,8 +3,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 
 * the README's steps run the CPU demo (two `transformers serve` servers, the tiny model) and `--watch` exits 0;
 * a bad dataset path makes `--watch` exit non-zero and print why, in one line and without a traceback;
-* a run that sends a setting only the box's config decides (a training restart command) is refused before
-  the flow starts, and the old whole-config payload is refused by the server's parameter check;
+* runs that send what only the box's config decides (a climbing run id, a training restart command) are
+  refused before the flow starts, and the old whole-config payload by the server's parameter check;
 * two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
@@ -235,21 +235,16 @@ def test_a_run_sending_what_only_the_box_decides_is_refused_before_anything_runs
     restarts = tmp_path / "restarts.txt"
     training = _restart_marking(restarts)
     store = stack.clone / "runs" / "_demo" / "store"
-    # A field of the config sent as a parameter of its own: the server takes it (the schema lists parameters, not
-    # every name a caller may send), so the flow run reaches the worker, which refuses it before the flow starts.
-    flow_run_id = stack.start(
+    secret = stack.clone / "runs" / "secret"
+    secret.mkdir(parents=True, exist_ok=True)
+    (secret / "config.json").write_text('{"planted": "TOPSECRET-3f9a"}')
+    # A run id that climbs out of the run's folder: the flow refuses it in one line before any key is built.
+    climbing = stack.start("expand/expand-manual", config="demo-worker", run_id="../../secret")
+    # A config field sent as a parameter of its own: the server takes it (the schema lists the parameters, it
+    # does not forbid others), and Prefect refuses it on the worker before it calls the flow.
+    extra = stack.start(
         "expand/expand-manual", config="demo-worker", run_id="vector-restart", training=training
     )
-    state, log = stack.finish(flow_run_id)
-
-    assert state == "FAILED", log[-3000:]
-    refusals = [line for line in log.splitlines() if "Run parameters refused, nothing started:" in line]
-    assert refusals, log[-3000:]
-    assert all(
-        "training: not a run parameter; the box's config file alone sets it" in line for line in refusals
-    )
-    assert "stage=preflight" not in log, "the flow started"
-    assert not (store / "runs" / "vector-restart").exists()
     # The old payload, the whole config: refused by the server at create-flow-run (`config` is a name).
     whole = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
     whole["training"] = training
@@ -259,6 +254,23 @@ def test_a_run_sending_what_only_the_box_decides_is_refused_before_anything_runs
     )
     assert created.status_code in {409, 422}, created.text
     assert "'config'" in created.text, created.text
+
+    state, log = stack.finish(climbing)
+    assert state == "FAILED", log[-3000:]
+    # The run's state says why, in one line (what `prefect deployment run --watch` and the UI show).
+    message = stack.flow_run(climbing)["state"]["message"]
+    assert message == (
+        "Validation of flow parameters failed with error: ConfigError: Run parameters refused, nothing "
+        "started: run_id: use 1-80 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+    ), message
+    assert "TOPSECRET" not in log and "stage=preflight" not in log, log[-3000:]
+
+    state, log = stack.finish(extra)
+    assert state in {"FAILED", "CRASHED"}, log[-3000:]
+    assert "but was provided with parameters ['config', 'run_id', 'training']" in log, log[-3000:]
+    assert "stage=preflight" not in log, "the flow started"
+
+    assert not (store / "runs" / "vector-restart").exists()
     time.sleep(2)  # a restart would be detached: give it the time to show
     assert not restarts.exists(), "the restart command ran"
 

@@ -80,8 +80,11 @@ def test_the_deployments_json_body_passes_the_servers_validation_and_the_flows_c
     assert validated["sampling"].temperature == 0.5
 
 
-def test_the_old_whole_config_body_is_refused_by_the_servers_validation_naming_config() -> None:
+def test_the_old_whole_config_and_unknown_sampling_keys_are_refused_by_the_servers_validation() -> None:
     config = yaml.safe_load((REPO / "configs" / "qwen36-27b-8xgpu.yaml").read_text())
     schema = parameter_schema(expand.fn).model_dump_for_openapi()
     errors = validate({"config": config}, schema, preprocess=True, ignore_required=False)
     assert [list(error.path) for error in errors] == [["config"]]
+    sampling = {"config": "demo-worker", "sampling": {"restart_command": ["sh"]}}
+    errors = validate(sampling, schema, preprocess=True, ignore_required=False)
+    assert [list(error.path) for error in errors] == [["sampling"]]
