@@ -419,8 +419,10 @@ class CheckedFlow(Flow[..., R]):
     """A flow whose run parameters pass ``check`` before Prefect validates them against the signature.
 
     A deployment's flow run gets its parameters from whoever started it. ``check`` (a request model of
-    :mod:`datagen.app.request`) refuses a parameter that is no run choice (``config_path``, a whole config,
-    ``training``...) in one line that names it and the fix, before the flow reads any file or starts anything.
+    :mod:`datagen.app.request`) refuses a value that is no run choice (a run id that climbs, a config the box
+    lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
+    A parameter the signature lacks (``config_path``, ``training``...) Prefect refuses on a worker one step
+    earlier, naming it; ``check`` refuses it too when the flow is called in-process.
     """
 
     def __init__(

@@ -125,6 +125,11 @@ class HostPartRequest(HostRequest):
         return HostRequest.model_validate(self.model_dump(include=set(HostRequest.model_fields)))
 
 
+# The keys of each nested parameter, named when a caller sends another one.
+_SUBFIELDS: Final = {"sampling": tuple(SamplingChoice.model_fields)}
+Request = TypeVar("Request", bound=RunRequest)
+
+
 def configs_folder(checkout: Path) -> Path:
     """The folder of ``checkout`` whose ``<name>.yaml`` files a run may pick."""
     return checkout / CONFIGS_FOLDER
@@ -155,8 +160,10 @@ def _problem(item: Mapping[str, Any], folder: Path, model: type[RunRequest]) -> 
         )
     if kind == "extra_forbidden":
         return f"{field}: unknown key; {top} takes only {', '.join(_SUBFIELDS.get(top, ()))}"
-    if kind == "missing":
+    if kind == "missing" and top == "config":
         return f"{field}: required: pass the name of one of the box's configs ({_choices_hint(folder)})"
+    if kind == "missing":
+        return f"{field}: required"
     if top == "config":
         return (
             f"config: must be the name of one of the box's configs ({_choices_hint(folder)}), not a config; "
@@ -169,10 +176,6 @@ def _problem(item: Mapping[str, Any], folder: Path, model: type[RunRequest]) -> 
             f"{field}: use 1-80 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return f"{field}: {item['msg']}"
-
-
-_SUBFIELDS: Final = {"sampling": tuple(SamplingChoice.model_fields)}
-Request = TypeVar("Request", bound=RunRequest)
 
 
 def _refusal(problems: list[str]) -> ConfigError:
