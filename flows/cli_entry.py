@@ -1,9 +1,9 @@
 """The `datagen` console script: the core's command line, wired to the flow the deployments run.
 
 ``datagen`` (``pyproject.toml``), ``python -m flows.cli_entry`` and ``make demo`` start here. The core
-(:mod:`datagen.app.cli`) never imports ``flows``; this module hands it a loader of :func:`flows.expand.expand`,
-so ``datagen run`` and ``datagen demo`` run the very flow a deployment runs, and Prefect is only imported
-once a run is asked for.
+(:mod:`datagen.app.cli`) never imports ``flows``; this module hands it a loader of the `expand` flow with a
+whole config (:func:`flows.expand.run_with_config`: the box's operator may set any field), so ``datagen run`` and
+``datagen demo`` run the very flow body a deployment runs, and Prefect is only imported once a run is asked for.
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ def load_expand_flow() -> ExpandFlow:
     # The temporary API server boots while this process imports Prefect and the flow (seconds each).
     early = spawn_early(log_dir)
     try:
-        from flows.expand import expand
+        from flows.expand import run_with_config
     except BaseException:
         if early is not None:
             early.stop()
         raise
 
-    def run_expand(config: RunConfig) -> RunSummary:
+    def run_expand(config: RunConfig, config_name: str | None) -> RunSummary:
         with prefect_api(log_dir, early=early):
-            # `config` is the flow's advanced parameter (config_path, run_id... come first): by name.
-            return expand(config=config)
+            # Whoever runs the CLI on the box is its operator: the whole config, any field.
+            return run_with_config(config, config_name)
 
     return run_expand
 

@@ -13,14 +13,17 @@ This module only orchestrates and decides the final state; every stage's work is
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from datetime import UTC
-from typing import Any, cast
+from pathlib import Path
+from typing import Any, TypeVar, cast
 from uuid import UUID
 
-from prefect import flow, get_run_logger
+from prefect import Flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
@@ -31,10 +34,17 @@ from prefect.runtime import flow_run as runtime_flow_run
 from pydantic import BaseModel
 
 import datagen.engines
-from datagen.app.request import RunOverrides, resolve_run_config
-from datagen.config import RunConfig
+from datagen.app.request import (
+    HostRequest,
+    RunRequest,
+    SamplingChoice,
+    configs_folder,
+    parse_run_request,
+    resolve_request,
+)
+from datagen.config import RunConfig, is_valid_slug
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
-from datagen.errors import ShardsFailedError, TrainingEnvironmentChangedError
+from datagen.errors import ConfigError, ShardsFailedError, TrainingEnvironmentChangedError
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
@@ -73,6 +83,7 @@ from tasks.runtime import (
 from tasks.series import open_series_entry, write_ledger
 from tasks.task_runner import InterruptibleThreadPoolTaskRunner
 
+R = TypeVar("R")
 # Threads for concurrently running tasks (prepare and shard tasks). A shard task mostly waits for its results
 # (the dispatcher's loop does the I/O), so threads are cheap; the dispatcher bounds the requests in play.
 FLOW_TASK_WORKERS = 256
@@ -94,30 +105,27 @@ def _generated_run_id() -> str:
     return make_run_id(seed=str(context.flow_run.id), now=created.astimezone(UTC) if created else None)
 
 
-def _requested_config(parameters: dict[str, Any]) -> RunConfig:
-    """The config the flow parameters describe (config_path, overrides, or the whole config)."""
-    return resolve_run_config(
-        config_path=parameters.get("config_path"),
-        config=parameters.get("config"),
-        overrides=RunOverrides(
-            run_id=parameters.get("run_id"),
-            output=parameters.get("output"),
-            max_prompts=parameters.get("max_prompts"),
-            series=parameters.get("series"),
-        ),
-    )
+# The checkout this flow runs from: its configs/ folder holds the configs a run may pick by name.
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def box_configs() -> Path:
+    """The box's configs a run may pick by name: ``configs/`` of the worker's checkout."""
+    return configs_folder(CHECKOUT)
+
+
+def _run_id_of(parameters: dict[str, Any]) -> str | None:
+    """The run id a flow run's parameters give, if any, for its name (never reads the box's configs)."""
+    run_id = parameters.get("run_id")
+    config = parameters.get("config")
+    if not run_id and isinstance(config, RunConfig | dict):  # the operator's flow: a whole config
+        run_id = config.run_id if isinstance(config, RunConfig) else config.get("run_id")
+    return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
 
 
 def _flow_run_name() -> str:
-    """``expand-<run id>``: the given or configured run id, else the one the run will generate."""
-    parameters = dict(runtime_flow_run.parameters or {})
-    run_id = parameters.get("run_id")
-    if not run_id:
-        try:
-            run_id = _requested_config(parameters).run_id
-        except Exception:  # the flow body reports a bad config properly; a name needs no error
-            run_id = None
-    return f"expand-{run_id or _generated_run_id()}"
+    """``expand-<run id>``: the given run id, else the one the run will generate."""
+    return f"expand-{_run_id_of(dict(runtime_flow_run.parameters or {})) or _generated_run_id()}"
 
 
 def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
@@ -363,6 +371,7 @@ def _generate_on_hosts(
     attempt_id: str,
     flow_run_id: str,
     store: Store,
+    hosts_request: HostRequest | None,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
     """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
     outcome = HostsOutcome()
@@ -383,8 +392,9 @@ def _generate_on_hosts(
 
     try:
         parent = flow_run_id if flow_run_id != "local" else None
+        assert hosts_request is not None, "refused before the run opened"
         prepared, summaries, errors = run_on_hosts(
-            config, run.layout, attempt_id, parent, generate, outcome, store.credentials
+            config, hosts_request, run.layout, attempt_id, parent, generate, outcome, store.credentials
         )
     finally:
         # Recorded once the hosts are released, so a box lost at the very end of generation is named too.
@@ -404,34 +414,61 @@ def _samples(config: RunConfig, dataset: str) -> int:
     return config.sampling_for(config.dataset(dataset)).samples_per_prompt
 
 
-@flow(
-    name="expand",
-    flow_run_name=_flow_run_name,
-    task_runner=InterruptibleThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),  # type: ignore[arg-type]
-    on_cancellation=[_stop_servers_hook],
-    on_crashed=[_stop_servers_hook],
-    validate_parameters=True,
-)
-def expand(
-    config_path: str | None = None,
+class CheckedFlow(Flow[..., R]):
+    """A flow whose run parameters pass ``check`` before Prefect validates them against the signature.
+
+    A deployment's flow run gets its parameters from whoever started it. ``check`` (a request model of
+    :mod:`datagen.app.request`) refuses a value that is no run choice (a run id that climbs, a config the box
+    lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
+    A parameter the signature lacks (``config_path``, ``training``...) Prefect refuses on a worker one step
+    earlier, naming it; ``check`` refuses it too when the flow is called in-process.
+    """
+
+    def __init__(
+        self, fn: Callable[..., R], check: Callable[[dict[str, Any]], object], **options: Any
+    ) -> None:
+        super().__init__(fn=fn, **options)
+        self.check_parameters = check
+
+    def validate_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
+        """Refuse what is no run choice (one line, from ``check``), then validate as Prefect does."""
+        self.check_parameters(parameters)
+        return super().validate_parameters(parameters)
+
+
+_FLOW_OPTIONS: dict[str, Any] = {
+    "name": "expand",
+    "flow_run_name": _flow_run_name,
+    "task_runner": InterruptibleThreadPoolTaskRunner(max_workers=FLOW_TASK_WORKERS),
+    "on_cancellation": [_stop_servers_hook],
+    "on_crashed": [_stop_servers_hook],
+    "validate_parameters": True,
+}
+
+
+def _expand(
+    config: str,
     run_id: str | None = None,
     max_prompts: int | None = None,
-    output: str | None = None,
     series: str | None = None,
-    config: RunConfig | None = None,
+    output: str | None = None,
+    sampling: SamplingChoice | None = None,
+    datasets: list[str] | None = None,
 ) -> RunSummary:
     """Expand the drafter's training data with completions of the target model.
 
-    Pass ``config_path`` (plus small overrides), or ``run_id`` alone to resume a run, or the whole ``config``.
+    A run picks one of the box's configs by name and may change only the choices below; everything else
+    (model, fleet, training job, datasets' paths, protected prefixes, output roots) is the config file's.
 
     Args:
-        config_path: A run config YAML on the worker's host (relative to its checkout) or an s3:// URL;
-            relative paths inside it resolve against its folder.
+        config: Name of a config of the box: configs/<name>.yaml in the worker's checkout.
         run_id: Run id; an existing run's id resumes it with its stored config.json.
         max_prompts: Cap every dataset's quota at this many prompts (a quick or test run).
-        output: Output root (a directory or s3://bucket/prefix) replacing the config's.
         series: Expansion series: take prompts no earlier run of the series took, publish the next version.
-        config: The whole run configuration (advanced; wins over config_path).
+        output: Output root instead of the config's: its `output` or a folder under it or under one of its
+            `output_roots`.
+        sampling: Sampling defaults to change (a dataset's own sampling in the config still wins).
+        datasets: Run only these of the config's datasets (by name); all when unset.
 
     Returns:
         Where the run landed and its headline counts.
@@ -441,23 +478,75 @@ def expand(
     with forward_thread_logs(flow_run_id), explain_failure():
         verify_code_version(__file__)
         parameters = {
-            "config_path": config_path,
+            "config": config,
             "run_id": run_id,
             "max_prompts": max_prompts,
-            "output": output,
             "series": series,
-            "config": config,
+            "output": output,
+            "sampling": sampling,
+            "datasets": datasets,
         }
-        resolved = _requested_config(parameters)
+        request = parse_run_request(parameters, box_configs(), RunRequest)
+        resolved = resolve_request(request, box_configs())
         resolved = resolved.model_copy(update={"run_id": resolved.run_id or _generated_run_id()})
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
-            return _run(resolved, flow_run_id, gpu_lock)
+            return _run(resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved))
 
 
-def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
-    """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on."""
+def _check_parameters(parameters: dict[str, Any]) -> None:
+    parse_run_request(parameters, box_configs(), RunRequest)
+
+
+expand = CheckedFlow(fn=_expand, check=_check_parameters, **_FLOW_OPTIONS)
+
+
+def _expand_config(config: RunConfig, config_name: str | None = None) -> RunSummary:
+    """The flow with a whole config, any field: for the box's operator (``datagen run --config``) only.
+
+    Args:
+        config: The run's whole configuration, as the operator wrote it.
+        config_name: Its name when it is one of the checkout's configs (a multi-host run's hosts read it).
+
+    Returns:
+        Where the run landed and its headline counts.
+    """
+    context = FlowRunContext.get()
+    flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
+    with forward_thread_logs(flow_run_id), explain_failure():
+        verify_code_version(__file__)
+        resolved = config.model_copy(update={"run_id": config.run_id or _generated_run_id()})
+        hosts = None
+        if config_name is not None:
+            hosts = HostRequest(config=config_name, run_id=resolved.run_id, output=resolved.output)
+        with contextlib.ExitStack() as gpu_lock:
+            return _run(resolved, flow_run_id, gpu_lock, hosts)
+
+
+@functools.cache
+def operator_flow() -> Flow[..., RunSummary]:
+    """The `expand` flow taking a whole config, for the CLI on the box (its operator).
+
+    Built on first use and never a module attribute, so no deployment's entrypoint can name it: a run started
+    through the Prefect API always goes through :data:`expand` and its :class:`RunRequest`.
+    """
+    return Flow(fn=_expand_config, **_FLOW_OPTIONS)
+
+
+def run_with_config(config: RunConfig, config_name: str | None = None) -> RunSummary:
+    """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box)."""
+    return operator_flow()(config=config, config_name=config_name)
+
+
+def _run(
+    config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack, hosts_request: HostRequest | None
+) -> RunSummary:
+    """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on.
+
+    ``hosts_request`` is what a multi-host run's host parts are sent (None: the config is no box config by
+    name, so hosts cannot resolve it, and a multi-host run is refused).
+    """
     logger = get_run_logger()
     # The Prefect block's S3 credentials (None: the AWS chain), passed to every store and S3-reading task.
     credentials = load_s3_credentials()
@@ -466,6 +555,11 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
 
     # `stage=<name>` lines mark where a run is (in the terminal, the run log and the Prefect UI): a run that
     # seems stuck says which step it waits in.
+    if config.hosts and hosts_request is None:
+        raise ConfigError(
+            "hosts: a multi-host run's config must be one of the checkout's configs/ files (every box reads it "
+            "from its own checkout by name): move it into configs/ and pass that file to --config"
+        )
     logger.info("stage=preflight run_id=%s", config.run_id)
     preflight_report = preflight(config, credentials=credentials)
     run = open_run(config, credentials=credentials)
@@ -515,7 +609,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         # GPU lock and halts nothing itself, it only sends the requests.
         logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
-            config, run, prepared_futures, attempt_id, flow_run_id, store
+            config, run, prepared_futures, attempt_id, flow_run_id, store, hosts_request
         )
     else:
         logger.info("stage=gpu-lock")
@@ -601,4 +695,4 @@ if __name__ == "__main__":
 
     from datagen.config import load_run_config
 
-    expand(config=load_run_config(sys.argv[1]))
+    run_with_config(load_run_config(sys.argv[1]))

@@ -17,13 +17,15 @@ import contextlib
 import os
 import socket
 import time
+from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import get_run_logger
 from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
 import datagen.app.preflight
-from datagen.config import RunConfig
+from datagen.app.request import HostPartRequest, SamplingChoice, parse_run_request, resolve_request
+from datagen.config import RunConfig, is_valid_slug
 from datagen.errors import PreflightError
 from datagen.output.hosts import (
     HostFleet,
@@ -36,7 +38,7 @@ from datagen.output.hosts import (
 from datagen.output.layout import RunLayout
 from datagen.output.runs import open_store
 from datagen.output.store import Store
-from flows.expand import _stop_servers_hook
+from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.credentials import load_s3_credentials
 from tasks.hosts import flow_run_ended, parent_lease_lapsed
@@ -47,26 +49,46 @@ def _host_flow_run_name() -> str:
     from prefect.runtime import flow_run
 
     parameters = dict(flow_run.parameters or {})
-    config = parameters.get("config") or {}
-    run_id = config.get("run_id") if isinstance(config, dict) else getattr(config, "run_id", None)
-    return f"expand-host-{run_id}-{parameters.get('host')}"
+    run_id, host = parameters.get("run_id"), parameters.get("host")
+    if not (
+        isinstance(run_id, str) and is_valid_slug(run_id) and isinstance(host, str) and is_valid_slug(host)
+    ):
+        return "expand-host"  # refused before it starts: the name needs no error
+    return f"expand-host-{run_id}-{host}"
 
 
-@flow(
-    name="expand-host",
-    flow_run_name=_host_flow_run_name,
-    on_cancellation=[_stop_servers_hook],
-    on_crashed=[_stop_servers_hook],
-    validate_parameters=True,
-)
-def expand_host(config: RunConfig, host: str, attempt_id: str, parent_flow_run_id: str | None = None) -> str:
+def _check_host_parameters(parameters: dict[str, Any]) -> None:
+    parse_run_request(parameters, box_configs(), HostPartRequest)
+
+
+def _expand_host(
+    config: str,
+    run_id: str,
+    host: str,
+    attempt_id: str,
+    parent_flow_run_id: str | None = None,
+    max_prompts: int | None = None,
+    series: str | None = None,
+    output: str | None = None,
+    sampling: SamplingChoice | None = None,
+    datasets: list[str] | None = None,
+) -> str:
     """Serve the target on this box's GPUs for one attempt of a multi-host run.
 
+    This box resolves the run's config from its own checkout by name, with the run's choices; the parent
+    sends nothing else.
+
     Args:
-        config: The run's whole config (run id resolved); this box's part is ``config.for_host(host)``.
-        host: This box's name in ``config.hosts``.
+        config: Name of the run's config: configs/<name>.yaml in this box's checkout.
+        run_id: The run's id (resolved by the parent).
+        host: This box's name in the config's `hosts`.
         attempt_id: The parent attempt this host part belongs to (its handshake folder).
         parent_flow_run_id: The parent flow run: when it ends, this host stops serving.
+        max_prompts: The run's choice (see the expand flow).
+        series: The run's choice (see the expand flow).
+        output: The run's output root (under a root this box's config allows).
+        sampling: The run's choice (see the expand flow).
+        datasets: The run's choice (see the expand flow).
 
     Returns:
         What this host did, in one line.
@@ -75,7 +97,33 @@ def expand_host(config: RunConfig, host: str, attempt_id: str, parent_flow_run_i
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     with forward_thread_logs(flow_run_id), explain_failure():
         verify_code_version(__file__)
-        return _serve(config, host, attempt_id, parent_flow_run_id, flow_run_id)
+        parameters = {
+            "config": config,
+            "run_id": run_id,
+            "host": host,
+            "attempt_id": attempt_id,
+            "parent_flow_run_id": parent_flow_run_id,
+            "max_prompts": max_prompts,
+            "series": series,
+            "output": output,
+            "sampling": sampling,
+            "datasets": datasets,
+        }
+        request = parse_run_request(parameters, box_configs(), HostPartRequest)
+        resolved = resolve_request(request.run_request(), box_configs(), resume=False)
+        parent = str(request.parent_flow_run_id) if request.parent_flow_run_id else None
+        return _serve(resolved, request.host, request.attempt_id, parent, flow_run_id)
+
+
+expand_host = CheckedFlow(
+    fn=_expand_host,
+    check=_check_host_parameters,
+    name="expand-host",
+    flow_run_name=_host_flow_run_name,
+    on_cancellation=[_stop_servers_hook],
+    on_crashed=[_stop_servers_hook],
+    validate_parameters=True,
+)
 
 
 def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, flow_run_id: str) -> str:

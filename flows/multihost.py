@@ -24,6 +24,7 @@ from typing import TypeVar
 from prefect import get_run_logger
 
 import datagen.engines
+from datagen.app.request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightError
 from datagen.generation.dispatcher import Dispatcher
@@ -59,6 +60,7 @@ class HostsOutcome:
 
 def run_on_hosts(
     config: RunConfig,
+    request: HostRequest,
     layout: RunLayout,
     attempt_id: str,
     parent_flow_run_id: str | None,
@@ -69,7 +71,8 @@ def run_on_hosts(
     """Run ``generate`` with one dispatcher over the servers of every host of ``config.hosts``.
 
     ``outcome`` is filled as hosts join and leave, also when generation raises. The hosts and the parent meet
-    in the run's store, reached with ``credentials`` (None: the standard AWS chain).
+    in the run's store, reached with ``credentials`` (None: the standard AWS chain). Each host part is sent
+    ``request`` (the config's name and the run's choices) and resolves the config from its own checkout.
 
     Raises:
         PreflightError: A host is misconfigured or its own checks failed; nothing was halted on any host.
@@ -82,7 +85,7 @@ def run_on_hosts(
         logger = get_run_logger()
         store = open_store(config, credentials)
         poll_s = config.multi_host.poll_interval_s
-        started = start_host_parts(config, attempt_id, parent_flow_run_id)
+        started = start_host_parts(config, request, attempt_id, parent_flow_run_id)
         release = "generation over"
         try:
             _await_preflights(config, store, layout, attempt_id, started)

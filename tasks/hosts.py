@@ -23,6 +23,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 
+from datagen.app.request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import DatagenError, PreflightError
 from tasks.runtime import ensure_limit
@@ -103,12 +104,14 @@ def check_hosts(config: RunConfig) -> list[str]:
     return lines
 
 
-def _start_host_part(config: RunConfig, host: str, attempt_id: str, parent_flow_run_id: str | None) -> str:
+def _start_host_part(
+    config: RunConfig, request: HostRequest, host: str, attempt_id: str, parent_flow_run_id: str | None
+) -> str:
     entry = config.host(host)
     flow_run = run_deployment(  # a sync call outside an event loop returns the FlowRun itself
         _deployment_of(config, host),
         parameters={
-            "config": config.model_dump(mode="json"),
+            **request.model_dump(mode="json", exclude_none=True),
             "host": host,
             "attempt_id": attempt_id,
             "parent_flow_run_id": parent_flow_run_id,
@@ -121,8 +124,12 @@ def _start_host_part(config: RunConfig, host: str, attempt_id: str, parent_flow_
     return str(flow_run.id)
 
 
-def start_host_parts(config: RunConfig, attempt_id: str, parent_flow_run_id: str | None) -> dict[str, str]:
+def start_host_parts(
+    config: RunConfig, request: HostRequest, attempt_id: str, parent_flow_run_id: str | None
+) -> dict[str, str]:
     """Start one `expand-host` flow run per host on its work queue, all at once, without waiting for any.
+
+    Each is sent ``request`` (the box config's name and the run's choices), never the config itself.
 
     Each start is a few API calls (a second or more on a loaded server): made in parallel, so the last
     box does not start many seconds after the first.
@@ -136,7 +143,13 @@ def start_host_parts(config: RunConfig, attempt_id: str, parent_flow_run_id: str
         # Each call runs in a copy of this flow run's context, so Prefect links it as a subflow run.
         futures = [
             pool.submit(
-                contextvars.copy_context().run, _start_host_part, config, name, attempt_id, parent_flow_run_id
+                contextvars.copy_context().run,
+                _start_host_part,
+                config,
+                request,
+                name,
+                attempt_id,
+                parent_flow_run_id,
             )
             for name in names
         ]

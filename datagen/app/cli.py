@@ -66,6 +66,8 @@ def run(
     halted); 130/143 interrupted by SIGINT/SIGTERM (servers stopped; resume with --run-id).
     """
     from datagen.app.preflight import check_output_reachable
+    from datagen.app.pullstep import default_checkout
+    from datagen.app.request import box_config_name
     from datagen.app.runner import prepare_flow_run, print_summary
     from datagen.app.terminal import (
         INTERRUPT_SIGNALS,
@@ -100,8 +102,10 @@ def run(
     resume = f"datagen run --config {config} --run-id {loaded.run_id}"
     if output:
         resume += f" --output {output}"
+    # A config of the checkout's configs/ is passed with its name: a multi-host run's hosts resolve it by it.
+    name = box_config_name(config, default_checkout())
     code, summary = run_in_terminal(
-        lambda: prepare_flow_run(load_flow, loaded),
+        lambda: prepare_flow_run(load_flow, loaded, name),
         run_id=loaded.run_id,
         resume_command=resume,
         log_path=run_log_path(get_settings().state_dir, loaded.run_id),

@@ -18,10 +18,12 @@ from datagen.config import RunConfig
 
 HEADER = """# Configuration reference
 
-A run is configured by one YAML file (`datagen run --config FILE`), which is also the `config` parameter of the
-Prefect flow (the UI renders it as a form) and is stored as the run's first object, `config.json`. Unknown keys
-are errors. Host settings and secrets are not here: they are environment variables (`DATAGEN_*`, see
-`datagen/settings.py`) and AWS's standard credential chain.
+A run is configured by one YAML file (`datagen run --config FILE` on the box), stored as the run's first object,
+`config.json`. A deployment's run picks one of the box's files by name (`--param config=<name>` for
+`configs/<name>.yaml` of the worker's checkout) and may change only `run_id`, `max_prompts`, `series`, `output`
+(under `output` or `output_roots`), `sampling` and `datasets` (a subset by name): every other field is the
+file's (see docs/security.md). Unknown keys are errors. Host settings and secrets are not here: they are
+environment variables (`DATAGEN_*`, see `datagen/settings.py`) and AWS's standard credential chain.
 
 Examples: [configs/demo.yaml](../configs/demo.yaml) (local, CPU) and
 [configs/qwen36-27b-8xgpu.yaml](../configs/qwen36-27b-8xgpu.yaml) (8 GPUs, SGLang).

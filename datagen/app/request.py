@@ -1,76 +1,294 @@
-"""What a human or CI passes to start or resume a run, resolved into one :class:`RunConfig`.
+"""What a run's parameters may choose, and the one config they resolve to: the box decides, the run chooses.
 
-The `expand` flow (and so every deployment) takes, from simplest to most complete:
+Whoever may start a run (the Prefect UI's Run button, ``prefect deployment run``, CI, a schedule) is not the
+box's operator. So a run's parameters (:class:`RunRequest`) only *pick* one of the box's configs by name (a
+file ``configs/<name>.yaml`` of the worker's checkout) and set a short typed allow-list of choices: ``run_id``,
+``max_prompts``, ``series``, ``sampling``, which of the config's ``datasets`` to run, and ``output`` under a
+root the config allows. Everything that executes, names a place on the box or leaves it (training commands and
+targets, the fleet's environment and arguments, model locations, server URLs, dataset paths, protected
+prefixes, output roots) comes from that file alone. ``datagen run --config FILE`` on the box takes any config:
+whoever runs the CLI there is its operator (see docs/security.md).
 
-* ``run_id`` alone: resume that run with the config stored in its ``config.json`` (the output root comes
-  from ``output`` or from the default config file);
-* ``config_path``: a YAML file on the worker's box (relative to the worker's checkout) or an ``s3://`` URL;
-  relative paths inside it resolve against its folder;
-* small typed overrides on top: ``run_id``, ``output``, ``max_prompts``, ``series``;
-* ``config``: the whole :class:`RunConfig` (the advanced form; it wins over ``config_path``).
+Every refusal is one line that names the parameter and the fix, never a file's content or a sent value.
 """
 
 from __future__ import annotations
 
+import os
+import posixpath
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Final, TypeVar
+from uuid import UUID
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.config import RunConfig, config_folder, parse_run_config, resolve_relative_paths
+from datagen.config import (
+    RunConfig,
+    Slug,
+    config_folder,
+    is_valid_slug,
+    parse_run_config,
+    resolve_relative_paths,
+)
 from datagen.errors import ConfigError
 from datagen.output.runs import read_stored_config
 from datagen.output.store import Store
 
+# The folder of a checkout that holds the configs a run may pick by name.
+CONFIGS_FOLDER: Final = "configs"
+CONFIG_SUFFIX: Final = ".yaml"
 
-class RunOverrides(BaseModel):
-    """Small typed changes to a config, for the Prefect form, ``--param`` and the CLI."""
 
-    model_config = ConfigDict(extra="forbid")
+def _yaml_key(name: str, _info: Any) -> str:
+    """Form titles are the parameter's own key (what ``--param`` and the YAML use), not a prettified one."""
+    return name
 
-    run_id: str | None = Field(default=None, description="Run id; an existing run's id resumes it.")
-    output: str | None = Field(default=None, description="Output root: a directory or s3://bucket/prefix.")
+
+class SamplingChoice(BaseModel):
+    """Sampling defaults a run may change; a dataset's own ``sampling:`` in the config still wins."""
+
+    model_config = ConfigDict(extra="forbid", field_title_generator=_yaml_key)
+
+    temperature: float | None = Field(default=None, ge=0, description="Sampling temperature.")
+    top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
+    top_k: int | None = Field(default=None, gt=0, description="Sample among this many tokens.")
+    min_p: float | None = Field(default=None, ge=0, le=1, description="Minimum token probability.")
+    max_tokens: int | None = Field(default=None, gt=0, description="Longest answer, in tokens.")
+    enable_thinking: bool | None = Field(default=None, description="Let the model think before answering.")
+    samples_per_prompt: int | None = Field(default=None, gt=0, le=64, description="Answers per prompt.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+
+
+class RunRequest(BaseModel):
+    """Everything a run's parameters may say: a config of the box by name and the choices on top of it."""
+
+    model_config = ConfigDict(extra="forbid", field_title_generator=_yaml_key)
+
+    config: Slug = Field(
+        description="Name of a config of the box: the file configs/<name>.yaml in the worker's checkout."
+    )
+    run_id: Slug | None = Field(default=None, description="Run id; an existing run's id resumes it.")
     max_prompts: int | None = Field(
         default=None, gt=0, description="Cap every dataset's quota at this many prompts (a quick run)."
     )
-    series: str | None = Field(default=None, description="Expansion series, e.g. nightly.")
+    series: Slug | None = Field(default=None, description="Expansion series, e.g. nightly.")
+    output: str | None = Field(
+        default=None,
+        description="Output root instead of the config's: its `output` or a folder under it, or under one "
+        "of its `output_roots`.",
+    )
+    sampling: SamplingChoice | None = Field(default=None, description="Sampling defaults to change.")
+    datasets: list[Slug] | None = Field(
+        default=None, description="Run only these of the config's datasets (by name); all when unset."
+    )
 
     def changes_config(self) -> bool:
-        """True when an override other than the run id and output is set (a resumed run refuses those)."""
-        return self.max_prompts is not None or self.series is not None
+        """True when a choice other than the run id and output is set (a resumed run refuses those)."""
+        return any(
+            value is not None for value in (self.max_prompts, self.series, self.sampling, self.datasets)
+        )
 
 
-def read_config_data(location: str) -> dict[str, Any]:
-    """Read a YAML config from a local path or an ``s3://`` URL, relative paths resolved against its folder.
+class HostRequest(RunRequest):
+    """What a multi-host run's parent sends each host part: the box config's name and the run's choices.
+
+    Each box resolves the config from its own checkout by this name (the code-version guard makes the
+    checkouts agree); the parent never sends a config.
+    """
+
+    run_id: Slug = Field(description="The run's id (resolved by the parent).")
+
+    @classmethod
+    def of(cls, request: RunRequest, resolved: RunConfig) -> HostRequest:
+        """The host parts' request of a run started with ``request`` and resolved to ``resolved``."""
+        assert resolved.run_id is not None, "the parent resolves the run id first"
+        return cls.model_validate(
+            {**request.model_dump(exclude_none=True), "run_id": resolved.run_id, "output": resolved.output}
+        )
+
+
+class HostPartRequest(HostRequest):
+    """The parameters of one `expand-host` flow run: the run's request and this host part's place in it."""
+
+    host: Slug = Field(description="This box's name in the config's `hosts`.")
+    attempt_id: Slug = Field(
+        description="The parent attempt this host part belongs to (its handshake folder)."
+    )
+    parent_flow_run_id: UUID | None = Field(
+        default=None, description="The parent flow run: when it ends, this host stops serving."
+    )
+
+    def run_request(self) -> HostRequest:
+        """The run's part of these parameters (what the config is resolved with)."""
+        return HostRequest.model_validate(self.model_dump(include=set(HostRequest.model_fields)))
+
+
+# The keys of each nested parameter, named when a caller sends another one.
+_SUBFIELDS: Final = {"sampling": tuple(SamplingChoice.model_fields)}
+Request = TypeVar("Request", bound=RunRequest)
+
+
+def configs_folder(checkout: Path) -> Path:
+    """The folder of ``checkout`` whose ``<name>.yaml`` files a run may pick."""
+    return checkout / CONFIGS_FOLDER
+
+
+def config_names(folder: Path) -> list[str]:
+    """The names a run may pick in ``folder`` (its ``*.yaml`` files whose stem is a valid name)."""
+    if not folder.is_dir():
+        return []
+    return sorted(p.stem for p in folder.glob(f"*{CONFIG_SUFFIX}") if p.is_file() and is_valid_slug(p.stem))
+
+
+def _choices_hint(folder: Path) -> str:
+    names = config_names(folder)
+    return ", ".join(names) if names else f"none: the box's {CONFIGS_FOLDER}/ folder holds no config"
+
+
+def _problem(item: Mapping[str, Any], folder: Path, model: type[RunRequest]) -> str:
+    """One pydantic error of the run parameters as ``field: what is wrong, how to fix it`` (no sent value)."""
+    field = ".".join(str(part) for part in item["loc"]) or "parameters"
+    kind = item["type"]
+    top = str(item["loc"][0]) if item["loc"] else ""
+    if kind == "extra_forbidden" and len(item["loc"]) == 1:
+        choices = ", ".join(name for name in model.model_fields if name != "config")
+        return (
+            f"{field}: not a run parameter; the box's config file alone sets it. A run picks a config by name "
+            f"(config) and may set only {choices}"
+        )
+    if kind == "extra_forbidden":
+        return f"{field}: unknown key; {top} takes only {', '.join(_SUBFIELDS.get(top, ()))}"
+    if kind == "missing" and top == "config":
+        return f"{field}: required: pass the name of one of the box's configs ({_choices_hint(folder)})"
+    if kind == "missing":
+        return f"{field}: required"
+    if top == "config":
+        return (
+            f"config: must be the name of one of the box's configs ({_choices_hint(folder)}), not a config; "
+            "the config file alone sets the model, fleet, training, datasets' paths and every other setting"
+        )
+    if top == "datasets" and len(item["loc"]) == 2:
+        return f"{field}: a name of one of the config's datasets (its path and format are the file's)"
+    if kind == "string_pattern_mismatch":
+        return (
+            f"{field}: use 1-80 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return f"{field}: {item['msg']}"
+
+
+def _refusal(problems: list[str]) -> ConfigError:
+    return ConfigError("Run parameters refused, nothing started: " + "; ".join(problems), problems=problems)
+
+
+def parse_run_request(parameters: Mapping[str, Any], folder: Path, model: type[Request]) -> Request:
+    """Validate a run's parameters (as Prefect hands them to the flow) before anything else happens.
+
+    Args:
+        parameters: The flow run's parameters; parameters left unset may be absent or None.
+        folder: The box's configs folder, to name the configs a run may pick.
+        model: The parameters' model (:class:`HostPartRequest` for a host part).
 
     Raises:
-        ConfigError: Missing, unreadable, not YAML, or not a mapping.
+        ConfigError: One line naming each refused parameter and the fix (a config name the box lacks
+            included); never the value sent.
+    """
+    given = {key: value for key, value in parameters.items() if value is not None}
+    try:
+        request = model.model_validate(given)
+    except ValidationError as error:
+        raise _refusal([_problem(item, folder, model) for item in error.errors()]) from None
+    if request.config not in config_names(folder):
+        raise _refusal(_unknown_config(request.config, folder))
+    return request
+
+
+def _unknown_config(name: str, folder: Path) -> list[str]:
+    return [f"config: no config named {name!r} on this box; pick one of: {_choices_hint(folder)}"]
+
+
+def read_box_config(name: str, folder: Path) -> dict[str, Any]:
+    """The raw data of the box's config ``name`` (``folder/<name>.yaml``), relative paths resolved.
+
+    Raises:
+        ConfigError: No such config, unreadable, not YAML (its line and column named, never its text), or
+            not a mapping.
+    """
+    if not is_valid_slug(name) or name not in config_names(folder):
+        raise _refusal(_unknown_config(name, folder))
+    file = folder / f"{name}{CONFIG_SUFFIX}"
+    try:
+        data = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ConfigError(
+            f"config: {CONFIGS_FOLDER}/{name}{CONFIG_SUFFIX} on this box is not valid YAML{where}: its "
+            "operator must fix the file",
+            config=name,
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config: {CONFIGS_FOLDER}/{name}{CONFIG_SUFFIX} on this box must hold a mapping at the top level",
+            config=name,
+        )
+    return resolve_relative_paths(data, config_folder(file))
+
+
+def _normalised_location(location: str) -> str | None:
+    """``location`` without ``.``/``..`` steps and trailing slashes, or None when it is no absolute place.
+
+    Local paths are made absolute by resolving symlinks (a link cannot lead out of a root); URLs must not
+    climb (``..``) at all, since the store joins keys textually.
     """
     if "://" in location and not location.startswith("file://"):
-        folder, _, name = location.rstrip("/").rpartition("/")
-        try:
-            text = Store(folder).read_text(name)
-        except FileNotFoundError:
-            raise ConfigError(
-                f"Config {location} does not exist; pass an existing YAML as config_path."
-            ) from None
-    else:
-        file = Path(location.removeprefix("file://")).expanduser()
-        if not file.is_file():
-            raise ConfigError(
-                f"Config file {file.resolve()} does not exist on this host (cwd {Path.cwd()}); pass a path "
-                "relative to the checkout the worker runs in, an absolute path, or an s3:// URL.",
-                config_path=location,
+        scheme, _, rest = location.partition("://")
+        parts = rest.split("/")
+        if not scheme or not parts[0] or any(part in {".", ".."} for part in parts):
+            return None
+        return f"{scheme}://{posixpath.normpath(rest)}".rstrip("/")
+    path = location.removeprefix("file://")
+    if not os.path.isabs(path):
+        return None
+    return str(Path(path).resolve())
+
+
+def _is_under(location: str, root: str) -> bool:
+    return location == root or location.startswith(root.rstrip("/") + "/")
+
+
+def check_output_choice(output: str, config: RunConfig) -> str:
+    """The ``output`` a run chose, normalised, when it lies under a root the config allows.
+
+    Allowed: the config's ``output`` and its ``output_roots`` (or a folder under one), never at or under a
+    ``protected_prefixes`` entry (the existing training data).
+
+    Raises:
+        ConfigError: Not an absolute path or URL, outside every allowed root, or under a protected prefix.
+    """
+    chosen = _normalised_location(output)
+    if chosen is None:
+        raise _refusal(["output: give an absolute path or an s3:// URL without '.' or '..' steps"])
+    roots = [
+        root for root in (_normalised_location(r) for r in [config.output, *config.output_roots]) if root
+    ]
+    if not any(_is_under(chosen, root) for root in roots):
+        raise _refusal(
+            [
+                "output: not under an output root this box allows; choose the config's output or a folder "
+                f"under one of: {', '.join(roots)} (its operator adds roots to output_roots)"
+            ]
+        )
+    for prefix in config.protected_prefixes:
+        protected = _normalised_location(prefix)
+        if protected is not None and (_is_under(chosen, protected) or _is_under(protected, chosen)):
+            raise _refusal(
+                [
+                    "output: overlaps a protected prefix of the config (the existing training data): choose another"
+                ]
             )
-        text = file.read_text()
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise ConfigError(f"Config {location} is not valid YAML: {error}", config_path=location) from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"Config {location} must hold a mapping at the top level.", config_path=location)
-    return resolve_relative_paths(data, config_folder(location))
+    return chosen
 
 
 def _apply_max_prompts(data: dict[str, Any], max_prompts: int) -> dict[str, Any]:
@@ -88,61 +306,110 @@ def _apply_max_prompts(data: dict[str, Any], max_prompts: int) -> dict[str, Any]
     return {**data, "datasets": datasets, **({"mix": mix} if mix else {})}
 
 
-def resolve_run_config(
-    *,
-    config_path: str | None = None,
-    config: RunConfig | dict[str, Any] | None = None,
-    overrides: RunOverrides | None = None,
-) -> RunConfig:
-    """Turn what a caller passed into the config of the run to start or resume.
+def _apply_datasets(data: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """Keep only the named datasets (config order); caps of categories left without a dataset go too."""
+    datasets = [d for d in data.get("datasets") or [] if isinstance(d, dict)]
+    known = [str(d.get("name")) for d in datasets]
+    unknown = [name for name in names if name not in known]
+    if unknown or not names:
+        raise _refusal(
+            [f"datasets: name one or more of the config's datasets: {', '.join(known)}"]
+            if not unknown
+            else [
+                f"datasets: the config has no dataset named {', '.join(unknown)}; its datasets: {', '.join(known)}"
+            ]
+        )
+    kept = [d for d in datasets if d.get("name") in names]
+    mix = dict(data.get("mix") or {})
+    caps = mix.get("category_caps")
+    if isinstance(caps, dict):
+        categories = {d.get("category") or "uncategorised" for d in kept}
+        mix["category_caps"] = {key: value for key, value in caps.items() if key in categories}
+    return {**data, "datasets": kept, **({"mix": mix} if mix else {})}
+
+
+def _parse_box_config(data: dict[str, Any], name: str) -> RunConfig:
+    """Validate a box config (with a run's choices applied): one line, fields named, no values quoted."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        problems = [
+            f"{'.'.join(str(part) for part in item['loc']) or '(top level)'}: {item['msg']}"
+            for item in error.errors()
+        ]
+        raise ConfigError(
+            f"config {name} with this run's choices is invalid: {'; '.join(problems)}", config=name
+        ) from None
+
+
+def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -> RunConfig:
+    """The config a run request names: the box's config file, with the request's choices applied.
 
     Args:
-        config_path: YAML on this host or an ``s3://`` URL (ignored when ``config`` is given).
-        config: The whole config (the advanced form); used as given, so a changed config under an existing
-            run id is refused when the run opens.
-        overrides: Small changes; ``run_id`` of an existing run (without a whole ``config``) resumes it with
-            its stored ``config.json``, whatever ``config_path`` holds now.
+        request: The validated run parameters.
+        folder: The box's configs folder (``configs/`` of the worker's checkout).
+        resume: When the run id exists under the output root, return its stored ``config.json`` (a run's
+            config never changes). False for a multi-host run's host part, which takes its serving config
+            from its own box's file.
 
     Returns:
-        The config; its ``run_id`` is None when neither the caller nor the file set one.
+        The config; its ``run_id`` is None when neither the request nor the file set one.
 
     Raises:
-        ConfigError: Nothing to start from, a file that cannot be read, an invalid result, or overrides that
-            would change a run that already exists.
+        ConfigError: One line naming the parameter and the fix (unknown config, output outside the allowed
+            roots or at a protected prefix, an unknown dataset, choices that would change an existing run).
     """
-    overrides = overrides or RunOverrides()
-    source = "the config parameter"
-    if config is not None:
-        data = config.model_dump(mode="json") if isinstance(config, RunConfig) else dict(config)
-    elif config_path:
-        data = read_config_data(config_path)
-        source = config_path
-    else:
-        data = None
-    run_id = overrides.run_id or (data or {}).get("run_id")
-    output = overrides.output or (data or {}).get("output")
-    # A whole `config` is the run's config exactly (a changed one is refused when the run opens); a config
-    # file only says where to find one, so an existing run's stored config wins over it (resume by id).
-    if run_id and output and config is None:
-        stored = read_stored_config(Store(str(output)), str(run_id))
+    data = read_box_config(request.config, folder)
+    base = _parse_box_config(data, request.config)
+    if request.output is not None:
+        data = {**data, "output": check_output_choice(request.output, base)}
+    run_id = request.run_id or data.get("run_id")
+    if resume and run_id:
+        stored = read_stored_config(Store(str(data["output"])), str(run_id))
         if stored is not None:
-            if overrides.changes_config():
-                raise ConfigError(
-                    f"Run {run_id!r} exists at {output}; a run's config never changes, so max_prompts and "
-                    "series cannot be given when resuming it. Pass the run id alone, or pick a new run id.",
-                    run_id=run_id,
+            if request.changes_config():
+                raise _refusal(
+                    [
+                        f"run_id: run {run_id} exists; a run's config never changes, so max_prompts, series, "
+                        "sampling and datasets cannot be given when resuming it: pass the run id alone, or a "
+                        "new run id"
+                    ]
                 )
             return parse_run_config(stored.config, source=f"stored config.json of run {run_id}")
-    if data is None:
-        raise ConfigError(
-            "Nothing to run: pass config_path (a YAML on the worker's host or an s3:// URL), the whole config, "
-            f"or the id of an existing run{' together with output' if run_id else ''}.",
-        )
-    if overrides.max_prompts is not None:
-        data = _apply_max_prompts(data, overrides.max_prompts)
-    changes = {"run_id": overrides.run_id, "output": overrides.output, "series": overrides.series}
+    if request.datasets is not None:
+        data = _apply_datasets(data, request.datasets)
+    if request.max_prompts is not None:
+        data = _apply_max_prompts(data, request.max_prompts)
+    if request.sampling is not None:
+        data = {
+            **data,
+            "sampling": {**(data.get("sampling") or {}), **request.sampling.model_dump(exclude_none=True)},
+        }
+    changes = {"run_id": request.run_id, "series": request.series}
     data = {**data, **{key: value for key, value in changes.items() if value is not None}}
-    return parse_run_config(data, source=source)
+    return _parse_box_config(data, request.config)
 
 
-__all__ = ["RunOverrides", "read_config_data", "resolve_run_config"]
+def box_config_name(path: Path, checkout: Path) -> str | None:
+    """The name a run would pick ``path`` by, when it is one of ``checkout``'s configs; else None."""
+    folder = configs_folder(checkout).resolve()
+    file = path.resolve()
+    if file.parent == folder and file.suffix == CONFIG_SUFFIX and file.stem in config_names(folder):
+        return file.stem
+    return None
+
+
+__all__ = [
+    "CONFIGS_FOLDER",
+    "HostPartRequest",
+    "HostRequest",
+    "RunRequest",
+    "SamplingChoice",
+    "box_config_name",
+    "check_output_choice",
+    "config_names",
+    "configs_folder",
+    "parse_run_request",
+    "read_box_config",
+    "resolve_request",
+]

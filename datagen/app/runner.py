@@ -2,8 +2,9 @@
 
 The core never imports Prefect, ``flows`` or ``tasks``: the flow arrives as a :data:`FlowLoader`, a function
 that imports and returns it. The console script's entry module (``flows/cli_entry.py``) passes the loader
-of ``flows.expand.expand``, so the CLI runs the very flow the deployments run, and the import of Prefect
-waits until a run is asked for (``datagen --help`` stays fast).
+of the `expand` flow with a whole config (the box's operator may set any field; a deployment's run only picks a
+config by name: :mod:`datagen.app.request`), so the CLI runs the very flow body the deployments run, and the
+import of Prefect waits until a run is asked for (``datagen --help`` stays fast).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import typer
 from datagen.config import RunConfig
 from datagen.dataset.report import RunSummary
 
-ExpandFlow = Callable[[RunConfig], RunSummary]
-"""The `expand` flow as the runner calls it: a run config in, the run's summary out."""
+ExpandFlow = Callable[[RunConfig, str | None], RunSummary]
+"""The `expand` flow as the runner calls it: a run config (and its name among the checkout's configs, if it is
+one) in, the run's summary out."""
 
 FlowLoader = Callable[[], ExpandFlow]
 """Imports the flow and returns it; called only once a run is asked for."""
@@ -33,7 +35,9 @@ PREFECT_ENV_DEFAULTS = {
 }
 
 
-def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], RunSummary]:
+def prepare_flow_run(
+    load_flow: FlowLoader, config: RunConfig, config_name: str | None = None
+) -> Callable[[], RunSummary]:
     """Import the `expand` flow (Prefect with it, which configures its logging) and return its run.
 
     The flow runs when the returned function is called, so the terminal can set up its log file once
@@ -43,6 +47,7 @@ def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], R
         load_flow: Imports and returns the flow; called after Prefect's environment defaults are set,
             since Prefect reads some of them when it is imported.
         config: The validated run config.
+        config_name: Its name when it is one of the checkout's configs (a multi-host run needs one).
 
     Returns:
         Runs the flow in this process (Prefect's configured API, or the temporary one the loader owns)
@@ -52,7 +57,7 @@ def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], R
     for name, value in PREFECT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     flow = load_flow()
-    return lambda: flow(config)
+    return lambda: flow(config, config_name)
 
 
 def print_summary(summary: RunSummary) -> None:

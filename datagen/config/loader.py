@@ -100,7 +100,7 @@ def config_folder(location: str | Path) -> str:
 def resolve_relative_paths(data: dict[str, Any], base: str) -> dict[str, Any]:
     """Return a copy of raw config data whose relative locations are joined to ``base``.
 
-    Rewritten: ``output``, ``protected_prefixes``, ``datasets[].path``,
+    Rewritten: ``output``, ``output_roots``, ``protected_prefixes``, ``datasets[].path``,
     ``existing_corpus.dedupe_against[].path``, ``training.pidfile`` / ``checkpoint_glob`` /
     ``checkpoint_marker``, and ``model.path`` / ``model.tokenizer_path`` when they start with ``./`` or
     ``../`` or the joined local path exists (otherwise they are hub ids such as ``Qwen/Qwen3-8B``).
@@ -127,9 +127,10 @@ def resolve_relative_paths(data: dict[str, Any], base: str) -> dict[str, Any]:
 
     for key in _TOP_LEVEL_PATHS:
         rewrite(result, key)
-    prefixes = result.get("protected_prefixes")
-    if isinstance(prefixes, list):
-        result["protected_prefixes"] = [_join(base, p) if _is_relative(p) else p for p in prefixes]
+    for key in ("protected_prefixes", "output_roots"):
+        locations = result.get(key)
+        if isinstance(locations, list):
+            result[key] = [_join(base, p) if _is_relative(p) else p for p in locations]
     for dataset in result.get("datasets") or []:
         rewrite(dataset, "path")
     corpus = result.get("existing_corpus")

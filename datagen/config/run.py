@@ -49,6 +49,11 @@ class RunConfig(StrictModel):
     sampling: SamplingParams = Field(default_factory=SamplingParams)
     datasets: list[DatasetConfig] = Field(min_length=1)
     output: str = Field(description="Root URL of the output store: a local directory or s3://bucket/prefix.")
+    output_roots: list[str] = Field(
+        default_factory=list,
+        description="Further output roots a run's `output` parameter may choose (besides `output` itself): "
+        "absolute paths or s3:// URLs. Only this file sets them; see docs/security.md.",
+    )
     protected_prefixes: list[str] = Field(
         default_factory=list, description="Locations that must never be written (the existing training data)."
     )
@@ -185,7 +190,8 @@ class RunConfig(StrictModel):
     def identity_dict(self) -> dict[str, Any]:
         """The fields that define what the run produces, as JSON data.
 
-        Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``): a
+        Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``,
+        ``output_roots``): a
         guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
         where the run generates, not what: a run resumes on other or fewer hosts. ``series``,
         ``generation.exact_tokens`` and ``tokenize.formats`` joined the model later: each is left out while
@@ -193,6 +199,8 @@ class RunConfig(StrictModel):
         """
         exclude: dict[str, Any] = {
             "run_id": True,
+            # Which outputs a run may choose changes nothing a run produces.
+            "output_roots": True,
             "datasets": {"__all__": {"min_prompts"}},
             # Where the run generates changes no output: a resume may use other (or fewer) hosts.
             "hosts": True,

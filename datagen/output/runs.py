@@ -81,7 +81,17 @@ def make_run_id(seed: str | None = None, now: dt.datetime | None = None) -> str:
 
 
 def read_stored_config(store: Store, run_id: str) -> StoredRunConfig | None:
-    """The stored ``config.json`` of ``run_id``, or None when the run does not exist yet."""
+    """The stored ``config.json`` of ``run_id``, or None when the run does not exist yet.
+
+    Raises:
+        ConfigError: ``run_id`` is no valid run id: checked before any key is built from it, so an id such
+            as ``../x`` never reads outside the run's folder.
+    """
+    if not is_valid_slug(run_id):
+        raise ConfigError(
+            "run_id: use 1-80 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit",
+            run_id=run_id,
+        )
     key = RunLayout(run_id).config
     if not store.exists(key):
         return None

@@ -90,7 +90,7 @@ def main() -> int:
             "run",
             "expand/expand-manual",
             "--param",
-            "config_path=configs/demo-worker.yaml",
+            "config=demo-worker",
             "--watch",
             "--watch-timeout",
             "900",

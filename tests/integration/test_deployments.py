@@ -35,14 +35,15 @@ def test_prefect_yaml_is_accepted_by_prefects_model_and_parameters_are_run_confi
         if deployment.name == "expand-host":
             continue
         assert deployment.entrypoint == "flows/expand.py:expand"
-        load_run_config(REPO / deployment.parameters["config_path"])
+        assert list(deployment.parameters) == ["config"]
+        load_run_config(REPO / "configs" / f"{deployment.parameters['config']}.yaml")
     nightly = next(d for d in model.deployments if d.name == "expand-nightly")
-    nightly_config = load_run_config(REPO / nightly.parameters["config_path"])
+    nightly_config = load_run_config(REPO / "configs" / f"{nightly.parameters['config']}.yaml")
     assert nightly_config.series == "nightly"
     assert nightly_config.training.restart_after_run
 
 
-def test_entrypoint_loads_the_expand_flow_with_a_config_path_overrides_and_the_whole_config() -> None:
+def test_entrypoint_loads_the_expand_flow_with_a_config_name_and_the_runs_choices_only() -> None:
     from prefect.flows import load_flow_from_entrypoint
 
     cwd = os.getcwd()
@@ -53,13 +54,19 @@ def test_entrypoint_loads_the_expand_flow_with_a_config_path_overrides_and_the_w
         os.chdir(cwd)
     assert flow.name == "expand"
     assert list(flow.parameters.properties) == [
-        "config_path",
+        "config",
         "run_id",
         "max_prompts",
-        "output",
         "series",
-        "config",
+        "output",
+        "sampling",
+        "datasets",
     ]
+    assert flow.parameters.required == ["config"]
+    assert flow.parameters.properties["config"]["type"] == "string"
+    sampling = flow.parameters.definitions["SamplingChoice"]
+    assert sampling["additionalProperties"] is False
+    assert sampling["properties"]["temperature"]["title"] == "temperature"
 
 
 def test_deploy_all_creates_manual_and_nightly_deployments_without_a_baked_in_path(prefect_api: str) -> None:
@@ -105,4 +112,4 @@ def test_deploy_all_creates_manual_and_nightly_deployments_without_a_baked_in_pa
         assert deployment.pull_steps == [{"datagen.app.pullstep.enter_checkout": {}}]
         # One rule for the GPUs is the host lock the flow holds, not a per-deployment limit.
         assert deployment.global_concurrency_limit is None
-        load_run_config(REPO / deployment.parameters["config_path"])
+        load_run_config(REPO / "configs" / f"{deployment.parameters['config']}.yaml")

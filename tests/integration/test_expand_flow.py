@@ -107,7 +107,7 @@ def killed_run(
     The state directory stays set while the module's tests run: their reruns use the same host state.
     """
     from datagen.settings import get_settings
-    from flows.expand import expand
+    from flows.expand import run_with_config
 
     root = tmp_path_factory.mktemp("expand-flow")
     state_dir = root / "state"
@@ -125,7 +125,7 @@ def killed_run(
                 )
                 killer.start()
                 try:
-                    summary = expand(config=config)
+                    summary = run_with_config(config)
                 finally:
                     killer.join()
             finally:
@@ -235,7 +235,7 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
     killed_run: KilledRun, tiny_model_dir: Path
 ) -> None:
     from datagen.dataset.tokenizer import load_tokenizer
-    from flows.expand import expand
+    from flows.expand import run_with_config
 
     summary, out, run_root = killed_run.summary, killed_run.out, killed_run.run_root
     assert killed_run.trainer_returncode == 0, (
@@ -288,7 +288,7 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
     before = _snapshot(out)
     trainer2, _, _ = _start_trainer(killed_run.root)
     try:
-        again = expand(config=killed_run.config)
+        again = run_with_config(killed_run.config)
     finally:
         os.killpg(trainer2.pid, signal.SIGTERM)
         trainer2.wait(10)
@@ -299,7 +299,7 @@ def test_flow_generates_every_prompt_tokenizes_with_masks_and_a_rerun_changes_no
     trainer3, _, _ = _start_trainer(killed_run.root)
     try:
         with pytest.raises(PreflightError, match="different configuration"):
-            expand(config=killed_run.config.model_copy(update={"seed": 99}))
+            run_with_config(killed_run.config.model_copy(update={"seed": 99}))
         assert trainer3.poll() is None, "a refused run must not halt training"
     finally:
         os.killpg(trainer3.pid, signal.SIGTERM)

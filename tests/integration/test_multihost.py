@@ -142,8 +142,11 @@ class Stack:
         self.workers[host].wait(30)  # reaped: ensure_workers sees the box is gone
 
     def run(self, config: dict[str, Any], run_id: str) -> subprocess.Popen[str]:
-        """`datagen run --config FILE --run-id ID` against the stack's Prefect server (the parent flow)."""
-        path = self.root / f"{run_id}.yaml"
+        """`datagen run --config FILE --run-id ID` against the stack's Prefect server (the parent flow).
+
+        FILE is one of the clone's configs/: every host part reads it from its box's checkout by name.
+        """
+        path = self.clone / "configs" / f"{run_id}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         return subprocess.Popen(
             [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(path), "--run-id", run_id],

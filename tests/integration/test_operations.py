@@ -3,6 +3,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 
 * the README's steps run the CPU demo (two `transformers serve` servers, the tiny model) and `--watch` exits 0;
 * a bad dataset path makes `--watch` exit non-zero and print why, in one line and without a traceback;
+* runs that send what only the box's config decides (a climbing run id, a training restart command) are
+  refused before the flow starts, and the old whole-config payload by the server's parameter check;
 * two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
@@ -100,10 +102,10 @@ class Stack:
 
 
 def _write_config(stack: Stack, name: str, data: dict[str, Any]) -> str:
-    """Write a config into the clone's configs/ folder; returns the config_path relative to the checkout."""
+    """Write a config into the clone's configs/ folder; returns its name (what a run picks it by)."""
     path = stack.clone / "configs" / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return f"configs/{name}.yaml"
+    return name
 
 
 def _fake_config(stack: Stack, url: str, dataset_path: str, output: str, **changes: Any) -> dict[str, Any]:
@@ -193,7 +195,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
 
 
 def test_readme_steps_run_the_cpu_demo_through_a_worker_and_watch_exits_0(stack: Stack) -> None:
-    result = stack.run("expand/expand-manual", "config_path=configs/demo-worker.yaml")
+    result = stack.run("expand/expand-manual", "config=demo-worker")
 
     assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
     assert "Flow run finished successfully in 'Completed'" in result.stdout
@@ -213,9 +215,9 @@ def test_a_bad_dataset_path_fails_the_watch_with_the_reason(stack: Stack, tmp_pa
     config = _fake_config(
         stack, "http://127.0.0.1:9", str(missing), str(tmp_path / "out"), training=_restart_marking(restarts)
     )
-    config_path = _write_config(stack, "ci-bad-dataset", config)
+    name = _write_config(stack, "ci-bad-dataset", config)
 
-    result = stack.run("expand/expand-manual", f"config_path={config_path}", "run_id=bad-dataset")
+    result = stack.run("expand/expand-manual", f"config={name}", "run_id=bad-dataset")
 
     assert result.returncode != 0
     assert "Flow run finished in state 'Failed'" in result.stdout
@@ -225,6 +227,52 @@ def test_a_bad_dataset_path_fails_the_watch_with_the_reason(stack: Stack, tmp_pa
     assert "Traceback" not in result.stdout + result.stderr, result.stdout[-6000:]
     assert str(missing) in result.stdout.replace("\n", ""), result.stdout[-6000:]
     assert not restarts.exists(), "training was restarted although preflight refused to halt it"
+
+
+def test_a_run_sending_what_only_the_box_decides_is_refused_before_anything_runs(
+    stack: Stack, tmp_path: Path
+) -> None:
+    restarts = tmp_path / "restarts.txt"
+    training = _restart_marking(restarts)
+    store = stack.clone / "runs" / "_demo" / "store"
+    secret = stack.clone / "runs" / "secret"
+    secret.mkdir(parents=True, exist_ok=True)
+    (secret / "config.json").write_text('{"planted": "TOPSECRET-3f9a"}')
+    # A run id that climbs out of the run's folder: the flow refuses it in one line before any key is built.
+    climbing = stack.start("expand/expand-manual", config="demo-worker", run_id="../../secret")
+    # A config field sent as a parameter of its own: the server takes it (the schema lists the parameters, it
+    # does not forbid others), and Prefect refuses it on the worker before it calls the flow.
+    extra = stack.start(
+        "expand/expand-manual", config="demo-worker", run_id="vector-restart", training=training
+    )
+    # The old payload, the whole config: refused by the server at create-flow-run (`config` is a name).
+    whole = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
+    whole["training"] = training
+    found = stack.prefect.api.get("/deployments/name/expand/expand-manual").json()
+    created = stack.prefect.api.post(
+        f"/deployments/{found['id']}/create_flow_run", json={"parameters": {"config": whole}}
+    )
+    assert created.status_code in {409, 422}, created.text
+    assert "'config'" in created.text, created.text
+
+    state, log = stack.finish(climbing)
+    assert state == "FAILED", log[-3000:]
+    # The run's state says why, in one line (what `prefect deployment run --watch` and the UI show).
+    message = stack.flow_run(climbing)["state"]["message"]
+    assert message == (
+        "Validation of flow parameters failed with error: ConfigError: Run parameters refused, nothing "
+        "started: run_id: use 1-80 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
+    ), message
+    assert "TOPSECRET" not in log and "stage=preflight" not in log, log[-3000:]
+
+    state, log = stack.finish(extra)
+    assert state in {"FAILED", "CRASHED"}, log[-3000:]
+    assert "but was provided with parameters ['config', 'run_id', 'training']" in log, log[-3000:]
+    assert "stage=preflight" not in log, "the flow started"
+
+    assert not (store / "runs" / "vector-restart").exists()
+    time.sleep(2)  # a restart would be detached: give it the time to show
+    assert not restarts.exists(), "the restart command ran"
 
 
 def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: Stack, tmp_path: Path) -> None:
@@ -237,8 +285,8 @@ def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: S
         # Hold every answer until a run has said it waits for the lock: whichever run generates first stays
         # mid-generation, so the two runs overlap however slowly the workers pick them up.
         server.answering.clear()
-        manual = stack.start("expand/expand-manual", config_path=paths[0], run_id="overlap-alpha")
-        nightly = stack.start("expand/expand-nightly", config_path=paths[1], run_id="overlap-beta")
+        manual = stack.start("expand/expand-manual", config=paths[0], run_id="overlap-alpha")
+        nightly = stack.start("expand/expand-nightly", config=paths[1], run_id="overlap-beta")
         waited = stack.wait_for_log("another run holds this host's GPUs", timeout_s=WATCH_TIMEOUT_S / 2)
         deadline = time.monotonic() + WATCH_TIMEOUT_S / 2
         while not server.chat_requests() and time.monotonic() < deadline:
@@ -297,12 +345,12 @@ def test_two_nightly_runs_take_disjoint_prompts_and_publish_v1_then_v2_on_the_ba
             tokenize={"dataset_name": "drafter-expansion", "base_version": str(base_dir / "v0001.json")},
             training=_restart_marking(tmp_path / "restarts.txt"),
         )
-        config_path = _write_config(stack, "ci-nightly", config)
+        name = _write_config(stack, "ci-nightly", config)
         for night in ("night-1", "night-2"):
             state, log = stack.finish(
                 stack.start(
                     "expand/expand-nightly",
-                    config_path=config_path,
+                    config=name,
                     run_id=night,
                     series="ci-nightly",
                     max_prompts=4,
@@ -357,9 +405,9 @@ def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None
     config["sampling"]["max_tokens"] = 2048  # keeps the server busy until the cancel arrives
     config["output"] = str(tmp_path / "out")
     config["training"] = _restart_marking(tmp_path / "restarts.txt")
-    config_path = _write_config(stack, "ci-cancel", config)
+    name = _write_config(stack, "ci-cancel", config)
 
-    flow_run_id = stack.start("expand/expand-manual", config_path=config_path, run_id="cancel-me")
+    flow_run_id = stack.start("expand/expand-manual", config=name, run_id="cancel-me")
     pidfile = stack.state_dir / "fleets" / flow_run_id / "servers.json"
     deadline = time.monotonic() + WATCH_TIMEOUT_S
     pids: list[int] = []

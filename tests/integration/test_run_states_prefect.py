@@ -157,6 +157,14 @@ def test_a_sigkill_on_a_real_prefect_server_then_the_printed_resume_finishes_exa
     )
 
 
+def _as_box_config(stack: Stack, box: Box, name: str) -> str:
+    """Put the box's config among the clone's configs/ (a run picks one by name); returns its name."""
+    path = stack.clone / "configs" / f"{name}.yaml"
+    path.write_text(box.config.read_text())
+    box.config = path
+    return name
+
+
 def _wait(predicate: Callable[[], bool], what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -168,10 +176,11 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
     make_box: Callable[..., Box], stack: Stack
 ) -> None:
     box = make_box()
+    name = _as_box_config(stack, box, "states-worker")
     first = stack.worker(box, "worker-1")
     second: subprocess.Popen[bytes] | None = None
     try:
-        killed = stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
+        killed = stack.deployment_run("expand/expand-manual", config=name, run_id="worker")
         _wait(lambda: len(box.server.chat_requests()) >= 3, "generating", RUN_TIMEOUT_S)
         run_processes = descendants(first.pid)
         # The worker and the flow run it runs. Prefect 3.9 starts a flow run's process in a session of its own:
@@ -190,7 +199,7 @@ def test_a_worker_killed_mid_run_lets_the_next_run_on_its_box_start_within_the_l
         mark = len(box.server.chat_requests())  # from here on, requests are the next run's
 
         second = stack.worker(box, "worker-2")
-        resumed = stack.deployment_run("expand/expand-manual", config_path=str(box.config), run_id="worker")
+        resumed = stack.deployment_run("expand/expand-manual", config=name, run_id="worker")
         _wait(
             lambda: len(box.server.chat_requests()) > mark, "sent a request again", WORKER_KILL_BUDGET_S + 60
         )
@@ -249,6 +258,7 @@ def test_a_signal_to_the_parent_of_a_multi_host_run_ends_the_host_part_under_its
     ]
     config["multi_host"] = {"poll_interval_s": 0.5, "ready_timeout_s": 180}
     box.config.write_text(yaml.safe_dump(config, sort_keys=False))
+    _as_box_config(stack, box, "states-hosts")  # the host part reads it from its checkout by name
     worker = stack.worker(box, "worker-host", queue=HOST_QUEUE)
     try:
         parent = box.run("hosts")
