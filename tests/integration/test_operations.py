@@ -10,8 +10,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * the server asks for its auth string (the whole module runs with it on): a request without it gets 401;
 * the UI served on a non-default port hands the browser the API URL it was given (``PREFECT_UI_API_URL``);
 * a run cannot choose the command, environment or folder the worker starts it with: the server refuses those job
-  variables (the pool's template from ``datagen deploy``), and a run that reaches a worker with them anyway is
-  refused by the flow, its log naming them.
+  variables (the pool's template from ``datagen deploy``, which also replaces an existing pool's template), and
+  a run that reaches a worker with them anyway is refused by the flow, its log naming them.
 
 Generation for the overlap and series checks goes to a small fake OpenAI server (the `external` engine), so
 the whole file stays within a few minutes on a 2-core machine. The first two checks are the README's CLI steps;
@@ -431,6 +431,35 @@ def test_the_ui_hands_the_browser_the_api_url_it_was_given_on_a_non_default_port
         timeout=10,
     )
     assert version.status_code == 200, version.text
+
+
+def test_deploy_gives_an_existing_pool_its_template_and_keeps_its_concurrency_limit(stack: Stack) -> None:
+    from prefect.workers.process import ProcessWorker
+
+    # A pool an older datagen deploy made (Prefect's default template), with a limit its operator set.
+    patched = stack.prefect.api.patch(
+        f"/work_pools/{POOL}",
+        json={"base_job_template": ProcessWorker.get_default_base_job_template(), "concurrency_limit": 7},
+    )
+    assert patched.status_code == 204, patched.text
+    try:
+        deployed = subprocess.run(
+            [sys.executable, "-m", "flows.cli_entry", "deploy", "--name", "expand-manual"],
+            cwd=stack.root,
+            env=stack.prefect.env(PYTHONPATH=str(stack.clone)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+
+        pool = stack.prefect.api.get(f"/work_pools/{POOL}").json()
+        assert pool["base_job_template"] == json.loads(
+            (stack.clone / "deployments" / "work-pool.json").read_text()
+        )
+        assert pool["concurrency_limit"] == 7
+    finally:
+        stack.prefect.api.patch(f"/work_pools/{POOL}", json={"concurrency_limit": None})
 
 
 def test_the_server_refuses_a_run_that_sends_the_command_environment_or_folder(
