@@ -228,6 +228,10 @@ class CodeVersionError(DatagenError, RuntimeError):
     """The worker's checkout is not the commit the deployment names (update the checkout, or redeploy)."""
 
 
+class JobVariablesError(DatagenError, PermissionError):
+    """A run sent job variables its work pool keeps for the box (the command, its environment, its folder)."""
+
+
 class SeriesConflictError(DatagenError, RuntimeError):
     """Two runs of one expansion series took the same prompts (they ran at once on different hosts)."""
 

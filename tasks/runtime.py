@@ -15,10 +15,12 @@ from prefect.context import FlowRunContext
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from prefect.logging.handlers import APILogHandler
 from prefect.runtime import deployment as runtime_deployment
+from prefect.runtime import flow_run as runtime_flow_run
 
 from datagen.app.codeversion import check_code_version
+from datagen.app.deploy import pool_template, refused_job_variables
 from datagen.app.terminal import REFUSALS, RUN_FAILED_LOG_PREFIX
-from datagen.errors import DatagenError, TrainingEnvironmentChangedError
+from datagen.errors import DatagenError, JobVariablesError, TrainingEnvironmentChangedError
 from datagen.host.gpu_lock import (
     GpuLockHolder,
     HostGpuLock,
@@ -245,7 +247,9 @@ def explain_failure() -> Iterator[None]:
 
 
 def verify_code_version(flow_file: str) -> str | None:
-    """Refuse to run other code than the deployment names (see :mod:`datagen.app.codeversion`).
+    """Refuse to run other code than the deployment names, or a run started otherwise than the pool says.
+
+    The code check: :mod:`datagen.app.codeversion`. The start check: :func:`verify_job_variables`.
 
     Args:
         flow_file: ``__file__`` of the flow module: its checkout is the code this process runs.
@@ -253,8 +257,32 @@ def verify_code_version(flow_file: str) -> str | None:
     Returns:
         The checkout's version.
     """
+    checkout = Path(flow_file).resolve().parents[1]
+    verify_job_variables(checkout)
     version = runtime_deployment.version
-    actual = check_code_version(version, Path(flow_file).resolve().parents[1])
+    actual = check_code_version(version, checkout)
     if version:
         get_run_logger().info("code version deployed=%s checkout=%s", version, actual)
     return actual
+
+
+def verify_job_variables(checkout: Path) -> None:
+    """Refuse a run that sent job variables the checkout's work-pool template keeps for the box.
+
+    The server refuses them for a pool ``datagen deploy`` wrote (see :mod:`datagen.app.deploy`); a run that
+    carries them anyway met a pool with another template or an API call that skips that check, and may have
+    started with an environment of its caller's choosing: it stops here, before anything is halted or started.
+
+    Raises:
+        JobVariablesError: Names the variables and how to fix the pool.
+    """
+    sent = runtime_flow_run.job_variables
+    if not sent:
+        return
+    refused = refused_job_variables(sent, pool_template(checkout))
+    if refused:
+        raise JobVariablesError(
+            f"job variables {', '.join(refused)} are not a run's to set: the work pool's job template fixes "
+            "the command, environment and folder of every run. Start the run without them; if the pool let "
+            "them through, run `datagen deploy` to give it the template in deployments/work-pool.json."
+        )

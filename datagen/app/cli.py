@@ -464,8 +464,10 @@ def deploy(
     """Create or update the Prefect deployments from this checkout, versioned by its git commit.
 
     Calls `prefect deploy` on deployments/prefect.yaml from the checkout's root (any working folder
-    works) against the configured PREFECT_API_URL, creating the work pool when missing. Workers then run
-    the flow from their own checkout and refuse to run another commit than the one deployed.
+    works) against the configured PREFECT_API_URL (with PREFECT_API_AUTH_STRING when the server asks for
+    it), creating or updating the work pool with deployments/work-pool.json as its job template: the
+    command and environment of a run are the pool's, not the run's. Workers then run the flow from their own
+    checkout and refuse to run another commit than the one deployed.
     """
     from datagen.app.deploy import deploy as deploy_checkout
     from datagen.errors import ConfigError

@@ -2,16 +2,25 @@
 
 It runs from the checkout's root whatever the caller's folder, so the entrypoints resolve; it names the
 checkout's commit as the deployments' version (checked by the flow on the worker: see
-:mod:`datagen.app.codeversion`); and it creates the process work pool the deployments name when missing.
+:mod:`datagen.app.codeversion`); and it creates or updates the process work pool the deployments name with
+the checkout's ``deployments/work-pool.json`` as its base job template.
+
+That template is the box's, not the run's: the command the worker starts, its environment and its working
+folder are fixed in ``job_configuration`` and left out of the per-run ``variables`` schema, which allows no
+other keys. So the server refuses (HTTP 422) a run that sends job variable ``command``, ``env`` or
+``working_dir``, and the flow refuses one that reached a worker some other way (:func:`refused_job_variables`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -19,6 +28,8 @@ from datagen.app.codeversion import checkout_root, code_version
 from datagen.errors import ConfigError
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
+# The work pool's base job template: what the worker runs and with which environment (the operator's).
+POOL_TEMPLATE = Path("deployments") / "work-pool.json"
 PREFECT_TIMEOUT_S = 600.0
 
 
@@ -71,12 +82,19 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
         )
     chosen = [(name, pool) for name, pool in known if not names or name in names]
     output: list[str] = []
+    template = str(root / POOL_TEMPLATE)
     for pool in sorted({pool for _, pool in chosen if pool}):
-        if _prefect(["work-pool", "inspect", pool], root).returncode != 0:
-            created = _prefect(["work-pool", "create", pool, "--type", "process"], root)
-            output.append(created.stdout + created.stderr)
-            if created.returncode != 0:
-                return created.returncode, "".join(output)
+        # `update` changes the template alone (a paused pool stays paused, its concurrency limit stays);
+        # `create --overwrite` would reset them.
+        if _prefect(["work-pool", "inspect", pool], root).returncode == 0:
+            written = _prefect(["work-pool", "update", pool, "--base-job-template", template], root)
+        else:
+            written = _prefect(
+                ["work-pool", "create", pool, "--type", "process", "--base-job-template", template], root
+            )
+        output.append(written.stdout + written.stderr)
+        if written.returncode != 0:
+            return written.returncode, "".join(output)
     version = code_version(root)
     with tempfile.TemporaryDirectory(prefix="datagen-deploy-") as folder:
         # One `prefect deploy` for all of them (each call costs seconds of Prefect imports). With several
@@ -99,3 +117,20 @@ def _with_version(prefect_file: Path, version: str, folder: Path) -> Path:
     copy = folder / prefect_file.name
     copy.write_text(yaml.safe_dump(data, sort_keys=False))
     return copy
+
+
+def pool_template(root: Path) -> dict[str, Any]:
+    """The base job template ``datagen deploy`` gives the checkout's work pool (``deployments/work-pool.json``)."""
+    template: dict[str, Any] = json.loads((root / POOL_TEMPLATE).read_text())
+    return template
+
+
+def refused_job_variables(job_variables: Mapping[str, Any] | None, template: Mapping[str, Any]) -> list[str]:
+    """The job variables a run sent that the pool's template does not offer it, sorted.
+
+    The server refuses these at create-flow-run for a pool ``datagen deploy`` wrote; a run still carrying them
+    reached the worker through a pool with another template (Prefect's default lets a run replace the command
+    the worker starts) or through an API call that skips the check, and must not go on.
+    """
+    offered = set((template.get("variables") or {}).get("properties") or {})
+    return sorted(set(job_variables or {}) - offered)

@@ -419,13 +419,13 @@ def _kill_a_lease_holder(stack: Stack, run_id: str) -> float:
         stdout=subprocess.PIPE,
         text=True,
     )
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     from tasks.hosts import parent_lease_lapsed
 
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
-        with temporary_settings({PREFECT_API_URL: stack.prefect.api_url}):
+        with temporary_settings(stack.prefect.client_settings()):
             assert not parent_lease_lapsed(run_id)
     finally:
         holder.kill()
@@ -437,12 +437,12 @@ def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving
     # A host part stops serving when parent_lease_lapsed() says so (flows/host.py). Prefect revokes expired
     # leases in `prefect server start` (its repossessor, every REPOSSESSOR_LOOP_S here), not in its ephemeral test
     # server.
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import temporary_settings
 
     from tasks.hosts import hold_parent_lease, parent_lease_lapsed
 
     ended = f"ended-parent-{os.getpid()}"
-    with temporary_settings({PREFECT_API_URL: stack.prefect.api_url}):
+    with temporary_settings(stack.prefect.client_settings()):
         # The lease (60 s, Prefect's minimum), the default repossessor period (15 s; this server's is shorter),
         # slack for a loaded machine.
         while not parent_lease_lapsed(KILLED_PARENT_RUN):

@@ -8,7 +8,12 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
-* a cancelled run stops its servers.
+* a cancelled run stops its servers;
+* the server asks for its auth string (the whole module runs with it on): a request without it gets 401;
+* the UI served on a non-default port hands the browser the API URL it was given (``PREFECT_UI_API_URL``);
+* a run cannot choose the command, environment or folder the worker starts it with: the server refuses those job
+  variables (the pool's template from ``datagen deploy``, which also replaces an existing pool's template), and
+  a run that reaches a worker with them anyway is refused by the flow, its log naming them.
 
 Generation for the overlap and series checks goes to a small fake OpenAI server (the `external` engine), so
 the whole file stays within a few minutes on a 2-core machine. The first two checks are the README's CLI steps;
@@ -31,13 +36,14 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from datagen.app.codeversion import code_version
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from tests.support.fault_server import FaultPlan, FaultServer
-from tests.support.prefect_stack import PrefectStack, copy_checkout
+from tests.support.prefect_stack import PrefectStack, basic_auth_header, copy_checkout, free_port
 from tests.support.workers import worker_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,7 +160,12 @@ def _write_prompts(path: Path, prefix: str, count: int) -> None:
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Iterator[Stack]:
     """A clone at an arbitrary path, deployed with `datagen deploy`, served by a real server and two workers."""
     root = tmp_path_factory.mktemp("operations")
-    prefect = PrefectStack(home=root / "prefect-home").launch()  # it starts while the clone is made
+    # A free port, not 4200, and the UI told where the API is by another name than the one it binds: what a
+    # browser on another machine needs (README, server step).
+    port = free_port()
+    prefect = PrefectStack(
+        home=root / "prefect-home", port=port, ui_api_url=f"http://localhost:{port}/api"
+    ).launch()  # it starts while the clone is made
     state_dir = root / "host-state"
     try:
         clone = copy_checkout(REPO, root / "any" / "path" / "datagen")
@@ -435,3 +446,121 @@ def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None
         time.sleep(0.5)
     assert not any(_live(pid) for pid in pids), f"servers still running after the cancel: {pids}"
     assert len(_wait_for_file(tmp_path / "restarts.txt").split()) == 1, "training was not restarted"
+
+
+def test_the_api_refuses_a_request_without_the_auth_string(stack: Stack) -> None:
+    url = stack.prefect.api_url
+    with httpx.Client(timeout=10) as anonymous:
+        assert anonymous.get(f"{url}/health").status_code == 200  # probes stay open
+        assert anonymous.post(f"{url}/deployments/filter", json={}).status_code == 401
+        wrong = basic_auth_header("datagen-test:wrong")
+        assert anonymous.post(f"{url}/deployments/filter", json={}, headers=wrong).status_code == 401
+    listed = stack.prefect.prefect(
+        "deployment", "ls", cwd=stack.root, timeout_s=120, PREFECT_API_AUTH_STRING="datagen-test:wrong"
+    )
+    assert listed.returncode != 0
+    assert "401" in listed.stdout + listed.stderr, listed.stdout[-3000:] + listed.stderr[-3000:]
+    # With it, the same request answers: `datagen deploy`, the workers and the runs of this module send it.
+    assert stack.prefect.api.post("/deployments/filter", json={}).status_code == 200
+
+
+def test_the_ui_hands_the_browser_the_api_url_it_was_given_on_a_non_default_port(stack: Stack) -> None:
+    assert stack.prefect.port != 4200
+    answer = httpx.get(f"{stack.prefect.ui_url}/ui-settings", timeout=10)  # the UI's first request, no auth
+
+    assert answer.status_code == 200, answer.text
+    settings = answer.json()
+    # Not Prefect's default http://127.0.0.1:4200/api, which a browser elsewhere cannot reach.
+    assert settings["api_url"] == f"http://localhost:{stack.prefect.port}/api"
+    assert settings["auth"] == "BASIC"  # the UI asks for the auth string
+    version = httpx.get(
+        f"{settings['api_url']}/admin/version",
+        headers=basic_auth_header(stack.prefect.auth_string),
+        timeout=10,
+    )
+    assert version.status_code == 200, version.text
+
+
+def test_deploy_gives_an_existing_pool_its_template_and_keeps_its_concurrency_limit(stack: Stack) -> None:
+    from prefect.workers.process import ProcessWorker
+
+    # A pool an older datagen deploy made (Prefect's default template), with a limit its operator set.
+    patched = stack.prefect.api.patch(
+        f"/work_pools/{POOL}",
+        json={"base_job_template": ProcessWorker.get_default_base_job_template(), "concurrency_limit": 7},
+    )
+    assert patched.status_code == 204, patched.text
+    try:
+        deployed = subprocess.run(
+            [sys.executable, "-m", "flows.cli_entry", "deploy", "--name", "expand-manual"],
+            cwd=stack.root,
+            env=stack.prefect.env(PYTHONPATH=str(stack.clone)),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+
+        pool = stack.prefect.api.get(f"/work_pools/{POOL}").json()
+        assert pool["base_job_template"] == json.loads(
+            (stack.clone / "deployments" / "work-pool.json").read_text()
+        )
+        assert pool["concurrency_limit"] == 7
+    finally:
+        stack.prefect.api.patch(f"/work_pools/{POOL}", json={"concurrency_limit": None})
+
+
+def test_the_server_refuses_a_run_that_sends_the_command_environment_or_folder(
+    stack: Stack, tmp_path: Path
+) -> None:
+    pwned = tmp_path / "pwned"
+    template = stack.prefect.api.get(f"/work_pools/{POOL}").json()["base_job_template"]
+    assert template == json.loads((stack.clone / "deployments" / "work-pool.json").read_text())
+    assert not {"command", "env", "working_dir"} & set(template["variables"]["properties"])
+    deployment = stack.prefect.api.get("/deployments/name/expand/expand-manual").json()
+
+    for job_variables in (
+        {"command": f"touch {pwned}"},
+        {"env": {"PYTHONPATH": str(tmp_path)}},
+        {"env.LD_PRELOAD": str(tmp_path / "evil.so")},
+        {"working_dir": str(tmp_path)},
+    ):
+        created = stack.prefect.api.post(
+            f"/deployments/{deployment['id']}/create_flow_run",
+            json={"parameters": {"config": "demo-worker"}, "job_variables": job_variables},
+        )
+        assert created.status_code == 422, created.text
+        assert next(iter(job_variables)) in created.json()["detail"], created.text
+    time.sleep(3)  # were a run created, a worker polling every second would have started it by now
+    assert not pwned.exists()
+
+
+def test_a_run_that_reaches_a_worker_with_those_job_variables_is_refused_by_the_flow(
+    stack: Stack, tmp_path: Path
+) -> None:
+    # POST /flow_runs/ does not check job variables against the pool (an API caller who may create flow runs,
+    # not only run deployments): the worker ignores the command (the template has none to fill) and the flow
+    # refuses to go on, naming what was sent.
+    pwned = tmp_path / "pwned"
+    deployment = stack.prefect.api.get("/deployments/name/expand/expand-manual").json()
+    created = stack.prefect.api.post(
+        "/flow_runs/",
+        json={
+            "flow_id": deployment["flow_id"],
+            "deployment_id": deployment["id"],
+            "work_pool_name": POOL,
+            "work_queue_name": "default",
+            "state": {"type": "SCHEDULED"},
+            "parameters": {"config": "demo-worker", "run_id": "job-variables"},
+            "job_variables": {"command": f"touch {pwned}", "env": {"DATAGEN_INJECTED": "1"}},
+        },
+    )
+    assert created.status_code == 201, created.text
+
+    state, log = stack.finish(created.json()["id"])
+
+    assert state == "FAILED", log[-6000:]
+    assert log.count("run failed:") == 1, log[-6000:]
+    assert "job variables command, env are not a run's to set" in log, log[-6000:]
+    assert not pwned.exists()
+    assert not (stack.clone / "runs" / "_demo" / "store" / "runs" / "job-variables").exists()

@@ -3,12 +3,17 @@
 Everything runs as separate processes in their own process groups (stopped with the group, never left
 behind: the kernel also SIGTERMs the server and the workers when the test process dies, say an interrupted run),
 with a private ``PREFECT_HOME`` so nothing touches the user's profile or database.
+
+The server runs with basic authentication on, as docs/security.md sets it up: every client the stack starts
+(CLI calls, workers, ``datagen deploy``, the flow runs, :attr:`PrefectStack.api`) sends the stack's auth string.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -56,6 +61,15 @@ OFFLINE_ENV = {
     "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true",
     "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
 }
+
+
+def basic_auth_header(auth_string: str) -> dict[str, str]:
+    """The ``Authorization`` header Prefect's client sends for ``PREFECT_API_AUTH_STRING``."""
+    return {"Authorization": "Basic " + base64.b64encode(auth_string.encode()).decode()}
+
+
+def _new_auth_string() -> str:
+    return f"datagen-test:{secrets.token_urlsafe(16)}"
 
 
 def free_port() -> int:
@@ -132,12 +146,16 @@ class RetryingClient(httpx.Client):
 class PrefectStack:
     """A Prefect server plus the workers started on it (see :meth:`start`).
 
-    ``server_env``: settings for the server process alone (its services' periods, say).
+    ``server_env``: settings for the server process alone (its services' periods, say). ``auth_string``: the
+    server's ``PREFECT_SERVER_API_AUTH_STRING``, sent by every client as ``PREFECT_API_AUTH_STRING``.
+    ``ui_api_url``: where the UI tells the browser the API is (``PREFECT_UI_API_URL``; :attr:`api_url` if None).
     """
 
     home: Path
     port: int = field(default_factory=free_port)
     server_env: dict[str, str] = field(default_factory=dict)
+    auth_string: str = field(default_factory=_new_auth_string)
+    ui_api_url: str | None = None
     server: subprocess.Popen[bytes] | None = None
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     logs: list[IO[bytes]] = field(default_factory=list)
@@ -160,8 +178,15 @@ class PrefectStack:
             **OFFLINE_ENV,
             "PREFECT_HOME": str(self.home),
             "PREFECT_API_URL": self.api_url,
+            "PREFECT_API_AUTH_STRING": self.auth_string,
             **extra,
         }
+
+    def client_settings(self) -> dict[Any, str]:
+        """Prefect settings for an in-process client of this server (``temporary_settings(...)``)."""
+        from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL
+
+        return {PREFECT_API_URL: self.api_url, PREFECT_API_AUTH_STRING: self.auth_string}
 
     def _log(self, name: str) -> IO[bytes]:
         handle = (self.home / f"{name}.log").open("ab")
@@ -177,7 +202,9 @@ class PrefectStack:
         (:class:`RetryingClient`), like the Prefect CLI these requests stand in for.
         """
         if self._api is None:
-            self._api = RetryingClient(base_url=self.api_url, timeout=10)
+            self._api = RetryingClient(
+                base_url=self.api_url, timeout=10, headers=basic_auth_header(self.auth_string)
+            )
         return self._api
 
     def start(self) -> PrefectStack:
@@ -193,7 +220,10 @@ class PrefectStack:
         seed_prefect_home(self.home)  # a migrated database: the server skips ~6 s of migrations
         env = self.env(**self.server_env)
         env.pop("PREFECT_API_URL")
-        env["PREFECT_UI_API_URL"] = self.api_url  # the UI's browser code calls the API here
+        env["PREFECT_SERVER_API_AUTH_STRING"] = self.auth_string
+        env["PREFECT_UI_API_URL"] = (
+            self.ui_api_url or self.api_url
+        )  # the UI's browser code calls the API here
         self.server = subprocess.Popen(
             [
                 *PREFECT,
