@@ -230,3 +230,14 @@ class HostsUnavailableError(DatagenError, RuntimeError):
 
 class GpuLockTimeoutError(DatagenError, TimeoutError):
     """Another run kept this host's GPUs for longer than the run was allowed to wait."""
+
+
+class GpuLockUnavailableError(DatagenError, PermissionError):
+    """The box's GPU lock file cannot be opened by this user: the run refuses before it halts anything."""
+
+
+class TooManyFailuresError(DatagenError, RuntimeError):
+    """More requests failed than ``generation.max_failed_share`` allows (or a whole dataset failed).
+
+    Nothing is published; every result stays stored, so the run resumes or retries its failures.
+    """

@@ -32,12 +32,14 @@ pytest_plugins = ["tests.support.fixtures"]
 if TEMPLATE_ENV not in os.environ:
     atexit.register(shutil.rmtree, session_folder(), ignore_errors=True)
 
-# Each worker (and a plain `pytest` run) gets its own host state (GPU lock file, halt records) and Prefect
-# home: runs on two workers never wait on one lock or share one SQLite database, and no test touches the
-# user's ~/.datagen or ~/.prefect. Tests that need a state of their own still set DATAGEN_STATE_DIR.
+# Each worker (and a plain `pytest` run) gets its own host state, its own "box" lock folder (GPU lock file,
+# halt records) and Prefect home: runs on two workers never wait on one lock or share one SQLite database,
+# and no test touches the user's ~/.datagen, the box's /run/lock/datagen or ~/.prefect. Tests that need a
+# state or a box of their own still set DATAGEN_STATE_DIR or DATAGEN_LOCK_DIR.
 _WORKER_ROOT = Path(tempfile.mkdtemp(prefix=f"datagen-tests-{WORKER_ID}-"))
 atexit.register(shutil.rmtree, _WORKER_ROOT, ignore_errors=True)
 os.environ["DATAGEN_STATE_DIR"] = str(_WORKER_ROOT / "state")
+os.environ["DATAGEN_LOCK_DIR"] = str(_WORKER_ROOT / "box-locks")
 os.environ["PREFECT_HOME"] = str(_WORKER_ROOT / "prefect-home")
 
 # datagen's own processes run under its collector settings (datagen.gc_tuning); so do the test processes, whose
