@@ -13,7 +13,9 @@ This module only orchestrates and decides the final state; every stage's work is
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import queue
+import threading
 import time
 from collections import deque
 from datetime import UTC
@@ -38,6 +40,7 @@ from datagen.errors import ShardsFailedError
 from datagen.gc_tuning import tune_garbage_collector
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.failures import check_failed_share
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
@@ -84,6 +87,9 @@ MAX_SHARD_TASKS = 224
 SCHEDULE_INTERVAL_S = 0.2
 # How often the flow refreshes the progress bar and the terminal progress line.
 PROGRESS_INTERVAL_S = 5.0
+# How long the end of generation waits for its last progress update to reach the API (it never waits longer:
+# with the API away, the run goes on to the merge and reports there).
+PROGRESS_CLOSE_TIMEOUT_S = 5.0
 
 
 def _generated_run_id() -> str:
@@ -212,6 +218,77 @@ def _max_shard_tasks(config: RunConfig) -> int:
     return config.generation.max_concurrent_shards or MAX_SHARD_TASKS
 
 
+class _ProgressPublisher:
+    """Publishes the progress artifact from a thread of its own: Prefect's API is never on the scheduler's path.
+
+    The scheduler only leaves the latest (progress, description) here. While the API is away, a call blocks
+    this thread for as long as Prefect's client retries (about a minute) and the updates made meanwhile are
+    dropped, only the latest kept: the first call that goes through once the API is back shows it. Runs in
+    a copy of the flow run's context (the client and the run logger need it).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: tuple[float, str] | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self.progress_id: UUID | None = None
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._publish_forever,), name="progress-artifact", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, progress: float, description: str) -> None:
+        """Leave the latest progress for the thread (never waits for the API)."""
+        with self._lock:
+            self._latest = (progress, description)
+            self._idle.clear()
+        self._wake.set()
+
+    def close(self, timeout_s: float) -> None:
+        """Publish what is left (waiting at most ``timeout_s``), then stop the thread."""
+        self._idle.wait(timeout_s)
+        self._stopping = True
+        self._wake.set()
+
+    def _publish_forever(self) -> None:
+        logger = get_run_logger()
+        away_since: float | None = None
+        while not self._stopping:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                latest, self._latest = self._latest, None
+            if latest is None:
+                self._idle.set()
+                continue
+            try:
+                if self.progress_id is None:
+                    self.progress_id = cast(
+                        UUID,
+                        create_progress_artifact(latest[0], key="generation-progress", description=latest[1]),
+                    )
+                else:
+                    update_progress_artifact(self.progress_id, latest[0], description=latest[1])
+            except Exception as error:  # progress is for humans: never worth failing a run over
+                if away_since is None:
+                    away_since = time.monotonic()
+                    logger.warning("progress update failed (generation goes on) error=%s", error)
+                continue
+            finally:
+                with self._lock:
+                    if self._latest is None:
+                        self._idle.set()
+            if away_since is not None:
+                logger.info(
+                    "progress updates reach the Prefect API again after %.0f s", time.monotonic() - away_since
+                )
+                away_since = None
+
+
 class _GenerationProgress:
     """The progress bar and the periodic progress line; a failed read or update never fails the run."""
 
@@ -219,14 +296,12 @@ class _GenerationProgress:
         self.dispatcher = dispatcher
         self.started = time.monotonic()
         self.last_report = 0.0
-        self.progress_id: UUID | None = None
-        try:
-            self.progress_id = cast(
-                UUID,
-                create_progress_artifact(0.0, key="generation-progress", description="Requests answered"),
-            )
-        except Exception as error:
-            get_run_logger().warning("progress artifact unavailable error=%s", error)
+        self.publisher = _ProgressPublisher()
+        self.publisher.publish(0.0, "Requests answered")
+
+    def close(self) -> None:
+        """Let the last update reach the API if it can, briefly (the run's end never waits on the API)."""
+        self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
 
     def report(
         self, answered: int, total: int, shards_done: int, shards_total: int, *, force: bool = False
@@ -239,17 +314,13 @@ class _GenerationProgress:
         percent = min(100.0, 100.0 * answered / total) if total else 0.0
         try:
             stats = self.dispatcher.stats()
-            if self.progress_id is not None:
-                update_progress_artifact(
-                    self.progress_id,
-                    100.0 if force else percent,
-                    description=_progress_description(
-                        answered, total, stats.failed, stats, now - self.started
-                    ),
-                )
         except Exception as error:  # progress is for humans: never worth failing a run over
-            logger.warning("progress update failed error=%s", error)
+            logger.warning("progress read failed error=%s", error)
             return
+        self.publisher.publish(
+            100.0 if force else percent,
+            _progress_description(answered, total, stats.failed, stats, now - self.started),
+        )
         logger.info(
             "progress %.1f%% answered=%d/%d in_flight=%d queued=%d backlog=%d shards_done=%d/%d tok/s=%.1f "
             "req/s=%.1f elapsed_s=%.0f",
@@ -354,6 +425,7 @@ def _generate_all(
         )
     answered = sum(s.completions + s.failures for s in summaries)
     progress.report(answered, total_requests, len(summaries), len(summaries), force=True)
+    progress.close()
     return prepared, summaries, errors
 
 
@@ -552,11 +624,12 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored. "
-            f"Run again with run_id={run.run_id} (datagen run --run-id {run.run_id}) to resume: "
-            "finished shards are not generated again.",
+            f"Run again with run_id={run.run_id} to resume: finished requests are not generated again.",
             run_id=run.run_id,
             failed_shards=len(errors),
         ) from errors[0]
+    # A run that mostly failed publishes nothing: a 0-row version would read as done (everything stays stored).
+    check_failed_share(store, shard_summaries, config.generation.max_failed_share)
     merge_config = config
     if series_entry is not None:
         # The series' last version is the base (fixed in series.json when the run opened).
