@@ -36,7 +36,7 @@ import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
-from datagen.errors import ShardsFailedError
+from datagen.errors import ShardsFailedError, UnfixableStorageError
 from datagen.gc_tuning import tune_garbage_collector
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
@@ -389,9 +389,18 @@ def _generate_all(
     # Finished shard futures arrive here (their done-callback runs on the worker thread). Not prefect's wait(
     # timeout=): its SIGALRM timeout, armed five times a second, escaped as a CancelledError under load.
     finished: queue.SimpleQueue[PrefectFuture[ShardSummary]] = queue.SimpleQueue()
-    while waiting_prepare or pending or running:
-        take_prepared(block=not pending and not running)
-        while pending and len(running) < max_tasks and backlog() < dispatcher.admission_limit:
+    # Set by a storage fault no retry cures (a full disk, no permission, the bucket gone): no new shard starts,
+    # since each would generate answers it cannot store; the running ones end and the run stops.
+    storage_fault: UnfixableStorageError | None = None
+    while (waiting_prepare or pending or running) and not (storage_fault and not running):
+        if storage_fault is None:
+            take_prepared(block=not pending and not running)
+        while (
+            storage_fault is None
+            and pending
+            and len(running) < max_tasks
+            and backlog() < dispatcher.admission_limit
+        ):
             shard = pending.popleft()
             future = generate_shard.submit(
                 config, run, shard, dispatcher, shard_progress, credentials=store.credentials
@@ -416,6 +425,14 @@ def _generate_all(
                     "shard failed dataset=%s shard=%05d error=%r", shard.dataset, shard.shard_index, error
                 )
                 errors.append(error)
+                if isinstance(error, UnfixableStorageError) and storage_fault is None:
+                    storage_fault = error
+                    logger.error(
+                        "no new shard starts: %s (shards running=%d not started=%d)",
+                        error,
+                        len(running),
+                        len(pending),
+                    )
         # Finished shards count all their requests (stored by any attempt); running ones what they have so far.
         answered = sum(s.completions + s.failures for s in summaries) + sum(
             shard_progress.done(run.run_id, shard.dataset, shard.shard_index) for shard in running.values()
@@ -621,6 +638,9 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                     # Recorded even when interrupted: the report's throughput counts every attempt's time.
                     generation_wall_s = time.monotonic() - generation_started
                     _record_generation_window(store, layout, attempt_id, generation_wall_s, servers, finished)
+    unfixable = [error for error in errors if isinstance(error, UnfixableStorageError)]
+    if unfixable:
+        raise unfixable[0]  # its own line names the fault and where; the terminal adds the resume command
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored. "

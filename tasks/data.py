@@ -68,12 +68,14 @@ class ShardProgress:
     """Requests answered so far per running shard (stored results included), read by the flow's scheduler.
 
     The flow's scheduler makes one and hands it to every shard task it starts. A shard appears here once its
-    requests are registered with the dispatcher (``done`` may still be 0).
+    requests are registered with the dispatcher (``done`` may still be 0). It also holds the results shard
+    attempts could not store (``held``), for the shard's next attempt (a task retry) to store first.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: dict[tuple[str, str, int], int] = {}
+        self.held = datagen.generation.shard.HeldResults()
 
     def update(self, run_id: str, dataset: str, shard_index: int, done: int) -> None:
         """Record that ``done`` requests of one shard have a result."""
@@ -194,6 +196,7 @@ def generate_shard(
         shard,
         dispatcher,
         progress=lambda done, total: progress.update(run.run_id, shard.dataset, shard.shard_index, done),
+        held=progress.held,
     )
     get_run_logger().info(
         "shard dataset=%s shard=%05d skipped=%s completions=%d failures=%d resent=%d output_tokens=%d",

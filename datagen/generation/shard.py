@@ -24,10 +24,18 @@ Parts are never deleted: they are write-once objects like everything else, small
 files, and they are what makes an interrupted shard resumable. Cleaning them up is left to retention
 policy on the bucket.
 
-``resent_requests`` in the summary counts the requests sent by this attempt when parts from an earlier
-attempt existed: the work redone after an interruption. It is an upper bound of the requests that were
-actually in flight at the crash, because the earlier attempt may not have started all of them; it is 0
-when no earlier attempt left a part.
+A storage fault costs nothing finished: a part flush that fails transiently keeps its results buffered and
+is tried again at the next checkpoint (the shard goes on generating); the last flush is tried for up to
+:data:`STORAGE_PATIENCE_S`. When the shard still ends with results unstored (the task is then retried, or
+the run stops), they are left in :class:`HeldResults`, owned by the flow for the whole run, and the next
+attempt of the shard in this process stores them first instead of generating them again. A fault retrying
+cannot fix (no space, no permission, the bucket gone) raises
+:class:`~datagen.errors.UnfixableStorageError` at once.
+
+``resent_requests`` in the summary counts the requests sent by this attempt when an earlier attempt of the
+shard existed (it left a part, or held results in this process): the work redone after an interruption.
+It is an upper bound of the requests that were actually in flight then, because the earlier attempt may
+not have started all of them; it is 0 for a shard's first attempt.
 """
 
 from __future__ import annotations
@@ -43,7 +51,14 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from datagen.config import RunConfig
-from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
+from datagen.errors import (
+    NoLiveServersError,
+    OutputExistsError,
+    StorageError,
+    TransientRequestError,
+    is_transient,
+    unfixable_storage_error,
+)
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.generate_api import attach_prompt_tokens, prompt_encoder
@@ -67,7 +82,51 @@ FLEET_FAILURE_TYPES = frozenset({"no_live_servers", "dispatcher_closed"})
 # Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
 SEED_MODULUS = 2**31
 
+# How long the shard's last flush keeps trying a storage that fails transiently (S3 refusing connections, 5xx)
+# before the shard gives up (its results stay held for the next attempt): an outage of minutes costs nothing.
+STORAGE_PATIENCE_S = 300.0
+STORAGE_RETRY_MAX_S = 10.0
+
 ProgressCallback = Callable[[int, int], None]
+
+
+class HeldResults:
+    """Results of shard attempts that ended before storing them, kept for the shard's next attempt.
+
+    The flow makes one per run and passes it to every shard attempt (a task retry included), so a storage
+    fault never throws away finished answers. Thread-safe; in memory only (a crash loses what is here, as
+    it loses what is in flight).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, int], tuple[list[CompletionRecord], list[FailureRecord]]] = {}
+        self._attempted: set[tuple[str, int]] = set()
+
+    def hold(
+        self, dataset: str, index: int, completions: list[CompletionRecord], failures: list[FailureRecord]
+    ) -> None:
+        """Keep unstored results of one shard (added to any already held)."""
+        with self._lock:
+            kept = self._held.setdefault((dataset, index), ([], []))
+            kept[0].extend(completions)
+            kept[1].extend(failures)
+
+    def take(self, dataset: str, index: int) -> tuple[list[CompletionRecord], list[FailureRecord], bool]:
+        """The results held for one shard (removed from here), and whether an earlier attempt of it ran.
+
+        Marks the shard as attempted, so the next attempt knows its sends are resends.
+        """
+        with self._lock:
+            completions, failures = self._held.pop((dataset, index), ([], []))
+            earlier = (dataset, index) in self._attempted
+            self._attempted.add((dataset, index))
+        return completions, failures, earlier
+
+    def count(self) -> int:
+        """Results held for all shards (for logs and tests)."""
+        with self._lock:
+            return sum(len(c) + len(f) for c, f in self._held.values())
 
 
 def generate_shard(
@@ -78,6 +137,7 @@ def generate_shard(
     dispatcher: Dispatcher,
     *,
     progress: ProgressCallback | None = None,
+    held: HeldResults | None = None,
 ) -> ShardSummary:
     """Generate every completion of one prompt shard and land it in storage, resuming where it stopped.
 
@@ -89,6 +149,8 @@ def generate_shard(
         dispatcher: The running, shared dispatcher.
         progress: Called as ``progress(done, total)`` once the requests are handed to the dispatcher and
             after each result (``done`` includes requests finished by an earlier attempt).
+        held: Results earlier attempts of shards could not store (stored first here); this attempt leaves
+            its own there when it ends without storing them.
 
     Returns:
         The shard summary, also written as the shard's done marker.
@@ -96,6 +158,8 @@ def generate_shard(
     Raises:
         StorageError: A final file from an earlier attempt disagrees with the checkpoint parts, or the
             parts do not cover every request after generation.
+        UnfixableStorageError: A write failed for a reason retrying cannot fix (no space, permission,
+            no such bucket); the results not stored are held.
         NoLiveServersError: Some requests found no live server; the rest is checkpointed, rerun later.
         TransientRequestError: The dispatcher closed before every request finished; rerun the shard.
 
@@ -110,11 +174,17 @@ def generate_shard(
         )
         return summary.model_copy(update={"skipped": True})
 
-    requests = build_requests(store, config, shard)
-    earlier = read_parts(store, layout, dataset, index)
-    finished = earlier.keys()
+    held = held if held is not None else HeldResults()
+    kept_completions, kept_failures, attempted_before = held.take(dataset, index)
+    try:
+        requests = build_requests(store, config, shard)
+        earlier = read_parts(store, layout, dataset, index)
+    except BaseException:
+        held.hold(dataset, index, kept_completions, kept_failures)
+        raise
+    finished = earlier.keys() | {r.key for r in kept_completions} | {r.key for r in kept_failures}
     to_send = [request for request in requests if request.key not in finished]
-    resent = len(to_send) if earlier.part_count else 0
+    resent = len(to_send) if earlier.part_count or attempted_before else 0
     logger.info(
         "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",
         dataset,
@@ -127,11 +197,23 @@ def generate_shard(
     writer = _PartWriter(
         store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part
     )
+    if kept_completions or kept_failures:
+        logger.info(
+            "storing results an earlier attempt could not dataset=%s shard=%d results=%d",
+            dataset,
+            index,
+            len(kept_completions) + len(kept_failures),
+        )
     if dispatcher.exact_tokens:
         # Rendered here, in the shard task's thread, not on the dispatcher's loop; a prompt the template
         # cannot render fails without being sent.
         to_send, unrenderable = attach_prompt_tokens(to_send, prompt_encoder(config.model.tokenizer))
-        writer.flush([], unrenderable)
+        kept_failures.extend(unrenderable)
+    try:
+        writer.flush_patiently(kept_completions, kept_failures)
+    except BaseException:
+        held.hold(dataset, index, kept_completions, kept_failures)
+        raise
     _run_requests(
         dispatcher,
         to_send,
@@ -141,6 +223,7 @@ def generate_shard(
         already_done=len(requests) - len(to_send),
         total=len(requests),
         progress=progress,
+        held=held,
     )
     summary = _assemble(store, layout, shard, requests, resent=resent, started=started, known=writer.written)
     logger.info(
@@ -286,12 +369,52 @@ class _PartWriter:
     written: dict[str, list[CompletionRecord] | list[FailureRecord]] = field(default_factory=dict)
 
     def flush(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
-        if completions:
-            self.next_completions = self._write(
-                self.layout.completions_part, self.next_completions, completions
+        """Store both lists as parts, emptying each once it is stored (what raises stays in its list).
+
+        Raises:
+            UnfixableStorageError: The write failed for a reason retrying cannot fix.
+        """
+        try:
+            if completions:
+                self.next_completions = self._write(
+                    self.layout.completions_part, self.next_completions, list(completions)
+                )
+                completions.clear()
+            if failures:
+                self.next_failures = self._write(
+                    self.layout.failures_part, self.next_failures, list(failures)
+                )
+                failures.clear()
+        except Exception as error:
+            unfixable = unfixable_storage_error(
+                error, self.store.url(self.layout.shard_parts_prefix(self.dataset, self.index))
             )
-        if failures:
-            self.next_failures = self._write(self.layout.failures_part, self.next_failures, failures)
+            if unfixable is not None:
+                raise unfixable from error
+            raise
+
+    def flush_patiently(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
+        """:meth:`flush`, trying again for up to :data:`STORAGE_PATIENCE_S` while storage fails transiently."""
+        deadline = time.monotonic() + STORAGE_PATIENCE_S
+        delay = 0.5
+        while True:
+            try:
+                self.flush(completions, failures)
+                return
+            except Exception as error:
+                if not is_transient(error) or time.monotonic() + delay > deadline:
+                    raise
+                logger.warning(
+                    "storage write failed, results kept and tried again dataset=%s shard=%d results=%d "
+                    "retry_in_s=%.1f error=%s",
+                    self.dataset,
+                    self.index,
+                    len(completions) + len(failures),
+                    delay,
+                    error,
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, STORAGE_RETRY_MAX_S)
 
     def _write(self, key_of: Callable[[str, int, int], str], part: int, records: list[Any]) -> int:
         while True:
@@ -348,8 +471,13 @@ def _run_requests(
     already_done: int,
     total: int,
     progress: ProgressCallback | None,
+    held: HeldResults,
 ) -> None:
-    """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them."""
+    """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them.
+
+    A checkpoint that fails transiently keeps its results and is tried again one interval later (the shard
+    goes on collecting); results still unstored when this ends with an error are left in ``held``.
+    """
     inbox = _Inbox(len(requests), every)
     completions: list[CompletionRecord] = []
     failures: list[FailureRecord] = []
@@ -386,12 +514,26 @@ def _run_requests(
             if not buffered:
                 oldest = None
             elif buffered >= every or time.monotonic() - (oldest or 0.0) >= interval_s:
-                writer.flush(completions, failures)
-                completions, failures, oldest = [], [], None
-        writer.flush(completions, failures)
+                try:
+                    writer.flush(completions, failures)
+                    oldest = None
+                except Exception as error:
+                    if not is_transient(error):
+                        raise
+                    # Kept in the buffers; the next try comes one interval later.
+                    logger.warning(
+                        "checkpoint failed, results kept dataset=%s shard=%d buffered=%d error=%s",
+                        writer.dataset,
+                        writer.index,
+                        buffered,
+                        error,
+                    )
+                    oldest = time.monotonic()
+        writer.flush_patiently(completions, failures)
     except BaseException:
         # Free the fleet's slots for other shards: this shard's requests not yet in flight are dropped.
         stream.cancel()
+        held.hold(writer.dataset, writer.index, completions, failures)
         raise
     _raise_if_unserved(unserved, writer)
 
