@@ -41,10 +41,10 @@ def load_expand_flow() -> ExpandFlow:
             early.stop()
         raise
 
-    def run_expand(config: RunConfig) -> RunSummary:
+    def run_expand(config: RunConfig, retry_failed: bool = False) -> RunSummary:
         with prefect_api(log_dir, early=early):
             # `config` is the flow's advanced parameter (config_path, run_id... come first): by name.
-            return expand(config=config)
+            return expand(config=config, retry_failed=retry_failed)
 
     return run_expand
 

@@ -36,11 +36,12 @@ import datagen.engines
 from datagen.app.request import RunOverrides, resolve_run_config
 from datagen.config import RunConfig
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
-from datagen.errors import ShardsFailedError, UnfixableStorageError
+from datagen.errors import ConfigError, ShardsFailedError, UnfixableStorageError
 from datagen.gc_tuning import tune_garbage_collector
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.failures import check_failed_share
+from datagen.generation.failures import check_failed_share, retryable_failures
+from datagen.generation.shard import latest_shard_summary
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
@@ -209,6 +210,13 @@ def _progress_description(
     )
 
 
+def _stored_summary(store: Store, layout: RunLayout, shard: PromptShardRef) -> ShardSummary:
+    """The latest summary of a shard known to be done (its highest retry round)."""
+    summary = latest_shard_summary(store, layout, shard.dataset, shard.shard_index)
+    assert summary is not None, f"shard {shard.dataset}/{shard.shard_index} has no done marker"
+    return summary
+
+
 def _all_shards_done(store: Store, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
     return all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for p in prepared for s in p.shards)
 
@@ -344,6 +352,7 @@ def _generate_all(
     prepared_futures: list[PrefectFuture[PreparedDataset]],
     dispatcher: Dispatcher,
     store: Store,
+    retry_failed: bool = False,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
     """Run one task per shard, started as datasets are prepared, so the dispatcher's backlog never runs dry.
 
@@ -403,7 +412,13 @@ def _generate_all(
         ):
             shard = pending.popleft()
             future = generate_shard.submit(
-                config, run, shard, dispatcher, shard_progress, credentials=store.credentials
+                config,
+                run,
+                shard,
+                dispatcher,
+                shard_progress,
+                credentials=store.credentials,
+                retry_failed=retry_failed,
             )
             running[future] = shard
             future.add_done_callback(finished.put)
@@ -453,6 +468,7 @@ def _generate_on_hosts(
     attempt_id: str,
     flow_run_id: str,
     store: Store,
+    retry_failed: bool = False,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
     """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
     outcome = HostsOutcome()
@@ -465,7 +481,7 @@ def _generate_on_hosts(
         nonlocal wall_s, finished
         started = time.monotonic()
         try:
-            result = _generate_all(config, run, prepared_futures, dispatcher, store)
+            result = _generate_all(config, run, prepared_futures, dispatcher, store, retry_failed)
             finished = True
             return result
         finally:
@@ -509,6 +525,7 @@ def expand(
     output: str | None = None,
     series: str | None = None,
     config: RunConfig | None = None,
+    retry_failed: bool = False,
 ) -> RunSummary:
     """Expand the drafter's training data with completions of the target model.
 
@@ -522,6 +539,8 @@ def expand(
         output: Output root (a directory or s3://bucket/prefix) replacing the config's.
         series: Expansion series: take prompts no earlier run of the series took, publish the next version.
         config: The whole run configuration (advanced; wins over config_path).
+        retry_failed: With the run_id of a run that ended Failed: send again its failed requests whose
+            reason was not the prompt's own (server errors, resets, timeouts, a wrong server or model).
 
     Returns:
         Where the run landed and its headline counts.
@@ -544,10 +563,12 @@ def expand(
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
-            return _run(resolved, flow_run_id, gpu_lock)
+            return _run(resolved, flow_run_id, gpu_lock, retry_failed)
 
 
-def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
+def _run(
+    config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack, retry_failed: bool = False
+) -> RunSummary:
     """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on."""
     logger = get_run_logger()
     # The Prefect block's S3 credentials (None: the AWS chain), passed to every store and S3-reading task.
@@ -563,6 +584,11 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
     layout = run.layout
     store = open_store(config, credentials)
     if read_manifest(store, layout) is not None:
+        if retry_failed:
+            raise ConfigError(
+                f"run {run.run_id} is complete and its dataset version is published: its failures cannot be "
+                "retried into it (a published version never changes). Start a new run for those prompts."
+            )
         logger.info("run run_id=%s is already complete: nothing to do", run.run_id)
         report = RunReport.model_validate(store.read_json(layout.report_json))
         return _summary_from_report(report, store, layout, complete=True)
@@ -590,14 +616,19 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         taken = [future.result() for future in prepared_futures]
         write_ledger(config, run, series_entry, taken, credentials=credentials)
 
-    if run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures]):
-        logger.info("every shard is already generated: training is not halted, no server is started")
+    done = run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures])
+    if done:
         prepared = [future.result() for future in prepared_futures]
-        shard_summaries = [
-            ShardSummary.model_validate(store.read_json(layout.shard_done(s.dataset, s.shard_index)))
-            for p in prepared
-            for s in p.shards
+        latest = [
+            latest_shard_summary(store, layout, s.dataset, s.shard_index) for p in prepared for s in p.shards
         ]
+        shard_summaries = [summary for summary in latest if summary is not None]
+        if retry_failed:
+            retryable = retryable_failures(store, shard_summaries)
+            logger.info("failures to send again: %d", retryable)
+            done = not retryable
+    if done:
+        logger.info("every shard is already generated: training is not halted, no server is started")
         servers, generation_wall_s = 0, 0.0
         errors: list[BaseException] = []
     elif config.hosts:
@@ -605,7 +636,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
         # GPU lock and halts nothing itself, it only sends the requests.
         logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
-            config, run, prepared_futures, attempt_id, flow_run_id, store
+            config, run, prepared_futures, attempt_id, flow_run_id, store, retry_failed
         )
     else:
         logger.info("stage=gpu-lock")
@@ -631,7 +662,7 @@ def _run(config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack) ->
                 finished = False
                 try:
                     prepared, shard_summaries, errors = _generate_all(
-                        config, run, prepared_futures, dispatcher, store
+                        config, run, prepared_futures, dispatcher, store, retry_failed
                     )
                     finished = True
                 finally:

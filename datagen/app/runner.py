@@ -16,8 +16,8 @@ import typer
 from datagen.config import RunConfig
 from datagen.dataset.report import RunSummary
 
-ExpandFlow = Callable[[RunConfig], RunSummary]
-"""The `expand` flow as the runner calls it: a run config in, the run's summary out."""
+ExpandFlow = Callable[[RunConfig, bool], RunSummary]
+"""The `expand` flow as the runner calls it: a run config and ``retry_failed`` in, the run's summary out."""
 
 FlowLoader = Callable[[], ExpandFlow]
 """Imports the flow and returns it; called only once a run is asked for."""
@@ -33,7 +33,9 @@ PREFECT_ENV_DEFAULTS = {
 }
 
 
-def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], RunSummary]:
+def prepare_flow_run(
+    load_flow: FlowLoader, config: RunConfig, retry_failed: bool = False
+) -> Callable[[], RunSummary]:
     """Import the `expand` flow (Prefect with it, which configures its logging) and return its run.
 
     Split from :func:`run_flow` so the terminal can set up its log file once Prefect's logging exists
@@ -43,6 +45,7 @@ def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], R
         load_flow: Imports and returns the flow; called after Prefect's environment defaults are set,
             since Prefect reads some of them when it is imported.
         config: The validated run config.
+        retry_failed: Send the run's retryable failures again (the flow's ``retry_failed``).
 
     Returns:
         Runs the flow in this process (Prefect's configured API, or the temporary one the loader owns)
@@ -52,7 +55,7 @@ def prepare_flow_run(load_flow: FlowLoader, config: RunConfig) -> Callable[[], R
     for name, value in PREFECT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     flow = load_flow()
-    return lambda: flow(config)
+    return lambda: flow(config, retry_failed)
 
 
 def run_flow(load_flow: FlowLoader, config: RunConfig) -> RunSummary:

@@ -1,9 +1,11 @@
-"""A run that produced nothing never says "done": a fleet answering 400 to every request ends the run Failed.
+"""A run that produced nothing never says "done", and its failures can be retried on purpose.
 
 Real `datagen run` processes (the CLI's own Prefect API server) against a fault-injecting OpenAI-compatible
-server: every request is answered HTTP 400 (as a foreign server pinned to another model answers). The run
-exits 1 with one line naming the dominant failure and its count, publishes no dataset version, and keeps
-every result stored: running it again finds every shard generated and refuses the same way.
+server: every request is answered HTTP 400 "Server is pinned to '<another model>'", as another run's server
+answers. The run exits 1 with one line naming the dominant failure and its count, publishes no dataset
+version, and keeps every result stored. Then, against a good server, ``--retry-failed`` sends each failed
+request once more, and every request ends with exactly one outcome that the stored files, the report and the
+tokenized dataset agree on.
 """
 
 from __future__ import annotations
@@ -68,10 +70,10 @@ def _run(config: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProce
     )
 
 
-def test_a_fleet_answering_400_to_everything_ends_the_run_failed_without_a_dataset_version(
+def test_a_fleet_answering_400_to_everything_ends_failed_without_a_version_and_retry_failed_answers_all(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    with FaultServer(FaultPlan(rates={"400": 1.0})) as server:
+    with FaultServer(FaultPlan(pinned_to="someone-elses-model")) as server:
         config = _config(tmp_path, server.url, tiny_model_dir)
         failed = _run(config, tmp_path)
         assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
@@ -88,9 +90,26 @@ def test_a_fleet_answering_400_to_everything_ends_the_run_failed_without_a_datas
         ]
         assert len(stored) == PROMPTS, "every failure is stored"
 
-        # Resumed as it is, nothing is regenerated and the run still refuses to say done.
         sent = len(server.chat_requests())
-        again = _run(config, tmp_path)
-        assert again.returncode == 1, again.stderr[-3000:]
-        assert "http_400 x12" in again.stderr.strip().splitlines()[-1]
-        assert len(server.chat_requests()) == sent
+
+        # The fleet is fixed: --retry-failed sends every failure once more, and the run completes.
+        server.plan.pinned_to = None
+        retried = _run(config, tmp_path, "--retry-failed")
+        assert retried.returncode == 0, retried.stdout[-3000:] + retried.stderr[-3000:]
+        resent = [request.body["messages"][-1]["content"] for request in server.chat_requests()[sent:]]
+        assert len(resent) == len(set(resent)) == PROMPTS, "each failure sent again exactly once"
+
+    answered = [
+        json.loads(line)
+        for file in sorted((run_root / "completions").rglob("*.jsonl"))
+        for line in file.read_text().splitlines()
+    ]
+    keys = [f"{row['prompt_id']}/{row['sample_index']}" for row in answered]
+    assert len(keys) == len(set(keys)) == PROMPTS, "every request answered exactly once over all rounds"
+    latest_failures = sorted((run_root / "failures").rglob("*.retry-0001.jsonl"))
+    assert latest_failures and all(not file.read_text().strip() for file in latest_failures)
+    report = json.loads((run_root / "report.json").read_text())
+    assert (report["totals"]["completions"], report["totals"]["failures"]) == (PROMPTS, 0)
+    assert report["totals"]["tokenized_rows"] == PROMPTS
+    (version,) = (tmp_path / "out" / "datasets").rglob("v0001.json")
+    assert json.loads(version.read_text())["rows"] == PROMPTS
