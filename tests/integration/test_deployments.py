@@ -59,6 +59,7 @@ def test_entrypoint_loads_the_expand_flow_with_a_config_path_overrides_and_the_w
         "output",
         "series",
         "config",
+        "retry_failed",
     ]
 
 
