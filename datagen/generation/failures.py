@@ -100,10 +100,18 @@ def check_failed_share(store: Store, summaries: Sequence[ShardSummary], max_fail
         else f"{failures} of {requests} requests failed ({share:.1%} > generation.max_failed_share "
         f"{max_failed_share:.1%})"
     )
+    again = retryable_failures(store, summaries)
+    fix = (
+        "Fix the servers or the model they serve, then run again with the same run id and retry_failed "
+        f"(`datagen run ... --retry-failed`) to send the {again} failed requests worth sending again"
+        if again
+        else "None of them is worth sending again (their reasons are the prompts' own): read the failures "
+        "files of the run and fix the prompts or the sampling in a new run"
+    )
     raise TooManyFailuresError(
-        f"{why}; most: {error_type} x{count}" + (f" ({example})" if example else "") + ". No dataset version "
-        "was published; every result is stored. Fix the servers or the model they serve, then run again with "
-        "the same run id and retry_failed (`datagen run ... --retry-failed`) to send the failed requests again",
+        f"{why}; most: {error_type} x{count}"
+        + (f" ({example})" if example else "")
+        + f". No dataset version was published; every result is stored. {fix}",
         failures=failures,
         requests=requests,
         error_type=error_type,
