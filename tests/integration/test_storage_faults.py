@@ -9,6 +9,7 @@ again: only the requests in flight when the attempt ended are sent twice, and ``
 
 from __future__ import annotations
 
+import errno
 import threading
 import time
 import uuid
@@ -19,7 +20,7 @@ import pytest
 
 import datagen.generation.shard
 from datagen.config import DatasetConfig, GenerationConfig, ModelConfig, RunConfig
-from datagen.errors import TransientStorageError
+from datagen.errors import StorageError, TransientStorageError, unfixable_storage_error
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.shard import HeldResults, generate_shard
 from datagen.output.layout import RunLayout
@@ -159,3 +160,15 @@ def test_results_an_attempt_could_not_store_are_stored_by_the_next_not_generated
     assert summary.resent_requests == resent
     assert held.count() == 0
     assert summary.completions == PROMPTS and len(set(_stored_keys(store))) == PROMPTS
+
+
+def test_a_bucket_that_is_gone_is_a_fault_no_retry_cures_named_with_its_bucket(proxy: S3FaultProxy) -> None:
+    gone = Store(f"s3://gone-{uuid.uuid4().hex[:12]}/out", credentials=CREDENTIALS)
+    with pytest.raises(StorageError) as failed:
+        gone.write_bytes(LAYOUT.completions_part(DATASET, 0, 0), b"{}\n")
+    where = gone.url(LAYOUT.shard_parts_prefix(DATASET, 0))
+    unfixable = unfixable_storage_error(failed.value, where)
+    assert unfixable is not None and not unfixable.transient
+    assert "NoSuchBucket" in str(unfixable) and where in str(unfixable)
+    assert unfixable_storage_error(OSError(errno.ENOSPC, "No space left on device"), "/data/out") is not None
+    assert unfixable_storage_error(TransientStorageError("503 after retries"), "s3://b/x") is None
