@@ -619,10 +619,7 @@ def _run(
     done = run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures])
     if done:
         prepared = [future.result() for future in prepared_futures]
-        latest = [
-            latest_shard_summary(store, layout, s.dataset, s.shard_index) for p in prepared for s in p.shards
-        ]
-        shard_summaries = [summary for summary in latest if summary is not None]
+        shard_summaries = [_stored_summary(store, layout, s) for p in prepared for s in p.shards]
         if retry_failed:
             retryable = retryable_failures(store, shard_summaries)
             logger.info("failures to send again: %d", retryable)
