@@ -49,6 +49,7 @@ T = TypeVar("T")
 _FILE_ONLY = logging.getLogger("datagen_terminal")
 _FILE_ONLY.propagate = False
 _FILE_ONLY.setLevel(logging.DEBUG)
+_FILE_ONLY.addHandler(logging.NullHandler())  # before the log file exists: nothing, not Python's last resort
 
 
 def exit_code_for_signal(signum: int) -> int:
