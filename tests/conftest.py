@@ -143,6 +143,9 @@ HEAVIEST_FIRST = [
     "tests/integration/test_gpu_lock_crash.py",
     "tests/integration/test_run_states.py",
     "tests/integration/test_failure_behaviour.py",
+    "tests/integration/test_api_outage.py",
+    "tests/integration/test_honest_end.py",
+    "tests/integration/test_full_disk.py",
     "tests/integration/test_fleet.py",
     # Before test_generate (one unit, TOGETHER): test_generate's kill test is then the pool's last user, and the
     # pool does not start the killed server again (~7 CPU-s) for test_tune's live sweep.
