@@ -8,6 +8,7 @@ message of a fatal error always says what to do next.
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -78,6 +79,13 @@ class StorageError(DatagenError, OSError):
 
 class TransientStorageError(TransientError, OSError):
     """A storage operation failed for a reason a retry may fix (5xx, reset, concurrent create)."""
+
+
+class UnfixableStorageError(StorageError):
+    """A write that retrying cannot fix (no space, no permission, the bucket gone): the run stops new work.
+
+    Attributes (in ``context``): ``where``, the path or bucket; ``cause``, the error's name (errno or S3 code).
+    """
 
 
 class StorageUnreachableError(DatagenError, ConnectionError):
@@ -221,6 +229,44 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, ConnectionError | TimeoutError)
 
 
+# Local errors and S3 codes of a storage fault that no retry cures: the operator must act (free space, fix the
+# permissions or credentials, create the bucket).
+UNFIXABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS})
+UNFIXABLE_S3_CODES = frozenset({"NoSuchBucket", "AccessDenied", "InvalidAccessKeyId", "AllAccessDisabled"})
+
+
+def unfixable_storage_error(error: BaseException, where: str) -> UnfixableStorageError | None:
+    """``error`` as an :class:`UnfixableStorageError` when retrying cannot fix it, else None.
+
+    Args:
+        error: What a storage write raised.
+        where: The path or bucket written to, for the message.
+    """
+    if isinstance(error, UnfixableStorageError):
+        return error
+    cause = ""
+    if isinstance(error, StorageError) and error.context.get("code") in UNFIXABLE_S3_CODES:
+        cause = str(error.context["code"])
+    elif (
+        not isinstance(error, DatagenError) and isinstance(error, OSError) and error.errno in UNFIXABLE_ERRNOS
+    ):
+        cause = f"{errno.errorcode.get(error.errno or 0, error.errno)} ({error.strerror})"
+    if not cause:
+        return None
+    fix = {
+        "NoSuchBucket": "create the bucket or fix `output`",
+        "AccessDenied": "give the run's credentials write access to it",
+        "InvalidAccessKeyId": "fix the S3 credentials",
+        "AllAccessDisabled": "re-enable access to the bucket",
+    }.get(cause, "free space or fix the permissions there")
+    return UnfixableStorageError(
+        f"storage write failed and retrying cannot fix it: {cause} at {where}; {fix}, then resume "
+        "(everything stored is kept, no new shard was started)",
+        where=where,
+        cause=cause,
+    )
+
+
 # --- operations: deployments, series, the GPU lock -----------------------------------------------
 
 
@@ -242,3 +288,14 @@ class HostsUnavailableError(DatagenError, RuntimeError):
 
 class GpuLockTimeoutError(DatagenError, TimeoutError):
     """Another run kept this host's GPUs for longer than the run was allowed to wait."""
+
+
+class GpuLockUnavailableError(DatagenError, PermissionError):
+    """The box's GPU lock file cannot be opened by this user: the run refuses before it halts anything."""
+
+
+class TooManyFailuresError(DatagenError, RuntimeError):
+    """More requests failed than ``generation.max_failed_share`` allows (or a whole dataset failed).
+
+    Nothing is published; every result stays stored, so the run resumes or retries its failures.
+    """

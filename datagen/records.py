@@ -263,6 +263,19 @@ class ShardSummary(GenerationCounts):
     completions_path: str
     failures_path: str
     skipped: bool = Field(default=False, description="True when the shard was already complete in storage.")
+    retry_round: int = Field(
+        default=0, ge=0, description="The retry round this summary closes (0: the shard's first generation)."
+    )
+    retried_completions_paths: list[str] = Field(
+        default_factory=list,
+        description="Answers of the shard's retry rounds, beside completions_path (each request once in all); "
+        "failures_path then holds every failure still standing.",
+    )
+
+    @property
+    def all_completions_paths(self) -> list[str]:
+        """Every file holding the shard's answers, first generation first."""
+        return [self.completions_path, *self.retried_completions_paths]
 
 
 def request_key(prompt_id: str, sample_index: int) -> str:

@@ -18,7 +18,14 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="DATAGEN_", env_nested_delimiter="__", extra="ignore")
 
     state_dir: str = Field(
-        default="~/.datagen", description="Host-local state: server pidfiles, server logs, locks."
+        default="~/.datagen", description="Per-user host state: server pidfiles and server logs."
+    )
+    lock_dir: str = Field(
+        default="/run/lock/datagen",
+        description="The box's GPU lock and training-halt record, shared by every user, container and worker "
+        "of the box whatever their state_dir (created world-writable when missing, so any user's run can take "
+        "the lock; an operator may create it instead, owned by a group every datagen user is in, mode 2775). "
+        "Override only for tests or when /run/lock is not shared (a container: bind-mount the host's folder).",
     )
     s3_endpoint_url: str | None = Field(
         default=None, description="Endpoint of an S3-compatible store (MinIO, moto, R2); AWS when unset."
@@ -38,8 +45,8 @@ class Settings(BaseSettings):
     gpu_lock: str | None = Field(
         default=None,
         description="Name of this host's GPU lock, a file lock every run on the host's GPUs holds "
-        "(`<state_dir>/locks/<name>.lock`; one run at a time, whatever the deployment); "
-        "`datagen-gpus-<hostname>` when unset. Runs that share GPUs must share the name and the state dir.",
+        "(`<lock_dir>/<name>.lock`; one run at a time, whatever the deployment or user); "
+        "`datagen-gpus-<hostname>` when unset. Runs that share GPUs must share the name and the lock dir.",
     )
     gpu_lock_timeout_s: float = Field(
         default=24 * 3600.0,

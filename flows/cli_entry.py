@@ -39,10 +39,10 @@ def load_expand_flow() -> ExpandFlow:
             early.stop()
         raise
 
-    def run_expand(config: RunConfig, config_name: str | None) -> RunSummary:
+    def run_expand(config: RunConfig, config_name: str | None, retry_failed: bool = False) -> RunSummary:
         with prefect_api(log_dir, early=early):
             # Whoever runs the CLI on the box is its operator: the whole config, any field.
-            return run_with_config(config, config_name)
+            return run_with_config(config, config_name, retry_failed)
 
     return run_expand
 

@@ -13,8 +13,10 @@ This module only orchestrates and decides the final state; every stage's work is
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import queue
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -44,9 +46,16 @@ from datagen.app.request import (
 )
 from datagen.config import RunConfig, is_valid_slug
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
-from datagen.errors import ConfigError, ShardsFailedError, TrainingEnvironmentChangedError
+from datagen.errors import (
+    ConfigError,
+    ShardsFailedError,
+    TrainingEnvironmentChangedError,
+    UnfixableStorageError,
+)
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.failures import check_failed_share, retryable_failures
+from datagen.generation.shard import latest_shard_summary
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
@@ -94,6 +103,9 @@ MAX_SHARD_TASKS = 224
 SCHEDULE_INTERVAL_S = 0.2
 # How often the flow refreshes the progress bar and the terminal progress line.
 PROGRESS_INTERVAL_S = 5.0
+# How long the end of generation waits for its last progress update to reach the API (it never waits longer:
+# with the API away, the run goes on to the merge and reports there).
+PROGRESS_CLOSE_TIMEOUT_S = 5.0
 
 
 def _generated_run_id() -> str:
@@ -210,6 +222,13 @@ def _progress_description(
     )
 
 
+def _stored_summary(store: Store, layout: RunLayout, shard: PromptShardRef) -> ShardSummary:
+    """The latest summary of a shard known to be done (its highest retry round)."""
+    summary = latest_shard_summary(store, layout, shard.dataset, shard.shard_index)
+    assert summary is not None, f"shard {shard.dataset}/{shard.shard_index} has no done marker"
+    return summary
+
+
 def _all_shards_done(store: Store, layout: RunLayout, prepared: list[PreparedDataset]) -> bool:
     return all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for p in prepared for s in p.shards)
 
@@ -219,6 +238,77 @@ def _max_shard_tasks(config: RunConfig) -> int:
     return config.generation.max_concurrent_shards or MAX_SHARD_TASKS
 
 
+class _ProgressPublisher:
+    """Publishes the progress artifact from a thread of its own: Prefect's API is never on the scheduler's path.
+
+    The scheduler only leaves the latest (progress, description) here. While the API is away, a call blocks
+    this thread for as long as Prefect's client retries (about a minute) and the updates made meanwhile are
+    dropped, only the latest kept: the first call that goes through once the API is back shows it. Runs in
+    a copy of the flow run's context (the client and the run logger need it).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._latest: tuple[float, str] | None = None
+        self._wake = threading.Event()
+        self._stopping = False
+        self._idle = threading.Event()
+        self._idle.set()
+        self.progress_id: UUID | None = None
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._publish_forever,), name="progress-artifact", daemon=True
+        )
+        self._thread.start()
+
+    def publish(self, progress: float, description: str) -> None:
+        """Leave the latest progress for the thread (never waits for the API)."""
+        with self._lock:
+            self._latest = (progress, description)
+            self._idle.clear()
+        self._wake.set()
+
+    def close(self, timeout_s: float) -> None:
+        """Publish what is left (waiting at most ``timeout_s``), then stop the thread."""
+        self._idle.wait(timeout_s)
+        self._stopping = True
+        self._wake.set()
+
+    def _publish_forever(self) -> None:
+        logger = get_run_logger()
+        away_since: float | None = None
+        while not self._stopping:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                latest, self._latest = self._latest, None
+            if latest is None:
+                self._idle.set()
+                continue
+            try:
+                if self.progress_id is None:
+                    self.progress_id = cast(
+                        UUID,
+                        create_progress_artifact(latest[0], key="generation-progress", description=latest[1]),
+                    )
+                else:
+                    update_progress_artifact(self.progress_id, latest[0], description=latest[1])
+            except Exception as error:  # progress is for humans: never worth failing a run over
+                if away_since is None:
+                    away_since = time.monotonic()
+                    logger.warning("progress update failed (generation goes on) error=%s", error)
+                continue
+            finally:
+                with self._lock:
+                    if self._latest is None:
+                        self._idle.set()
+            if away_since is not None:
+                logger.info(
+                    "progress updates reach the Prefect API again after %.0f s", time.monotonic() - away_since
+                )
+                away_since = None
+
+
 class _GenerationProgress:
     """The progress bar and the periodic progress line; a failed read or update never fails the run."""
 
@@ -226,14 +316,12 @@ class _GenerationProgress:
         self.dispatcher = dispatcher
         self.started = time.monotonic()
         self.last_report = 0.0
-        self.progress_id: UUID | None = None
-        try:
-            self.progress_id = cast(
-                UUID,
-                create_progress_artifact(0.0, key="generation-progress", description="Requests answered"),
-            )
-        except Exception as error:
-            get_run_logger().warning("progress artifact unavailable error=%s", error)
+        self.publisher = _ProgressPublisher()
+        self.publisher.publish(0.0, "Requests answered")
+
+    def close(self) -> None:
+        """Let the last update reach the API if it can, briefly (the run's end never waits on the API)."""
+        self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
 
     def report(
         self, answered: int, total: int, shards_done: int, shards_total: int, *, force: bool = False
@@ -246,17 +334,13 @@ class _GenerationProgress:
         percent = min(100.0, 100.0 * answered / total) if total else 0.0
         try:
             stats = self.dispatcher.stats()
-            if self.progress_id is not None:
-                update_progress_artifact(
-                    self.progress_id,
-                    100.0 if force else percent,
-                    description=_progress_description(
-                        answered, total, stats.failed, stats, now - self.started
-                    ),
-                )
         except Exception as error:  # progress is for humans: never worth failing a run over
-            logger.warning("progress update failed error=%s", error)
+            logger.warning("progress read failed error=%s", error)
             return
+        self.publisher.publish(
+            100.0 if force else percent,
+            _progress_description(answered, total, stats.failed, stats, now - self.started),
+        )
         logger.info(
             "progress %.1f%% answered=%d/%d in_flight=%d queued=%d backlog=%d shards_done=%d/%d tok/s=%.1f "
             "req/s=%.1f elapsed_s=%.0f",
@@ -280,6 +364,7 @@ def _generate_all(
     prepared_futures: list[PrefectFuture[PreparedDataset]],
     dispatcher: Dispatcher,
     store: Store,
+    retry_failed: bool = False,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
     """Run one task per shard, started as datasets are prepared, so the dispatcher's backlog never runs dry.
 
@@ -325,12 +410,27 @@ def _generate_all(
     # Finished shard futures arrive here (their done-callback runs on the worker thread). Not prefect's wait(
     # timeout=): its SIGALRM timeout, armed five times a second, escaped as a CancelledError under load.
     finished: queue.SimpleQueue[PrefectFuture[ShardSummary]] = queue.SimpleQueue()
-    while waiting_prepare or pending or running:
-        take_prepared(block=not pending and not running)
-        while pending and len(running) < max_tasks and backlog() < dispatcher.admission_limit:
+    # Set by a storage fault no retry cures (a full disk, no permission, the bucket gone): no new shard starts,
+    # since each would generate answers it cannot store; the running ones end and the run stops.
+    storage_fault: UnfixableStorageError | None = None
+    while (waiting_prepare or pending or running) and not (storage_fault and not running):
+        if storage_fault is None:
+            take_prepared(block=not pending and not running)
+        while (
+            storage_fault is None
+            and pending
+            and len(running) < max_tasks
+            and backlog() < dispatcher.admission_limit
+        ):
             shard = pending.popleft()
             future = generate_shard.submit(
-                config, run, shard, dispatcher, shard_progress, credentials=store.credentials
+                config,
+                run,
+                shard,
+                dispatcher,
+                shard_progress,
+                credentials=store.credentials,
+                retry_failed=retry_failed,
             )
             running[future] = shard
             future.add_done_callback(finished.put)
@@ -352,6 +452,14 @@ def _generate_all(
                     "shard failed dataset=%s shard=%05d error=%r", shard.dataset, shard.shard_index, error
                 )
                 errors.append(error)
+                if isinstance(error, UnfixableStorageError) and storage_fault is None:
+                    storage_fault = error
+                    logger.error(
+                        "no new shard starts: %s (shards running=%d not started=%d)",
+                        error,
+                        len(running),
+                        len(pending),
+                    )
         # Finished shards count all their requests (stored by any attempt); running ones what they have so far.
         answered = sum(s.completions + s.failures for s in summaries) + sum(
             shard_progress.done(run.run_id, shard.dataset, shard.shard_index) for shard in running.values()
@@ -361,6 +469,7 @@ def _generate_all(
         )
     answered = sum(s.completions + s.failures for s in summaries)
     progress.report(answered, total_requests, len(summaries), len(summaries), force=True)
+    progress.close()
     return prepared, summaries, errors
 
 
@@ -372,6 +481,7 @@ def _generate_on_hosts(
     flow_run_id: str,
     store: Store,
     hosts_request: HostRequest | None,
+    retry_failed: bool = False,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
     """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
     outcome = HostsOutcome()
@@ -384,7 +494,7 @@ def _generate_on_hosts(
         nonlocal wall_s, finished
         started = time.monotonic()
         try:
-            result = _generate_all(config, run, prepared_futures, dispatcher, store)
+            result = _generate_all(config, run, prepared_futures, dispatcher, store, retry_failed)
             finished = True
             return result
         finally:
@@ -454,6 +564,7 @@ def _expand(
     output: str | None = None,
     sampling: SamplingChoice | None = None,
     datasets: list[str] | None = None,
+    retry_failed: bool = False,
 ) -> RunSummary:
     """Expand the drafter's training data with completions of the target model.
 
@@ -469,6 +580,8 @@ def _expand(
             `output_roots`.
         sampling: Sampling defaults to change (a dataset's own sampling in the config still wins).
         datasets: Run only these of the config's datasets (by name); all when unset.
+        retry_failed: With the run_id of a run that ended Failed: send again its failed requests whose
+            reason was not the prompt's own (server errors, resets, timeouts, a wrong server or model).
 
     Returns:
         Where the run landed and its headline counts.
@@ -492,7 +605,9 @@ def _expand(
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
-            return _run(resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved))
+            return _run(
+                resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), request.retry_failed
+            )
 
 
 def _check_parameters(parameters: dict[str, Any]) -> None:
@@ -502,12 +617,15 @@ def _check_parameters(parameters: dict[str, Any]) -> None:
 expand = CheckedFlow(fn=_expand, check=_check_parameters, **_FLOW_OPTIONS)
 
 
-def _expand_config(config: RunConfig, config_name: str | None = None) -> RunSummary:
+def _expand_config(
+    config: RunConfig, config_name: str | None = None, retry_failed: bool = False
+) -> RunSummary:
     """The flow with a whole config, any field: for the box's operator (``datagen run --config``) only.
 
     Args:
         config: The run's whole configuration, as the operator wrote it.
         config_name: Its name when it is one of the checkout's configs (a multi-host run's hosts read it).
+        retry_failed: Send the run's retryable failures again.
 
     Returns:
         Where the run landed and its headline counts.
@@ -521,7 +639,7 @@ def _expand_config(config: RunConfig, config_name: str | None = None) -> RunSumm
         if config_name is not None:
             hosts = HostRequest(config=config_name, run_id=resolved.run_id, output=resolved.output)
         with contextlib.ExitStack() as gpu_lock:
-            return _run(resolved, flow_run_id, gpu_lock, hosts)
+            return _run(resolved, flow_run_id, gpu_lock, hosts, retry_failed)
 
 
 @functools.cache
@@ -534,13 +652,19 @@ def operator_flow() -> Flow[..., RunSummary]:
     return Flow(fn=_expand_config, **_FLOW_OPTIONS)
 
 
-def run_with_config(config: RunConfig, config_name: str | None = None) -> RunSummary:
+def run_with_config(
+    config: RunConfig, config_name: str | None = None, retry_failed: bool = False
+) -> RunSummary:
     """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box)."""
-    return operator_flow()(config=config, config_name=config_name)
+    return operator_flow()(config=config, config_name=config_name, retry_failed=retry_failed)
 
 
 def _run(
-    config: RunConfig, flow_run_id: str, gpu_lock: contextlib.ExitStack, hosts_request: HostRequest | None
+    config: RunConfig,
+    flow_run_id: str,
+    gpu_lock: contextlib.ExitStack,
+    hosts_request: HostRequest | None,
+    retry_failed: bool = False,
 ) -> RunSummary:
     """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on.
 
@@ -566,6 +690,11 @@ def _run(
     layout = run.layout
     store = open_store(config, credentials)
     if read_manifest(store, layout) is not None:
+        if retry_failed:
+            raise ConfigError(
+                f"run {run.run_id} is complete and its dataset version is published: its failures cannot be "
+                "retried into it (a published version never changes). Start a new run for those prompts."
+            )
         logger.info("run run_id=%s is already complete: nothing to do", run.run_id)
         report = RunReport.model_validate(store.read_json(layout.report_json))
         return _summary_from_report(report, store, layout, complete=True)
@@ -594,14 +723,16 @@ def _run(
         write_ledger(config, run, series_entry, taken, credentials=credentials)
 
     held_back: list[TrainingEnvironmentChangedError] = []
-    if run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures]):
-        logger.info("every shard is already generated: training is not halted, no server is started")
+    done = run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures])
+    if done:
         prepared = [future.result() for future in prepared_futures]
-        shard_summaries = [
-            ShardSummary.model_validate(store.read_json(layout.shard_done(s.dataset, s.shard_index)))
-            for p in prepared
-            for s in p.shards
-        ]
+        shard_summaries = [_stored_summary(store, layout, s) for p in prepared for s in p.shards]
+        if retry_failed:
+            retryable = retryable_failures(store, shard_summaries)
+            logger.info("failures to send again: %d", retryable)
+            done = not retryable
+    if done:
+        logger.info("every shard is already generated: training is not halted, no server is started")
         servers, generation_wall_s = 0, 0.0
         errors: list[BaseException] = []
     elif config.hosts:
@@ -609,7 +740,7 @@ def _run(
         # GPU lock and halts nothing itself, it only sends the requests.
         logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
-            config, run, prepared_futures, attempt_id, flow_run_id, store, hosts_request
+            config, run, prepared_futures, attempt_id, flow_run_id, store, hosts_request, retry_failed
         )
     else:
         logger.info("stage=gpu-lock")
@@ -636,7 +767,7 @@ def _run(
                 finished = False
                 try:
                     prepared, shard_summaries, errors = _generate_all(
-                        config, run, prepared_futures, dispatcher, store
+                        config, run, prepared_futures, dispatcher, store, retry_failed
                     )
                     finished = True
                 finally:
@@ -644,14 +775,18 @@ def _run(
                     generation_wall_s = time.monotonic() - generation_started
                     _record_generation_window(store, layout, attempt_id, generation_wall_s, servers, finished)
         held_back = serving.held_back
+    unfixable = [error for error in errors if isinstance(error, UnfixableStorageError)]
+    if unfixable:
+        raise unfixable[0]  # its own line names the fault and where; the terminal adds the resume command
     if errors:
         raise ShardsFailedError(
             f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored. "
-            f"Run again with run_id={run.run_id} (datagen run --run-id {run.run_id}) to resume: "
-            "finished shards are not generated again.",
+            f"Run again with run_id={run.run_id} to resume: finished requests are not generated again.",
             run_id=run.run_id,
             failed_shards=len(errors),
         ) from errors[0]
+    # A run that mostly failed publishes nothing: a 0-row version would read as done (everything stays stored).
+    check_failed_share(store, shard_summaries, config.generation.max_failed_share)
     merge_config = config
     if series_entry is not None:
         # The series' last version is the base (fixed in series.json when the run opened).

@@ -68,12 +68,14 @@ class ShardProgress:
     """Requests answered so far per running shard (stored results included), read by the flow's scheduler.
 
     The flow's scheduler makes one and hands it to every shard task it starts. A shard appears here once its
-    requests are registered with the dispatcher (``done`` may still be 0).
+    requests are registered with the dispatcher (``done`` may still be 0). It also holds the results shard
+    attempts could not store (``held``), for the shard's next attempt (a task retry) to store first.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._done: dict[tuple[str, str, int], int] = {}
+        self.held = datagen.generation.shard.HeldResults()
 
     def update(self, run_id: str, dataset: str, shard_index: int, done: int) -> None:
         """Record that ``done`` requests of one shard have a result."""
@@ -99,8 +101,10 @@ def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> s
 def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     run: RunHandle = parameters["run"]
     shard: PromptShardRef = parameters["shard"]
+    # A retry of failures runs again in every flow run that asks for one (storage says what is left to do).
+    retry = [str(context.task_run.flow_run_id)] if parameters.get("retry_failed") else []
     return stage_cache_key(
-        "generate", run.run_id, run.incarnation, run.config_hash, shard.dataset, shard.shard_index
+        "generate", run.run_id, run.incarnation, run.config_hash, shard.dataset, shard.shard_index, *retry
     )
 
 
@@ -182,10 +186,12 @@ def generate_shard(
     progress: ShardProgress,
     *,
     credentials: S3Credentials | None = None,
+    retry_failed: bool = False,
 ) -> ShardSummary:
     """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once.
 
-    Its answered count goes to ``progress``, the scheduler's view of the running shards.
+    Its answered count goes to ``progress``, the scheduler's view of the running shards. With
+    ``retry_failed``, a done shard's retryable failures are sent again (a new retry round).
     """
     summary = datagen.generation.shard.generate_shard(
         datagen.output.runs.open_store(config, credentials),
@@ -194,6 +200,8 @@ def generate_shard(
         shard,
         dispatcher,
         progress=lambda done, total: progress.update(run.run_id, shard.dataset, shard.shard_index, done),
+        held=progress.held,
+        retry_failed=retry_failed,
     )
     get_run_logger().info(
         "shard dataset=%s shard=%05d skipped=%s completions=%d failures=%d resent=%d output_tokens=%d",

@@ -110,7 +110,7 @@ def hold_host_gpus(run_id: str | None) -> Iterator[HostGpus]:
     """
     settings = get_settings()
     name = gpu_lock_name()
-    path = lock_path(settings.state_dir, name)
+    path = lock_path(settings.lock_dir, name)
     logger = get_run_logger()
 
     def say_waiting(holder: GpuLockHolder | None) -> None:
@@ -138,7 +138,7 @@ def hand_back_if_gpus_free() -> RestartRecord | None:
     kernel freed the dead run's lock, so the hook takes it (never waiting) while it restarts training. A run
     that took the GPUs meanwhile has adopted the halt and hands training back itself.
     """
-    path = lock_path(get_settings().state_dir, gpu_lock_name())
+    path = lock_path(get_settings().lock_dir, gpu_lock_name())
     lock = HostGpuLock(path)
     if not lock.try_acquire(current_holder(None, _flow_run_id())):
         return None

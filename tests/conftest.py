@@ -28,12 +28,14 @@ pytest_plugins = ["tests.support.fixtures"]
 if TEMPLATE_ENV not in os.environ:
     atexit.register(shutil.rmtree, session_folder(), ignore_errors=True)
 
-# Each worker (and a plain `pytest` run) gets its own host state (GPU lock file, halt records) and Prefect
-# home: runs on two workers never wait on one lock or share one SQLite database, and no test touches the
-# user's ~/.datagen or ~/.prefect. Tests that need a state of their own still set DATAGEN_STATE_DIR.
+# Each worker (and a plain `pytest` run) gets its own host state, its own "box" lock folder (GPU lock file,
+# halt records) and Prefect home: runs on two workers never wait on one lock or share one SQLite database,
+# and no test touches the user's ~/.datagen, the box's /run/lock/datagen or ~/.prefect. Tests that need a
+# state or a box of their own still set DATAGEN_STATE_DIR or DATAGEN_LOCK_DIR.
 _WORKER_ROOT = Path(tempfile.mkdtemp(prefix=f"datagen-tests-{WORKER_ID}-"))
 atexit.register(shutil.rmtree, _WORKER_ROOT, ignore_errors=True)
 os.environ["DATAGEN_STATE_DIR"] = str(_WORKER_ROOT / "state")
+os.environ["DATAGEN_LOCK_DIR"] = str(_WORKER_ROOT / "box-locks")
 os.environ["PREFECT_HOME"] = str(_WORKER_ROOT / "prefect-home")
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -114,6 +116,9 @@ HEAVIEST_FIRST = [
     "tests/integration/test_gpu_lock_crash.py",
     "tests/integration/test_run_states.py",
     "tests/integration/test_failure_behaviour.py",
+    "tests/integration/test_api_outage.py",
+    "tests/integration/test_honest_end.py",
+    "tests/integration/test_full_disk.py",
     "tests/integration/test_fleet.py",
     # Before test_generate (one unit, TOGETHER): test_generate's kill test is then the pool's last user, and the
     # pool does not start the killed server again (~7 CPU-s) for test_tune's live sweep.

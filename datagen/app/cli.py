@@ -59,6 +59,14 @@ def run(
     output: Annotated[
         str | None, typer.Option(help="Output root: a directory or s3://bucket/prefix.")
     ] = None,
+    retry_failed: Annotated[
+        bool,
+        typer.Option(
+            "--retry-failed",
+            help="With --run-id of a run that ended: send again its failed requests whose reason was not the "
+            "prompt's own (server errors, resets, timeouts, a wrong model or server).",
+        ),
+    ] = False,
 ) -> None:
     """Run the whole expansion flow (the same flow the Prefect deployments run).
 
@@ -104,8 +112,10 @@ def run(
         resume += f" --output {output}"
     # A config of the checkout's configs/ is passed with its name: a multi-host run's hosts resolve it by it.
     name = box_config_name(config, default_checkout())
+    if retry_failed:
+        resume += " --retry-failed"
     code, summary = run_in_terminal(
-        lambda: prepare_flow_run(load_flow, loaded, name),
+        lambda: prepare_flow_run(load_flow, loaded, name, retry_failed),
         run_id=loaded.run_id,
         resume_command=resume,
         log_path=run_log_path(get_settings().state_dir, loaded.run_id),
@@ -479,6 +489,44 @@ def deploy(
     typer.echo(output)
     if code != 0:
         _fail(f"prefect deploy failed (exit {code}); its output is above.", EXIT_RUN_FAILED)
+
+
+@app.command()
+def wait(
+    flow_run_id: Annotated[
+        str, typer.Argument(help="The flow run (its id, as the UI and `prefect` print it).")
+    ],
+    timeout_s: Annotated[
+        float | None, typer.Option(help="Give up after this many seconds (exit 1; the run goes on).")
+    ] = None,
+    api_url: Annotated[str | None, typer.Option(help="Prefect's API; PREFECT_API_URL when unset.")] = None,
+    poll_s: Annotated[float, typer.Option(help="Seconds between two reads of the run's state.")] = 5.0,
+) -> None:
+    """Wait for a flow run to end; exit 0 only when it Completed (for CI, instead of `--watch`).
+
+    A Prefect API that stops answering for a while is waited out, so only the run's own end decides.
+    Exit codes: 0 Completed; 1 Failed, Crashed, Cancelled or the timeout passed; 2 no such run or no API.
+    """
+    import os
+
+    from datagen.app.wait import wait_for_flow_run
+    from datagen.errors import ConfigError
+
+    url = api_url or os.environ.get("PREFECT_API_URL")
+    if not url:
+        _fail("no Prefect API to ask: set PREFECT_API_URL or pass --api-url", EXIT_CONFIG_ERROR)
+    assert url is not None
+    try:
+        end = wait_for_flow_run(url, flow_run_id, timeout_s=timeout_s, poll_s=poll_s, say=typer.echo)
+    except ConfigError as error:
+        _fail(f"datagen: {error}", EXIT_CONFIG_ERROR)
+    if end is None:
+        _fail(f"flow run {flow_run_id} had not ended after {timeout_s:.0f} s (it goes on)", EXIT_RUN_FAILED)
+    assert end is not None
+    message = f": {end.message}" if end.message else ""
+    if not end.completed:
+        _fail(f"flow run {end.name or flow_run_id} ended {end.state_name}{message}", EXIT_RUN_FAILED)
+    typer.echo(f"flow run {end.name or flow_run_id} ended {end.state_name}")
 
 
 @app.command("gpu-lock")

@@ -462,6 +462,15 @@ def _check_external_servers(config: RunConfig, store: Store) -> str:
     return f"{len(config.fleet.external_urls)} external server(s) answering"
 
 
+def _check_gpu_lock(config: RunConfig, store: Store) -> str:
+    # The lock is taken right before training is halted; a user who cannot open it must hear so now.
+    from datagen.host.gpu_lock import host_lock_path, open_lock_file
+
+    path = host_lock_path()
+    os.close(open_lock_file(path))
+    return f"the box's GPU lock {path} opens"
+
+
 def _check_base_version(config: RunConfig, store: Store) -> str:
     if not config.tokenize.base_version:
         return "none (a first dataset version)"
@@ -485,16 +494,25 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("external servers", _check_external_servers, False),
     ("base dataset version", _check_base_version, True),
     ("training job", _check_training, True),
+    ("gpu lock", _check_gpu_lock, False),
 ]
 
 
 # Checks of the box that generates. In a multi-host run each host part runs them on its own box (with its
 # fleet and training job); the parent, which serves nothing and halts nothing, skips the serving-only ones.
 HOST_CHECKS: frozenset[str] = frozenset(
-    {"model and tokenizer", "engine", "server access", "generation mode", "external servers", "training job"}
+    {
+        "model and tokenizer",
+        "engine",
+        "server access",
+        "generation mode",
+        "external servers",
+        "training job",
+        "gpu lock",
+    }
 )
 SERVING_ONLY_CHECKS: frozenset[str] = frozenset(
-    {"engine", "server access", "external servers", "training job"}
+    {"engine", "server access", "external servers", "training job", "gpu lock"}
 )
 
 

@@ -83,6 +83,11 @@ class RunRequest(BaseModel):
     datasets: list[Slug] | None = Field(
         default=None, description="Run only these of the config's datasets (by name); all when unset."
     )
+    retry_failed: bool = Field(
+        default=False,
+        description="With the run_id of a run that ended Failed: send again its failed requests whose reason "
+        "was not the prompt's own (server errors, resets, timeouts, a wrong server or model).",
+    )
 
     def changes_config(self) -> bool:
         """True when a choice other than the run id and output is set (a resumed run refuses those)."""

@@ -17,9 +17,9 @@ import typer
 from datagen.config import RunConfig
 from datagen.dataset.report import RunSummary
 
-ExpandFlow = Callable[[RunConfig, str | None], RunSummary]
-"""The `expand` flow as the runner calls it: a run config (and its name among the checkout's configs, if it is
-one) in, the run's summary out."""
+ExpandFlow = Callable[[RunConfig, str | None, bool], RunSummary]
+"""The `expand` flow as the runner calls it: a run config, its name among the checkout's configs (if it is
+one) and ``retry_failed`` in, the run's summary out."""
 
 FlowLoader = Callable[[], ExpandFlow]
 """Imports the flow and returns it; called only once a run is asked for."""
@@ -36,7 +36,7 @@ PREFECT_ENV_DEFAULTS = {
 
 
 def prepare_flow_run(
-    load_flow: FlowLoader, config: RunConfig, config_name: str | None = None
+    load_flow: FlowLoader, config: RunConfig, config_name: str | None = None, retry_failed: bool = False
 ) -> Callable[[], RunSummary]:
     """Import the `expand` flow (Prefect with it, which configures its logging) and return its run.
 
@@ -48,6 +48,7 @@ def prepare_flow_run(
             since Prefect reads some of them when it is imported.
         config: The validated run config.
         config_name: Its name when it is one of the checkout's configs (a multi-host run needs one).
+        retry_failed: Send the run's retryable failures again (the flow's ``retry_failed``).
 
     Returns:
         Runs the flow in this process (Prefect's configured API, or the temporary one the loader owns)
@@ -57,7 +58,7 @@ def prepare_flow_run(
     for name, value in PREFECT_ENV_DEFAULTS.items():
         os.environ.setdefault(name, value)
     flow = load_flow()
-    return lambda: flow(config, config_name)
+    return lambda: flow(config, config_name, retry_failed)
 
 
 def print_summary(summary: RunSummary) -> None:

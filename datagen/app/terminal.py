@@ -52,6 +52,13 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s %(message)s"
 
 T = TypeVar("T")
 
+# The run's own failure, with its traceback, for the log file only. Not a child of ``datagen``'s logger: the
+# flow has ended by now, and Prefect's API handler on that logger would warn about a record without a flow run.
+_FILE_ONLY = logging.getLogger("datagen_terminal")
+_FILE_ONLY.propagate = False
+_FILE_ONLY.setLevel(logging.DEBUG)
+_FILE_ONLY.addHandler(logging.NullHandler())  # before the log file exists: nothing, not Python's last resort
+
 
 def exit_code_for_signal(signum: int) -> int:
     """The exit code of a run interrupted by ``signum`` (130 for SIGINT, 143 for SIGTERM)."""
@@ -145,6 +152,7 @@ def terminal_logging(log_path: Path) -> Iterator[Path]:
     targets += [logging.getLogger(name) for name in ("datagen",) if not logging.getLogger(name).propagate]
     for handler in consoles:
         handler.addFilter(console_filter)
+    targets.append(_FILE_ONLY)
     for target in targets:
         target.addHandler(file_handler)
     try:
@@ -202,17 +210,17 @@ def run_in_terminal(
             _echo_error(f"datagen: run {run_id} is complete and stored, but {held_back}")
             return EXIT_TRAINING_HELD_BACK, None
         except REFUSALS as refused:
-            logging.getLogger(__name__).info("run refused", exc_info=True)
+            _FILE_ONLY.info("run refused", exc_info=True)
             _echo_error(f"datagen: {refused}")
             return EXIT_REFUSED, None
         except DatagenError as error:
-            logging.getLogger(__name__).error("run failed", exc_info=True)
+            _FILE_ONLY.error("run failed", exc_info=True)
             _echo_error(
                 f"datagen: run {run_id} failed: {error}; resume with: {resume_command} (full log: {log_path})"
             )
             return EXIT_RUN_FAILED, None
         except Exception as error:
-            logging.getLogger(__name__).error("run failed", exc_info=True)
+            _FILE_ONLY.error("run failed", exc_info=True)
             _echo_error(
                 f"datagen: run {run_id} failed: {type(error).__name__}: {error}; resume with: "
                 f"{resume_command} (full log: {log_path})"

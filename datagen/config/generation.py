@@ -19,6 +19,16 @@ class GenerationConfig(StrictModel):
         "least two servers, fails for good (each try redoes a whole generation); 502-504 keep the full "
         "max_attempts.",
     )
+    max_failed_share: float = Field(
+        default=0.01,
+        ge=0,
+        le=1,
+        description="Share of a run's requests that may end as failures before the run ends Failed (exit 1) "
+        "without publishing a dataset version (everything stays stored; resume or retry the failures). A healthy "
+        "fleet fails about 1 in 13,000 (the seed run: 15 of 193,010, 0.008%); 1% is over a hundred times that, "
+        "so only a broken fleet, model or server setup crosses it. A dataset whose every request failed ends "
+        "the run Failed whatever this share.",
+    )
     backoff_initial_s: float = Field(default=0.5, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)
     # A crash loses only what is in flight or not yet flushed: flush small parts often (a PUT a second is

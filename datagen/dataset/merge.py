@@ -51,7 +51,9 @@ from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
 
-_SHARD_KEY = re.compile(r"/completions/(?P<dataset>[^/]+)/shard-(?P<index>\d+)\.jsonl$")
+_SHARD_KEY = re.compile(
+    r"/completions/(?P<dataset>[^/]+)/shard-(?P<index>\d+)(?:\.retry-(?P<round>\d+))?\.jsonl$"
+)
 _VERSION_KEY = re.compile(r"/v(?P<version>\d+)\.json$")
 _PART_KEY = re.compile(r"/part-(?P<index>\d+)\.parquet$")
 
@@ -281,17 +283,24 @@ def write_tokenized_parts(
 
 
 def _finished_shards(store: Store, layout: RunLayout) -> tuple[dict[str, int], list[str]]:
-    """Completion shard keys whose done marker exists (sorted) with their sizes, and those without one."""
-    finished: dict[str, int] = {}
+    """Completion files whose done marker exists, with their sizes, and those without one.
+
+    A retry round's completions file (``shard-N.retry-R.jsonl``, answers of requests that had failed) counts
+    once its round's marker exists; every request is in exactly one counted file. First generations come
+    first (sorted), then each retry round's files: rows an earlier merge attempt tokenized keep their place.
+    """
+    found: list[tuple[int, str, int]] = []
     incomplete: list[str] = []
     for key, size in store.list_sizes(layout.completions_prefix).items():
         match = _SHARD_KEY.search(key)
         if match is None:
             continue
-        if store.exists(layout.shard_done(match["dataset"], int(match["index"]))):
-            finished[key] = size
+        retry_round = int(match["round"] or 0)
+        if store.exists(layout.shard_done(match["dataset"], int(match["index"]), retry_round)):
+            found.append((retry_round, key, size))
         else:
             incomplete.append(key)
+    finished = {key: size for _, key, size in sorted(found)}
     if incomplete:
         logger.warning(
             "completion shards without done marker skipped count=%d first=%s", len(incomplete), incomplete[0]

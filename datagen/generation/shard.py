@@ -24,10 +24,18 @@ Parts are never deleted: they are write-once objects like everything else, small
 files, and they are what makes an interrupted shard resumable. Cleaning them up is left to retention
 policy on the bucket.
 
-``resent_requests`` in the summary counts the requests sent by this attempt when parts from an earlier
-attempt existed: the work redone after an interruption. It is an upper bound of the requests that were
-actually in flight at the crash, because the earlier attempt may not have started all of them; it is 0
-when no earlier attempt left a part.
+A storage fault costs nothing finished: a part flush that fails transiently keeps its results buffered and
+is tried again at the next checkpoint (the shard goes on generating); the last flush is tried for up to
+:data:`STORAGE_PATIENCE_S`. When the shard still ends with results unstored (the task is then retried, or
+the run stops), they are left in :class:`HeldResults`, owned by the flow for the whole run, and the next
+attempt of the shard in this process stores them first instead of generating them again. A fault retrying
+cannot fix (no space, no permission, the bucket gone) raises
+:class:`~datagen.errors.UnfixableStorageError` at once.
+
+``resent_requests`` in the summary counts the requests sent by this attempt when an earlier attempt of the
+shard existed (it left a part, or held results in this process): the work redone after an interruption.
+It is an upper bound of the requests that were actually in flight then, because the earlier attempt may
+not have started all of them; it is 0 for a shard's first attempt.
 """
 
 from __future__ import annotations
@@ -43,9 +51,17 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from datagen.config import RunConfig
-from datagen.errors import NoLiveServersError, OutputExistsError, StorageError, TransientRequestError
+from datagen.errors import (
+    NoLiveServersError,
+    OutputExistsError,
+    StorageError,
+    TransientRequestError,
+    is_transient,
+    unfixable_storage_error,
+)
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.failures import is_retryable
 from datagen.generation.generate_api import attach_prompt_tokens, prompt_encoder
 from datagen.generation.wire import GenerationRequest
 from datagen.output.layout import RunLayout
@@ -67,7 +83,59 @@ FLEET_FAILURE_TYPES = frozenset({"no_live_servers", "dispatcher_closed"})
 # Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
 SEED_MODULUS = 2**31
 
+# How long the shard's last flush keeps trying a storage that fails transiently (S3 refusing connections, 5xx)
+# before the shard gives up (its results stay held for the next attempt): an outage of minutes costs nothing.
+STORAGE_PATIENCE_S = 300.0
+STORAGE_RETRY_MAX_S = 10.0
+
 ProgressCallback = Callable[[int, int], None]
+
+
+class HeldResults:
+    """Results of shard attempts that ended before storing them, kept for the shard's next attempt.
+
+    The flow makes one per run and passes it to every shard attempt (a task retry included), so a storage
+    fault never throws away finished answers. Thread-safe; in memory only (a crash loses what is here, as
+    it loses what is in flight).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: dict[tuple[str, int, int], tuple[list[CompletionRecord], list[FailureRecord]]] = {}
+        self._attempted: set[tuple[str, int, int]] = set()
+
+    def hold(
+        self,
+        dataset: str,
+        index: int,
+        completions: list[CompletionRecord],
+        failures: list[FailureRecord],
+        retry_round: int = 0,
+    ) -> None:
+        """Keep unstored results of one shard's round (added to any already held)."""
+        with self._lock:
+            kept = self._held.setdefault((dataset, index, retry_round), ([], []))
+            kept[0].extend(completions)
+            kept[1].extend(failures)
+
+    def take(
+        self, dataset: str, index: int, retry_round: int = 0
+    ) -> tuple[list[CompletionRecord], list[FailureRecord], bool]:
+        """The results held for one shard's round (removed from here), and whether an earlier attempt ran.
+
+        Marks the round as attempted, so the next attempt knows its sends are resends.
+        """
+        key = (dataset, index, retry_round)
+        with self._lock:
+            completions, failures = self._held.pop(key, ([], []))
+            earlier = key in self._attempted
+            self._attempted.add(key)
+        return completions, failures, earlier
+
+    def count(self) -> int:
+        """Results held for all shards (for logs and tests)."""
+        with self._lock:
+            return sum(len(c) + len(f) for c, f in self._held.values())
 
 
 def generate_shard(
@@ -78,8 +146,14 @@ def generate_shard(
     dispatcher: Dispatcher,
     *,
     progress: ProgressCallback | None = None,
+    held: HeldResults | None = None,
+    retry_failed: bool = False,
 ) -> ShardSummary:
     """Generate every completion of one prompt shard and land it in storage, resuming where it stopped.
+
+    A shard already done is returned as it is, unless ``retry_failed``: then the failures its latest round
+    left standing whose reason is not the prompt's own (:func:`~datagen.generation.failures.is_retryable`)
+    are sent again as the next retry round, into objects of its own (see :mod:`datagen.output.layout`).
 
     Args:
         store: The run's output store.
@@ -89,6 +163,9 @@ def generate_shard(
         dispatcher: The running, shared dispatcher.
         progress: Called as ``progress(done, total)`` once the requests are handed to the dispatcher and
             after each result (``done`` includes requests finished by an earlier attempt).
+        held: Results earlier attempts of shards could not store (stored first here); this attempt leaves
+            its own there when it ends without storing them.
+        retry_failed: Send the retryable failures of a done shard again (a new retry round).
 
     Returns:
         The shard summary, also written as the shard's done marker.
@@ -96,25 +173,54 @@ def generate_shard(
     Raises:
         StorageError: A final file from an earlier attempt disagrees with the checkpoint parts, or the
             parts do not cover every request after generation.
+        UnfixableStorageError: A write failed for a reason retrying cannot fix (no space, permission,
+            no such bucket); the results not stored are held.
         NoLiveServersError: Some requests found no live server; the rest is checkpointed, rerun later.
         TransientRequestError: The dispatcher closed before every request finished; rerun the shard.
 
     """
     started = time.monotonic()
     dataset, index = shard.dataset, shard.shard_index
-    done_key = layout.shard_done(dataset, index)
-    if store.exists(done_key):
-        summary = ShardSummary.model_validate(store.read_json(done_key))
+    previous = latest_shard_summary(store, layout, dataset, index)
+    standing: list[FailureRecord] = []
+    retry_round = 0
+    if previous is not None:
+        if retry_failed and previous.failures:
+            standing = [FailureRecord.model_validate(row) for row in store.iter_jsonl(previous.failures_path)]
+        again = {failure.key for failure in standing if is_retryable(failure)}
+        if not again:
+            logger.info(
+                "shard already done dataset=%s shard=%d round=%d completions=%d failures=%d",
+                dataset,
+                index,
+                previous.retry_round,
+                previous.completions,
+                previous.failures,
+            )
+            return previous.model_copy(update={"skipped": True})
+        retry_round = previous.retry_round + 1
         logger.info(
-            "shard already done dataset=%s shard=%d completions=%d", dataset, index, summary.completions
+            "retrying failures dataset=%s shard=%d round=%d requests=%d standing_failures=%d",
+            dataset,
+            index,
+            retry_round,
+            len(again),
+            len(standing),
         )
-        return summary.model_copy(update={"skipped": True})
 
-    requests = build_requests(store, config, shard)
-    earlier = read_parts(store, layout, dataset, index)
-    finished = earlier.keys()
+    held = held if held is not None else HeldResults()
+    kept_completions, kept_failures, attempted_before = held.take(dataset, index, retry_round)
+    try:
+        requests = build_requests(store, config, shard)
+        if previous is not None:
+            requests = [request for request in requests if request.key in again]
+        earlier = read_parts(store, layout, dataset, index, retry_round=retry_round)
+    except BaseException:
+        held.hold(dataset, index, kept_completions, kept_failures, retry_round)
+        raise
+    finished = earlier.keys() | {r.key for r in kept_completions} | {r.key for r in kept_failures}
     to_send = [request for request in requests if request.key not in finished]
-    resent = len(to_send) if earlier.part_count else 0
+    resent = len(to_send) if earlier.part_count or attempted_before else 0
     logger.info(
         "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",
         dataset,
@@ -125,13 +231,25 @@ def generate_shard(
         resent,
     )
     writer = _PartWriter(
-        store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part
+        store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part, retry_round
     )
+    if kept_completions or kept_failures:
+        logger.info(
+            "storing results an earlier attempt could not dataset=%s shard=%d results=%d",
+            dataset,
+            index,
+            len(kept_completions) + len(kept_failures),
+        )
     if dispatcher.exact_tokens:
         # Rendered here, in the shard task's thread, not on the dispatcher's loop; a prompt the template
         # cannot render fails without being sent.
         to_send, unrenderable = attach_prompt_tokens(to_send, prompt_encoder(config.model.tokenizer))
-        writer.flush([], unrenderable)
+        kept_failures.extend(unrenderable)
+    try:
+        writer.flush_patiently(kept_completions, kept_failures)
+    except BaseException:
+        held.hold(dataset, index, kept_completions, kept_failures, retry_round)
+        raise
     _run_requests(
         dispatcher,
         to_send,
@@ -141,13 +259,25 @@ def generate_shard(
         already_done=len(requests) - len(to_send),
         total=len(requests),
         progress=progress,
+        held=held,
     )
-    summary = _assemble(store, layout, shard, requests, resent=resent, started=started, known=writer.written)
+    summary = _assemble(
+        store,
+        layout,
+        shard,
+        requests,
+        resent=resent,
+        started=started,
+        known=writer.written,
+        previous=previous,
+        standing=standing,
+    )
     logger.info(
-        "shard done dataset=%s shard=%d completions=%d failures=%d completion_tokens=%d resent=%d "
+        "shard done dataset=%s shard=%d round=%d completions=%d failures=%d completion_tokens=%d resent=%d "
         "generation_s=%.1f",
         dataset,
         index,
+        retry_round,
         summary.completions,
         summary.failures,
         summary.completion_tokens,
@@ -155,6 +285,20 @@ def generate_shard(
         summary.generation_s,
     )
     return summary
+
+
+def latest_shard_summary(store: Store, layout: RunLayout, dataset: str, index: int) -> ShardSummary | None:
+    """The shard's outcome: the done marker of its highest retry round (None while it is not done).
+
+    Rounds follow each other (round R starts only from round R - 1's marker), so the markers are probed in
+    order: a shard never retried costs two existence checks.
+    """
+    if not store.exists(layout.shard_done(dataset, index)):
+        return None
+    retry_round = 0
+    while store.exists(layout.shard_done(dataset, index, retry_round + 1)):
+        retry_round += 1
+    return ShardSummary.model_validate(store.read_json(layout.shard_done(dataset, index, retry_round)))
 
 
 def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> list[GenerationRequest]:
@@ -226,8 +370,9 @@ def read_parts(
     dataset: str,
     index: int,
     known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
+    retry_round: int = 0,
 ) -> ShardParts:
-    """Read every checkpoint part of one shard.
+    """Read every checkpoint part of one shard (of one retry round: round 0 ignores the rounds' folders).
 
     Args:
         store: The run's store.
@@ -236,6 +381,7 @@ def read_parts(
         index: The shard index.
         known: Records of parts this process wrote itself, by key: used instead of reading them back
             (write-once: a part never changes after it is written).
+        retry_round: The round whose parts to read.
 
     Returns:
         The parts' content.
@@ -243,7 +389,10 @@ def read_parts(
     """
     parts = ShardParts()
     located = []
-    for key in store.list(layout.shard_parts_prefix(dataset, index)):
+    prefix = layout.shard_parts_prefix(dataset, index, retry_round)
+    for key in store.list(prefix):
+        if "/" in key[len(prefix) :].strip("/"):
+            continue  # a retry round's folder below this round's parts
         match = PART_NAME.search(key)
         if match:
             located.append((int(match.group(2)), match.group(1), key))
@@ -282,20 +431,62 @@ class _PartWriter:
     index: int
     next_completions: int
     next_failures: int
+    retry_round: int = 0
     # What this writer stored, by key: the shard's final assembly reuses it instead of reading it back.
     written: dict[str, list[CompletionRecord] | list[FailureRecord]] = field(default_factory=dict)
 
     def flush(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
-        if completions:
-            self.next_completions = self._write(
-                self.layout.completions_part, self.next_completions, completions
-            )
-        if failures:
-            self.next_failures = self._write(self.layout.failures_part, self.next_failures, failures)
+        """Store both lists as parts, emptying each once it is stored (what raises stays in its list).
 
-    def _write(self, key_of: Callable[[str, int, int], str], part: int, records: list[Any]) -> int:
+        Raises:
+            UnfixableStorageError: The write failed for a reason retrying cannot fix.
+        """
+        try:
+            if completions:
+                self.next_completions = self._write(
+                    self.layout.completions_part, self.next_completions, list(completions)
+                )
+                completions.clear()
+            if failures:
+                self.next_failures = self._write(
+                    self.layout.failures_part, self.next_failures, list(failures)
+                )
+                failures.clear()
+        except Exception as error:
+            unfixable = unfixable_storage_error(
+                error,
+                self.store.url(self.layout.shard_parts_prefix(self.dataset, self.index, self.retry_round)),
+            )
+            if unfixable is not None:
+                raise unfixable from error
+            raise
+
+    def flush_patiently(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
+        """:meth:`flush`, trying again for up to :data:`STORAGE_PATIENCE_S` while storage fails transiently."""
+        deadline = time.monotonic() + STORAGE_PATIENCE_S
+        delay = 0.5
         while True:
-            key = key_of(self.dataset, self.index, part)
+            try:
+                self.flush(completions, failures)
+                return
+            except Exception as error:
+                if not is_transient(error) or time.monotonic() + delay > deadline:
+                    raise
+                logger.warning(
+                    "storage write failed, results kept and tried again dataset=%s shard=%d results=%d "
+                    "retry_in_s=%.1f error=%s",
+                    self.dataset,
+                    self.index,
+                    len(completions) + len(failures),
+                    delay,
+                    error,
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, STORAGE_RETRY_MAX_S)
+
+    def _write(self, key_of: Callable[[str, int, int, int], str], part: int, records: list[Any]) -> int:
+        while True:
+            key = key_of(self.dataset, self.index, part, self.retry_round)
             try:
                 self.store.write_jsonl(key, records)
             except OutputExistsError:
@@ -348,8 +539,13 @@ def _run_requests(
     already_done: int,
     total: int,
     progress: ProgressCallback | None,
+    held: HeldResults,
 ) -> None:
-    """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them."""
+    """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them.
+
+    A checkpoint that fails transiently keeps its results and is tried again one interval later (the shard
+    goes on collecting); results still unstored when this ends with an error are left in ``held``.
+    """
     inbox = _Inbox(len(requests), every)
     completions: list[CompletionRecord] = []
     failures: list[FailureRecord] = []
@@ -386,12 +582,26 @@ def _run_requests(
             if not buffered:
                 oldest = None
             elif buffered >= every or time.monotonic() - (oldest or 0.0) >= interval_s:
-                writer.flush(completions, failures)
-                completions, failures, oldest = [], [], None
-        writer.flush(completions, failures)
+                try:
+                    writer.flush(completions, failures)
+                    oldest = None
+                except Exception as error:
+                    if not is_transient(error):
+                        raise
+                    # Kept in the buffers; the next try comes one interval later.
+                    logger.warning(
+                        "checkpoint failed, results kept dataset=%s shard=%d buffered=%d error=%s",
+                        writer.dataset,
+                        writer.index,
+                        buffered,
+                        error,
+                    )
+                    oldest = time.monotonic()
+        writer.flush_patiently(completions, failures)
     except BaseException:
         # Free the fleet's slots for other shards: this shard's requests not yet in flight are dropped.
         stream.cancel()
+        held.hold(writer.dataset, writer.index, completions, failures, writer.retry_round)
         raise
     _raise_if_unserved(unserved, writer)
 
@@ -426,10 +636,19 @@ def _assemble(
     resent: int,
     started: float,
     known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
+    previous: ShardSummary | None = None,
+    standing: list[FailureRecord] | None = None,
 ) -> ShardSummary:
-    """Write the final files from all parts (or verify earlier ones), then the done marker."""
+    """Write the final files from all parts (or verify earlier ones), then the done marker.
+
+    For a retry round (``previous`` is the summary of the round before, ``standing`` its failures), the
+    round's completions file holds the answers of its requests, its failures file every failure of the
+    shard still standing (the earlier ones not retried, plus the retried ones that failed again), and its
+    marker the shard's whole new summary.
+    """
     dataset, index = shard.dataset, shard.shard_index
-    parts = read_parts(store, layout, dataset, index, known)
+    retry_round = previous.retry_round + 1 if previous is not None else 0
+    parts = read_parts(store, layout, dataset, index, known, retry_round)
     keys = [request.key for request in requests]
     completions = [parts.completions[key] for key in keys if key in parts.completions]
     failures = [parts.failures[key] for key in keys if key not in parts.completions and key in parts.failures]
@@ -437,8 +656,8 @@ def _assemble(
     if missing:
         raise StorageError(
             f"shard {dataset}/{index}: {missing} of {len(keys)} requests have no result in "
-            f"{store.url(layout.shard_parts_prefix(dataset, index))} after generation; rerun the shard "
-            "(finished requests are not sent again)",
+            f"{store.url(layout.shard_parts_prefix(dataset, index, retry_round))} after generation; rerun the "
+            "shard (finished requests are not sent again)",
             dataset=dataset,
             shard=index,
         )
@@ -450,8 +669,8 @@ def _assemble(
             index,
             foreign,
         )
-    completions_key = layout.completions(dataset, index)
-    failures_key = layout.failures(dataset, index)
+    completions_key = layout.completions(dataset, index, retry_round)
+    failures_key = layout.failures(dataset, index, retry_round)
     completions = _write_or_adopt_completions(store, completions_key, completions, set(keys))
     # The completions file decides; failures are exactly the other requests. When another attempt (a crash's
     # predecessor, or a second process on the same run) wrote the completions first, its decision stands
@@ -459,7 +678,7 @@ def _assemble(
     completed = {record.key for record in completions}
     failed_keys = [key for key in keys if key not in completed]
     if any(key not in parts.failures for key in failed_keys):
-        parts = read_parts(store, layout, dataset, index, known)
+        parts = read_parts(store, layout, dataset, index, known, retry_round)
     failures = [parts.failures[key] for key in failed_keys if key in parts.failures]
     if len(failures) != len(failed_keys):
         raise StorageError(
@@ -468,11 +687,13 @@ def _assemble(
             dataset=dataset,
             shard=index,
         )
-    failures = _write_or_verify(store, failures_key, failures, FailureRecord)
+    retried = set(keys)
+    kept = [failure for failure in standing or [] if failure.key not in retried]
+    failures = _write_or_verify(store, failures_key, [*kept, *failures], FailureRecord)
     summary = ShardSummary(
         dataset=dataset,
         shard_index=index,
-        requests=len(requests),
+        requests=previous.requests if previous is not None else len(requests),
         completions=len(completions),
         failures=len(failures),
         prompt_tokens=sum(record.usage.prompt_tokens for record in completions),
@@ -485,13 +706,47 @@ def _assemble(
         failures_path=failures_key,
         finish_reasons=dict(Counter(record.finish_reason for record in completions)),
         failure_reasons=dict(Counter(record.error_type for record in failures)),
+        retry_round=retry_round,
     )
+    if previous is not None:
+        summary = _after_round(previous, summary, new_completions=completions, kept_failures=kept)
+    done_key = layout.shard_done(dataset, index, retry_round)
     try:
-        store.write_json(layout.shard_done(dataset, index), summary)
+        store.write_json(done_key, summary)
     except OutputExistsError:
         # Another attempt finished the same shard first; its marker describes the same files.
-        return ShardSummary.model_validate(store.read_json(layout.shard_done(dataset, index)))
+        return ShardSummary.model_validate(store.read_json(done_key))
     return summary
+
+
+def _after_round(
+    previous: ShardSummary,
+    round_summary: ShardSummary,
+    *,
+    new_completions: list[CompletionRecord],
+    kept_failures: list[FailureRecord],
+) -> ShardSummary:
+    """The shard's summary after a retry round: the round before plus this round's answers."""
+    finish_reasons = Counter(previous.finish_reasons)
+    finish_reasons.update(round_summary.finish_reasons)
+    kept_retries = sum(max(f.attempts - 1, 0) for f in kept_failures)
+    return round_summary.model_copy(
+        update={
+            "completions": previous.completions + len(new_completions),
+            "prompt_tokens": previous.prompt_tokens + round_summary.prompt_tokens,
+            "completion_tokens": previous.completion_tokens + round_summary.completion_tokens,
+            "resent_requests": previous.resent_requests + round_summary.resent_requests,
+            # The failures the round kept are in the round's count and already in the previous one.
+            "retried_attempts": previous.retried_attempts + round_summary.retried_attempts - kept_retries,
+            "generation_s": previous.generation_s + round_summary.generation_s,
+            "completions_path": previous.completions_path,
+            "retried_completions_paths": [
+                *previous.retried_completions_paths,
+                round_summary.completions_path,
+            ],
+            "finish_reasons": dict(finish_reasons),
+        }
+    )
 
 
 RecordT = TypeVar("RecordT", CompletionRecord, FailureRecord)

@@ -1,10 +1,14 @@
 """The host's GPU lock: one run at a time on a box's GPUs, released by the kernel when its holder dies.
 
-A run holds an exclusive ``flock`` on ``<state_dir>/locks/<name>.lock`` from just before it halts training
-until its servers are down and training is handed back. The kernel drops the lock the moment the holding
-process exits, however it exits (SIGKILL, the OOM killer, a power cut of the worker's process group), so a
-crashed run never keeps the box: the next run takes the lock at once. Nothing depends on a Prefect server
-keeping a lease alive.
+A run holds an exclusive ``flock`` on ``<lock_dir>/<name>.lock`` from just before it halts training
+until its servers are down and training is handed back. ``lock_dir`` (``DATAGEN_LOCK_DIR``, default
+``/run/lock/datagen``) belongs to the box, not to a user: two users, a container and its host, or two workers
+with different state folders take the same lock. The folder and the lock file are made writable by every
+user when this process creates them (whatever its umask), so the next user's run can open them.
+
+The kernel drops the lock the moment the holding process exits, however it exits (SIGKILL, the OOM killer,
+a power cut of the worker's process group), so a crashed run never keeps the box: the next run takes the
+lock at once. Nothing depends on a Prefect server keeping a lease alive.
 
 The lock file also names its holder (run id, flow run id, pid, host, start time) so a waiting run, and
 ``datagen gpu-lock``, can say who holds the GPUs. The holder writes those details after it has the lock;
@@ -30,13 +34,16 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.errors import GpuLockTimeoutError
+from datagen.errors import GpuLockTimeoutError, GpuLockUnavailableError
 from datagen.settings import get_settings
 
 logger = logging.getLogger(__name__)
 
-LOCKS_DIR = "locks"
 LOCK_SUFFIX = ".lock"
+# The lock folder and its files are shared by every user of the box: whoever creates them opens them to all
+# (a cooperative lock between datagen runs; no sticky bit, so another user's run can replace the halt record).
+SHARED_DIR_MODE = 0o777
+SHARED_FILE_MODE = 0o666
 # Between two attempts while another run holds the lock: short enough that the box changes hands within a
 # second of the holder ending, long enough to cost nothing.
 LOCK_POLL_S = 0.5
@@ -86,14 +93,58 @@ def gpu_lock_name() -> str:
 
 
 def host_lock_path() -> Path:
-    """The GPU lock file of this host: :func:`lock_path` of :func:`gpu_lock_name` under ``DATAGEN_STATE_DIR``."""
-    return lock_path(get_settings().state_dir, gpu_lock_name())
+    """The GPU lock file of this host: :func:`lock_path` of :func:`gpu_lock_name` under ``DATAGEN_LOCK_DIR``."""
+    return lock_path(get_settings().lock_dir, gpu_lock_name())
 
 
-def lock_path(state_dir: str | Path, name: str) -> Path:
-    """The lock file of lock ``name`` under the host's state folder."""
+def lock_path(lock_dir: str | Path, name: str) -> Path:
+    """The lock file of lock ``name`` in the box's lock folder."""
     safe = "".join(char if char in _SAFE_CHARS else "-" for char in name).strip(".") or "gpus"
-    return Path(state_dir).expanduser() / LOCKS_DIR / f"{safe}{LOCK_SUFFIX}"
+    return Path(lock_dir).expanduser() / f"{safe}{LOCK_SUFFIX}"
+
+
+def make_shared_dir(path: Path) -> None:
+    """Create the lock folder (and its parents) open to every user of the box; an existing one is kept."""
+    if path.is_dir():
+        return
+    make_shared_dir(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    os.chmod(path, SHARED_DIR_MODE)  # mkdir's mode is cut by the umask
+
+
+def open_lock_file(path: Path) -> int:
+    """Open (creating it open to every user when missing) the lock file for reading and writing.
+
+    An existing file is opened without ``O_CREAT``: in a sticky folder, ``fs.protected_regular`` refuses
+    ``O_CREAT`` on another user's file even when its mode allows writing.
+
+    Raises:
+        GpuLockUnavailableError: The folder or the file cannot be created or opened by this user.
+    """
+    try:
+        make_shared_dir(path.parent)
+        while True:
+            try:
+                return os.open(path, os.O_RDWR)
+            except FileNotFoundError:
+                pass
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, SHARED_FILE_MODE)
+            except FileExistsError:
+                continue  # another run created it between the two calls: open that one
+            os.fchmod(fd, SHARED_FILE_MODE)
+            return fd
+    except OSError as error:
+        raise GpuLockUnavailableError(
+            f"cannot open the box's GPU lock {path}: {error.strerror or error}. Every run on this box must "
+            f"take this lock before it halts training. Fix: let this user write it (`sudo mkdir -p "
+            f"{path.parent} && sudo chmod 1777 {path.parent}`, or `sudo chmod 666 {path}` if it exists), or "
+            "set DATAGEN_LOCK_DIR to a folder every user of the box can write (the same one for all of them).",
+            path=str(path),
+        ) from error
 
 
 def read_holder(path: Path) -> GpuLockHolder | None:
@@ -121,7 +172,7 @@ class HostGpuLock:
     a restarted trainer never keep the lock alive after the run.
 
     Args:
-        path: The lock file (its folder is created).
+        path: The lock file (it and its folder are created, open to every user, when missing).
     """
 
     def __init__(self, path: Path) -> None:
@@ -138,11 +189,13 @@ class HostGpuLock:
 
         Returns:
             True when this object holds the lock now.
+
+        Raises:
+            GpuLockUnavailableError: The lock file cannot be opened (:func:`open_lock_file`).
         """
         if self._fd is not None:
             return True
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_lock_file(self.path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as error:

@@ -1,7 +1,8 @@
 """Handing the GPUs back to training as soon as the fleet is down, exactly once per halt, crashes included.
 
-The halt is recorded on the host next to the GPU lock (``<state_dir>/locks/<lock>.training-halted.json``),
-so it belongs to the box, not to one flow run, and only the lock's holder writes it:
+The halt is recorded next to the GPU lock (``<lock_dir>/<lock>.training-halted.json``), so it belongs to the
+box, not to one flow run or one user (the next holder, whoever runs it, adopts it), and only the lock's
+holder writes it:
 
 1. before the stop signal goes out the holder records that it is *halting* (``signalled: false``);
 2. right before the signal (or the flow-run cancel) goes out it records the job's pids and when it is
@@ -30,6 +31,7 @@ from pydantic import Field, ValidationError
 
 from datagen.config import TrainingJobConfig
 from datagen.errors import TrainingEnvironmentChangedError
+from datagen.host.gpu_lock import SHARED_FILE_MODE
 from datagen.host.trainer_env import TrainerEnvironment, environment_changes, read_environment
 from datagen.host.training import RestartRecord, restart_training
 from datagen.processes import is_running
@@ -99,6 +101,7 @@ def record_halt(path: Path, halt: HaltedTraining) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     partial.write_text(halt.model_dump_json(), encoding="utf-8")
+    os.chmod(partial, SHARED_FILE_MODE)  # the next holder may be another user of the box
     os.replace(partial, path)
     return path
 

@@ -15,6 +15,10 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     runs/<run_id>/completions/<dataset>/shard-00000.jsonl
     runs/<run_id>/failures/<dataset>/shard-00000.jsonl
     runs/<run_id>/done/<dataset>/shard-00000.json   shard marker, written after both files above
+    runs/<run_id>/parts/<dataset>/shard-00000/retry-0001/completions-00000.jsonl   retry round 1's checkpoints
+    runs/<run_id>/completions/<dataset>/shard-00000.retry-0001.jsonl   answers of round 1 (its requests only)
+    runs/<run_id>/failures/<dataset>/shard-00000.retry-0001.jsonl      every failure still standing after it
+    runs/<run_id>/done/<dataset>/shard-00000.retry-0001.json           round 1's marker: the shard's new summary
     runs/<run_id>/tokenized/part-00000.parquet
     runs/<run_id>/tokenized/summary.json
     runs/<run_id>/report.json, report.md
@@ -37,6 +41,12 @@ from typing import overload
 
 SHARD_DIGITS = 5
 VERSION_DIGITS = 4
+RETRY_DIGITS = 4
+
+
+def retry_suffix(retry_round: int) -> str:
+    """``.retry-0001`` for retry round 1; empty for round 0 (a shard's first generation)."""
+    return f".retry-{retry_round:0{RETRY_DIGITS}d}" if retry_round else ""
 
 
 def shard_name(index: int) -> str:
@@ -102,29 +112,37 @@ class RunLayout:
         """The prepare summary of one dataset, written after all its shards."""
         return f"{self.root}/prompts/{dataset}/summary.json"
 
-    def shard_parts_prefix(self, dataset: str, index: int) -> str:
-        """The folder of one shard's in-progress checkpoint parts."""
-        return self._shard_key("parts", dataset, index, "")
+    # A shard's objects take a retry round (0: its first generation). Round r > 0 sends again the failures
+    # round r - 1 left standing whose reason was not the prompt's own, into objects of its own: nothing of an
+    # earlier round is ever rewritten, and the highest round with a done marker is the shard's outcome.
 
-    def completions_part(self, dataset: str, index: int, part: int) -> str:
+    def shard_parts_prefix(self, dataset: str, index: int, retry_round: int = 0) -> str:
+        """The folder of one shard's (or one retry round's) in-progress checkpoint parts."""
+        folder = self._shard_key("parts", dataset, index, "")
+        return f"{folder}/retry-{retry_round:0{RETRY_DIGITS}d}" if retry_round else folder
+
+    def completions_part(self, dataset: str, index: int, part: int, retry_round: int = 0) -> str:
         """One checkpoint part of completions inside a shard."""
-        return f"{self.shard_parts_prefix(dataset, index)}/completions-{part:0{SHARD_DIGITS}d}.jsonl"
+        prefix = self.shard_parts_prefix(dataset, index, retry_round)
+        return f"{prefix}/completions-{part:0{SHARD_DIGITS}d}.jsonl"
 
-    def failures_part(self, dataset: str, index: int, part: int) -> str:
+    def failures_part(self, dataset: str, index: int, part: int, retry_round: int = 0) -> str:
         """One checkpoint part of failures inside a shard."""
-        return f"{self.shard_parts_prefix(dataset, index)}/failures-{part:0{SHARD_DIGITS}d}.jsonl"
+        return (
+            f"{self.shard_parts_prefix(dataset, index, retry_round)}/failures-{part:0{SHARD_DIGITS}d}.jsonl"
+        )
 
-    def completions(self, dataset: str, index: int) -> str:
-        """The final completions of one shard."""
-        return self._shard_key("completions", dataset, index, ".jsonl")
+    def completions(self, dataset: str, index: int, retry_round: int = 0) -> str:
+        """The final completions of one shard (of a retry round: the answers of its requests only)."""
+        return self._shard_key("completions", dataset, index, f"{retry_suffix(retry_round)}.jsonl")
 
-    def failures(self, dataset: str, index: int) -> str:
-        """The final failures of one shard."""
-        return self._shard_key("failures", dataset, index, ".jsonl")
+    def failures(self, dataset: str, index: int, retry_round: int = 0) -> str:
+        """The final failures of one shard (of a retry round: every failure of the shard still standing)."""
+        return self._shard_key("failures", dataset, index, f"{retry_suffix(retry_round)}.jsonl")
 
-    def shard_done(self, dataset: str, index: int) -> str:
-        """The done marker of one shard (a ShardSummary), written after its two final files."""
-        return self._shard_key("done", dataset, index, ".json")
+    def shard_done(self, dataset: str, index: int, retry_round: int = 0) -> str:
+        """The done marker of one shard or retry round (a ShardSummary), written after its two final files."""
+        return self._shard_key("done", dataset, index, f"{retry_suffix(retry_round)}.json")
 
     @property
     def completions_prefix(self) -> str:

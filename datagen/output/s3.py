@@ -55,7 +55,7 @@ def _storage_error(action: str, url: str, error: Exception) -> StorageError | Tr
         return TransientStorageError(
             f"S3 {action} of {url} failed ({code or status}) after retries; retry later", url=url
         )
-    return StorageError(f"S3 {action} of {url} failed: {code or status} {error}", url=url)
+    return StorageError(f"S3 {action} of {url} failed: {code or status} {error}", url=url, code=code)
 
 
 class S3Backend:

@@ -61,6 +61,7 @@ def test_entrypoint_loads_the_expand_flow_with_a_config_name_and_the_runs_choice
         "output",
         "sampling",
         "datasets",
+        "retry_failed",
     ]
     assert flow.parameters.required == ["config"]
     assert flow.parameters.properties["config"]["type"] == "string"

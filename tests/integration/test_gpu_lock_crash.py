@@ -3,12 +3,14 @@
 1. A run is SIGKILLed (its whole process group) about a third of the way through generation.
 2. The resume command it would print starts at once: it never waits for the dead run's GPU lock, and its
    first request goes out within 30 s of its start.
-3. Meanwhile a second run on the same host waits for the GPUs, naming the holder, and SIGTERM ends it at
-   once with exit 143, leaving nothing running.
+3. Meanwhile a second run on the same host, with a state folder of its own (another user, container or
+   worker), waits for the GPUs, naming the holder, and SIGTERM ends it at once with exit 143, leaving
+   nothing running.
 Finally the resume answers every request exactly once.
 
 The runs share PREFECT_HOME (the embedded server's database, where the old Prefect-limit lock kept its
-slot) and DATAGEN_STATE_DIR (the host's lock file), as two runs on one box do.
+slot) and the box's lock folder (DATAGEN_LOCK_DIR), as two runs on one box do; the lock does not depend on
+DATAGEN_STATE_DIR.
 """
 
 from __future__ import annotations
@@ -159,8 +161,10 @@ def test_a_killed_run_never_locks_the_host_and_a_run_waiting_for_the_gpus_obeys_
     env.pop("PREFECT_API_URL", None)  # the CLI's own temporary server, as on a fresh host
     runs: list[_Run] = []
 
-    def start(run_id: str) -> _Run:
-        runs.append(_Run(config, run_id, env))
+    env["DATAGEN_LOCK_DIR"] = str(tmp_path / "box-locks")
+
+    def start(run_id: str, **extra: str) -> _Run:
+        runs.append(_Run(config, run_id, {**env, **extra}))
         return runs[-1]
 
     with FaultServer(FaultPlan(base_delay_s=0.1)) as server, contextlib.ExitStack() as cleanup:
@@ -182,7 +186,7 @@ def test_a_killed_run_never_locks_the_host_and_a_run_waiting_for_the_gpus_obeys_
         assert first_request_at - resume.started <= RESUME_FIRST_REQUEST_BUDGET_S, resume.text[-4000:]
 
         # 3. Another run waits for the GPUs, names the holder, and SIGTERM ends it at once.
-        waiting = start("lock-2")
+        waiting = start("lock-2", DATAGEN_STATE_DIR=str(tmp_path / "another-users-state"))
         line = waiting.wait_for_line("another run holds this host's GPUs")
         assert "held by run lock-1" in line, line
         api_pids = _api_server_pids(waiting.text)
@@ -221,7 +225,7 @@ def test_a_slot_left_taken_by_the_old_prefect_limit_lock_is_released_with_a_log_
 
     name = f"datagen-gpus-stale-{os.getpid()}"
     monkeypatch.setenv("DATAGEN_GPU_LOCK", name)
-    monkeypatch.setenv("DATAGEN_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("DATAGEN_LOCK_DIR", str(tmp_path / "box-locks"))
     get_settings.cache_clear()
     with get_client(sync_client=True) as client:
         # What a run of the previous version, killed with its temporary server, left in the database.
@@ -251,5 +255,5 @@ def test_a_slot_left_taken_by_the_old_prefect_limit_lock_is_released_with_a_log_
                 time.sleep(0.5)
     finally:
         get_settings.cache_clear()
-    assert lock_file == str(tmp_path / "state" / "locks" / f"{name}.lock")
+    assert lock_file == str(tmp_path / "box-locks" / f"{name}.lock")
     assert any(wanted in log.message for log in logs), [log.message for log in logs]

@@ -145,6 +145,7 @@ def _run(config: Path, run_id: str, tmp_path: Path, prefect_api: str) -> subproc
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
+        "DATAGEN_LOCK_DIR": str(tmp_path / "locks"),
         "PREFECT_API_URL": prefect_api,
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
@@ -204,7 +205,8 @@ def test_a_changed_environment_holds_the_restart_back_and_the_next_run_restarts_
         time.sleep(1.0)  # a second restart, if any, would have started by now
         assert _trainers(pidfile) == [restarted]
         # The halt is handed back (claimed): no later run restarts it again.
-        assert not list(tmp_path.rglob("*.training-halted.json"))
+        assert list((tmp_path / "locks").glob("*.training-halted.json.handed-back"))
+        assert not list((tmp_path / "locks").glob("*.training-halted.json"))
     finally:
         _kill(restarted)
 

@@ -12,7 +12,8 @@ per request, either by directives in the last message's content or by configured
 
 Faults: ``500`` (internal error), ``empty`` (200 with an empty body), ``reset`` (TCP reset before any
 response), ``400`` (a final bad-request error), ``429`` (too many requests), ``slow`` (answer after
-``slow_s``). Every request is recorded with the server's in-flight count at its arrival, so tests can
+``slow_s``); with ``pinned_to``, every request is answered 400 as a server serving another model. Every
+request is recorded with the server's in-flight count at its arrival, so tests can
 check the dispatcher's caps.
 """
 
@@ -52,6 +53,8 @@ class FaultPlan:
     """Random fault rates (0..1 each) for requests without directives, and the slow delay."""
 
     rates: dict[str, float] = field(default_factory=dict)
+    # When set, every chat request is answered 400 "Server is pinned to '<this>'" (a server of another run).
+    pinned_to: str | None = None
     slow_s: float = 0.5
     base_delay_s: float = 0.0
     seed: int = 0
@@ -247,6 +250,8 @@ class FaultServer:
                 plan = match.group(1).split(",")
                 return plan[attempt - 1] if attempt <= len(plan) else "ok"
             roll = self._random.random()
+        if self.plan.pinned_to is not None:
+            return "pinned"
         for fault in FAULTS:
             rate = self.plan.rates.get(fault, 0.0)
             if roll < rate:
@@ -277,6 +282,9 @@ class FaultServer:
             return True
         if fault == "400":
             await send_json(writer, 400, {"detail": "injected: bad request"})
+            return True
+        if fault == "pinned":
+            await send_json(writer, 400, {"detail": f"Server is pinned to '{self.plan.pinned_to}'"})
             return True
         if fault == "abort":
             # SGLang answers an aborted generation (server overloaded, request evicted) with HTTP 200.

@@ -7,7 +7,7 @@ Test infrastructure, not datagen code. Every slowness is real and comes from out
   Prefect API server included) so a test can check that none is left.
 * :class:`Trainer`: the stand-in trainer (:mod:`datagen.host.standin_trainer`) with an events file that
   counts its starts and the stop signals it received, across the restarts the runs make.
-* :class:`LockHolder`: another holder of the host GPU lock file (``$DATAGEN_STATE_DIR/locks/<name>.lock``).
+* :class:`LockHolder`: another holder of the box's GPU lock file (``$DATAGEN_LOCK_DIR/<name>.lock``).
 * :func:`write_fake_nvidia_smi`: an ``nvidia-smi`` early on ``PATH`` that sleeps on the probe's GPU query,
   then prints a recorded host from ``tests/fixtures/probe``.
 """
@@ -359,8 +359,8 @@ time.sleep(3600)
 class LockHolder:
     """Another process holding the host GPU lock file (an OS file lock), until :meth:`release`."""
 
-    def __init__(self, state_dir: Path, lock_name: str) -> None:
-        self.path = state_dir / "locks" / f"{lock_name}.lock"
+    def __init__(self, lock_dir: Path, lock_name: str) -> None:
+        self.path = lock_dir / f"{lock_name}.lock"
         self.process = subprocess.Popen(
             [sys.executable, "-c", HOLD_LOCK, str(self.path)], stdout=subprocess.PIPE, text=True
         )

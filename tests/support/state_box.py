@@ -95,6 +95,10 @@ class Box:
     def state_dir(self) -> Path:
         return Path(self.env["DATAGEN_STATE_DIR"])
 
+    @property
+    def lock_dir(self) -> Path:
+        return Path(self.env["DATAGEN_LOCK_DIR"])
+
     def run(self, run_id: str, **env: str) -> CliRun:
         """Start `datagen run --config X --run-id R` (the printed resume command is the same)."""
         run = CliRun(self.config, run_id, {**self.env, **env}, self.tmp / "transcript.txt", self.checkout)
@@ -233,7 +237,7 @@ def slow_down(box: Box, state: str) -> Slowness:
     """Make the run's way through ``state`` slow, from outside; before the run starts."""
     nothing = lambda: None  # noqa: E731
     if state == "waiting":
-        holder = LockHolder(box.state_dir, box.lock_name)
+        holder = LockHolder(box.lock_dir, box.lock_name)
         return Slowness(
             lambda: any("another run holds this host's GPUs" in line for _, line in box.runs[-1].lines),
             holder.release,

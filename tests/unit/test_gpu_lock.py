@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.errors import GpuLockTimeoutError
+from datagen.errors import GpuLockTimeoutError, GpuLockUnavailableError
 from datagen.host.gpu_lock import HostGpuLock, current_holder, hold_gpu_lock, is_held, lock_path, read_holder
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,9 +30,9 @@ time.sleep(60)
 """
 
 
-def test_lock_names_are_safe_file_names_under_the_state_dir(tmp_path: Path) -> None:
+def test_lock_names_are_safe_file_names_in_the_lock_dir(tmp_path: Path) -> None:
     path = lock_path(tmp_path, "datagen-gpus-box/../1 x")
-    assert path.parent == tmp_path / "locks"
+    assert path.parent == tmp_path
     assert path.name == "datagen-gpus-box-..-1-x.lock"
 
 
@@ -130,7 +131,7 @@ def test_the_gpu_lock_command_says_free_or_who_holds_it(
 ) -> None:
     env = {
         **os.environ,
-        "DATAGEN_STATE_DIR": str(tmp_path),
+        "DATAGEN_LOCK_DIR": str(tmp_path),
         "DATAGEN_GPU_LOCK": "box-7",
         "PYTHONPATH": str(REPO),
     }
@@ -147,3 +148,24 @@ def test_the_gpu_lock_command_says_free_or_who_holds_it(
     assert held.stdout.startswith("held: run night-3 (flow run f-1, pid ")
     after = subprocess.run(command, env=env, capture_output=True, text=True, check=False)
     assert after.returncode == 0 and "free (last held by run night-3" in after.stdout
+
+
+def test_the_lock_folder_and_file_open_to_every_user_of_the_box_whatever_the_umask(tmp_path: Path) -> None:
+    path = lock_path(tmp_path / "run" / "lock" / "datagen", "gpus")
+    previous = os.umask(0o077)
+    try:
+        lock = HostGpuLock(path)
+        assert lock.try_acquire(current_holder("run-a", None))
+        lock.release()
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o777
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666
+
+
+def test_a_lock_that_cannot_be_opened_refuses_with_the_fix(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.raises(GpuLockUnavailableError) as refused:
+        HostGpuLock(lock_path(blocker / "datagen", "gpus")).try_acquire(current_holder("run-a", None))
+    assert "DATAGEN_LOCK_DIR" in str(refused.value) and str(blocker / "datagen") in str(refused.value)

@@ -290,3 +290,21 @@ def test_a_corrupt_tokenizer_json_is_refused_before_anything_stops(
         run_preflight(_config(tmp_path, broken))
     (problem,) = raised.value.problems
     assert problem.startswith("model and tokenizer:") and "tokenizer" in problem, problem
+
+
+def test_a_box_gpu_lock_this_user_cannot_open_is_refused_with_the_fix(
+    tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datagen.settings import get_settings
+
+    not_a_folder = tmp_path / "lock-file-in-the-way"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("DATAGEN_LOCK_DIR", str(not_a_folder / "datagen"))
+    get_settings.cache_clear()
+    try:
+        with pytest.raises(PreflightError) as raised:
+            run_preflight(_config(tmp_path, tiny_model_dir))
+    finally:
+        get_settings.cache_clear()
+    (problem,) = [line for line in raised.value.problems if "GPU lock" in line]
+    assert str(not_a_folder / "datagen") in problem and "DATAGEN_LOCK_DIR" in problem

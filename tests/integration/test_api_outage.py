@@ -1,0 +1,141 @@
+"""Prefect's API is not on the generation path: with the API frozen mid-generation, answers keep coming.
+
+A real `datagen run` (with its own temporary Prefect API server) sends to a fault-injecting OpenAI-compatible
+server that answers at a steady rate. Mid-generation the API server is frozen (SIGSTOP: every API call hangs,
+worse than a refused connection) for :data:`OUTAGE_S`, then thawed. The answer rate during the outage stays
+within 20% of the rate just before it (the old scheduler updated the progress artifact itself and started no
+shard while Prefect's client waited), and the run still ends Completed, every request answered once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.prefect_db import seed_prefect_home
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = 800
+SHARD_SIZE = 10
+IN_FLIGHT = 4
+ANSWER_S = 0.1
+RUNNING_SHARDS = 3
+BASELINE_S = 5.0
+OUTAGE_S = 12.0
+RUN_TIMEOUT_S = 300
+API_SERVER_ARGV = b"prefect.server.api.server:create_app"
+
+
+def _api_server(parent: int) -> int | None:
+    """The temporary API server the `datagen run` process ``parent`` started (its child)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            argv = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if f"\nPPid:\t{parent}\n" in status and API_SERVER_ARGV in argv:
+            return int(proc.name)
+    return None
+
+
+def _answered_between(server: FaultServer, start: float, end: float) -> int:
+    return sum(start <= request.arrived_at < end for request in server.chat_requests())
+
+
+def test_generation_goes_on_at_full_speed_while_the_prefect_api_is_frozen(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": "user", "content": f"Outage question {i:04d}?"}]}) + "\n"
+            for i in range(PROMPTS)
+        )
+    )
+    with FaultServer(FaultPlan(base_delay_s=ANSWER_S)) as server:
+        config = tmp_path / "run.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "model": {"path": str(tiny_model_dir)},
+                    "fleet": {
+                        "engine": "external",
+                        "external_urls": [server.url],
+                        "max_inflight_per_server": IN_FLIGHT,
+                    },
+                    "sampling": {"temperature": 0.7, "max_tokens": 8},
+                    "datasets": [
+                        {
+                            "name": "outage",
+                            "format": "openai_messages",
+                            "path": str(prompts),
+                            "shard_size": SHARD_SIZE,
+                        }
+                    ],
+                    "output": str(tmp_path / "out"),
+                    "protected_prefixes": [str(tmp_path / "train")],
+                    # Few shards at once: new ones must keep starting for the fleet to stay busy.
+                    "generation": {
+                        "checkpoint_interval_s": 0.5,
+                        "backoff_initial_s": 0.05,
+                        "max_concurrent_shards": RUNNING_SHARDS,
+                    },
+                    "training": {"kind": "none"},
+                }
+            )
+        )
+        env = {
+            **os.environ,
+            "DATAGEN_STATE_DIR": str(tmp_path / "state"),
+            "PREFECT_HOME": str(seed_prefect_home(tmp_path / "prefect-home")),
+            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        }
+        env.pop("PREFECT_API_URL", None)
+        run = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), "--run-id", "outage-1"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(tmp_path / "run.err", "w"),  # noqa: SIM115 - closed with the process
+            start_new_session=True,
+        )
+        api: int | None = None
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while len(server.chat_requests()) < 50:  # generation under way, at its steady rate
+                assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.err").read_text()
+                time.sleep(0.05)
+            time.sleep(BASELINE_S)
+            api = _api_server(run.pid)
+            assert api is not None, "the run's temporary API server was not found"
+            frozen = time.monotonic()
+            os.kill(api, signal.SIGSTOP)
+            time.sleep(OUTAGE_S)
+            os.kill(api, signal.SIGCONT)
+            thawed = time.monotonic()
+            code = run.wait(RUN_TIMEOUT_S)
+        finally:
+            if api is not None:
+                with contextlib.suppress(ProcessLookupError):  # ended with the run
+                    os.kill(api, signal.SIGCONT)
+            if run.poll() is None:
+                os.killpg(run.pid, signal.SIGKILL)
+                run.wait()
+        baseline = _answered_between(server, frozen - BASELINE_S, frozen) / BASELINE_S
+        during = _answered_between(server, frozen, thawed) / (thawed - frozen)
+        keys = [request.body["messages"][-1]["content"] for request in server.chat_requests() if request.body]
+    err = (tmp_path / "run.err").read_text()
+    assert code == 0, err[-3000:]
+    assert during >= 0.8 * baseline, f"{during:.1f} answers/s while the API was away, {baseline:.1f} before"
+    assert len(keys) == len(set(keys)) == PROMPTS, "every request exactly once"

@@ -1,0 +1,98 @@
+"""What recorded failures decide: which are sent again by --retry-failed, and when a run may not publish."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from datagen.errors import TooManyFailuresError
+from datagen.generation.failures import check_failed_share, is_retryable
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
+from datagen.records import FailureRecord, ShardSummary
+
+LAYOUT = RunLayout("failures")
+
+
+def _failure(error_type: str, reason: str = "", status: int | None = None, key: int = 0) -> FailureRecord:
+    return FailureRecord(
+        prompt_id=f"p{key}", dataset="d", reason=reason, error_type=error_type, attempts=1, last_status=status
+    )
+
+
+@pytest.mark.parametrize(
+    ("failure", "retryable"),
+    [
+        (_failure("retries_exhausted", "retries exhausted after 5 attempts; last error: reset"), True),
+        (_failure("repeated_internal_error", "HTTP 500 from 2 server(s)"), True),
+        (_failure("http_503", "HTTP 503: busy", 503), True),
+        (_failure("http_429", "HTTP 429: slow down", 429), True),
+        (_failure("http_404", "HTTP 404: The model `qwen` does not exist.", 404), True),
+        (_failure("http_400", 'HTTP 400: {"detail":"Server is pinned to \'other-model\'"}', 400), True),
+        (_failure("http_400", "HTTP 400: model 'x' not found", 400), True),
+        (_failure("http_400", "HTTP 400: maximum context length is 4096 tokens", 400), False),
+        (_failure("http_422", "HTTP 422: invalid request", 422), False),
+        (_failure("invalid_tool_arguments", "arguments are not JSON"), False),
+        (_failure("unrenderable_prompt", "template refused it"), False),
+    ],
+)
+def test_only_failures_whose_reason_is_not_the_prompts_own_are_sent_again(
+    failure: FailureRecord, retryable: bool
+) -> None:
+    assert is_retryable(failure) is retryable
+
+
+def _shard(
+    store: Store, dataset: str, index: int, requests: int, failures: list[FailureRecord]
+) -> ShardSummary:
+    path = LAYOUT.failures(dataset, index)
+    store.write_jsonl(path, failures)
+    reasons: dict[str, int] = {}
+    for failure in failures:
+        reasons[failure.error_type] = reasons.get(failure.error_type, 0) + 1
+    return ShardSummary(
+        dataset=dataset,
+        shard_index=index,
+        requests=requests,
+        completions=requests - len(failures),
+        failures=len(failures),
+        generation_s=1.0,
+        completions_path=LAYOUT.completions(dataset, index),
+        failures_path=path,
+        failure_reasons=reasons,
+    )
+
+
+def test_a_run_within_the_failed_share_publishes_one_past_it_fails_naming_the_dominant_reason(
+    tmp_path: Path,
+) -> None:
+    store = Store(str(tmp_path / "out"))
+    healthy = [_shard(store, "d", 0, 1000, [_failure("http_503", "HTTP 503: busy", 503)])]
+    check_failed_share(store, healthy, 0.01)  # 0.1%: publishes
+
+    pinned = "HTTP 400: Server is pinned to 'other'"
+    broken = [
+        _shard(store, "e", 0, 100, [_failure("http_400", pinned, 400, key=i) for i in range(3)]),
+        _shard(store, "e", 1, 100, [_failure("retries_exhausted", "reset", key=9)]),
+    ]
+    with pytest.raises(TooManyFailuresError) as refused:
+        check_failed_share(store, broken, 0.01)
+    message = str(refused.value)
+    assert message.startswith("4 of 200 requests failed (2.0% > generation.max_failed_share 1.0%)")
+    assert "most: http_400 x3 (HTTP 400: Server is pinned to 'other')" in message
+    assert "--retry-failed" in message and "the 4 failed requests" in message
+
+
+def test_a_dataset_without_one_answer_fails_the_run_whatever_the_share(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "out"))
+    shards = [
+        _shard(store, "big", 0, 10_000, []),
+        _shard(
+            store, "tiny", 0, 2, [_failure("http_400", "HTTP 400: too long", 400, key=i) for i in range(2)]
+        ),
+    ]
+    with pytest.raises(TooManyFailuresError) as refused:
+        check_failed_share(store, shards, 0.01)
+    assert str(refused.value).startswith("every request of dataset(s) tiny failed")
+    assert "None of them is worth sending again" in str(refused.value)
