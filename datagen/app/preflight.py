@@ -406,9 +406,11 @@ def _refuse_the_trainers_environment(pids: list[int]) -> None:
     Installing datagen and its serving stack there once moved the trainer's torch to another CUDA build and
     the restarted training ran out of memory; the serving stack belongs in an environment of its own.
     """
-    from datagen.host.trainer_env import read_process_environment, shares_environment
+    from datagen.host.trainer_env import is_standin_trainer, read_process_environment, shares_environment
 
-    trainer = read_process_environment(pids[0]) if pids else None
+    if not pids or is_standin_trainer(pids[0]):
+        return  # datagen's own stand-in (the demo, the tests): part of datagen, nothing of a trainer's to keep
+    trainer = read_process_environment(pids[0])
     if trainer is None:
         return
     shared = shares_environment(trainer)

@@ -109,6 +109,14 @@ def process_interpreter(pid: int) -> str | None:
     return exe
 
 
+def is_standin_trainer(pid: int) -> bool:
+    """Whether ``pid`` runs datagen's own stand-in trainer (:mod:`datagen.host.standin_trainer`)."""
+    return any(
+        part == "datagen.host.standin_trainer" or part.endswith("/standin_trainer.py")
+        for part in _cmdline(pid)
+    )
+
+
 def read_environment(interpreter: str, extra_env: dict[str, str] | None = None) -> TrainerEnvironment | None:
     """What ``interpreter`` sees now: its prefix, path, distributions, torch, and the host's driver.
 
