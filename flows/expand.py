@@ -606,7 +606,7 @@ def _expand(
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
             return _run(
-                resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), request.retry_failed
+                resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), bool(request.retry_failed)
             )
 
 

@@ -83,8 +83,8 @@ class RunRequest(BaseModel):
     datasets: list[Slug] | None = Field(
         default=None, description="Run only these of the config's datasets (by name); all when unset."
     )
-    retry_failed: bool = Field(
-        default=False,
+    retry_failed: bool | None = Field(
+        default=None,
         description="With the run_id of a run that ended Failed: send again its failed requests whose reason "
         "was not the prompt's own (server errors, resets, timeouts, a wrong server or model).",
     )
@@ -110,7 +110,12 @@ class HostRequest(RunRequest):
         """The host parts' request of a run started with ``request`` and resolved to ``resolved``."""
         assert resolved.run_id is not None, "the parent resolves the run id first"
         return cls.model_validate(
-            {**request.model_dump(exclude_none=True), "run_id": resolved.run_id, "output": resolved.output}
+            {
+                # Retrying failures is the parent's (it sends the requests); a host part only serves.
+                **request.model_dump(exclude_none=True, exclude={"retry_failed"}),
+                "run_id": resolved.run_id,
+                "output": resolved.output,
+            }
         )
 
 
