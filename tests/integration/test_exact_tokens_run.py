@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.support.generate_server import GenerateServer, ServedAnswer
+from tests.support.generate_server import SERVED_MODEL, GenerateServer, ServedAnswer
 from tests.support.qwen import tokenizer_with_template
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,7 +77,8 @@ def _config(tmp_path: Path, tokenizer_dir: Path, url: str) -> Path:
     chat, tools = _write_prompts(tmp_path)
     config = {
         "run_id": RUN_ID,
-        "model": {"path": str(tokenizer_dir)},  # external servers: only the tokenizer is read here
+        # External servers: only the tokenizer is read here; they serve the model under their own name.
+        "model": {"path": str(tokenizer_dir), "served_name": SERVED_MODEL},
         "fleet": {"engine": "external", "external_urls": [url], "max_inflight_per_server": 4},
         "sampling": {"temperature": 0.7, "max_tokens": 40},
         "datasets": [
