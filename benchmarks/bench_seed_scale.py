@@ -312,7 +312,7 @@ def write_config(
     }
     config = {
         "run_id": RUN_ID,
-        "model": {"path": str(model)},
+        "model": {"path": str(model), "served_name": "sim"},  # what the simulated servers list
         "fleet": {
             "engine": "external",
             "external_urls": urls,

@@ -210,7 +210,7 @@ def _config(
             message = {"role": "user", "content": f"question {index:04d}: explain it."}
             handle.write(json.dumps({"messages": [message]}) + "\n")
     return {
-        "model": {"path": str(tiny_model_dir)},
+        "model": {"path": str(tiny_model_dir), "served_name": "sim"},  # the simulated servers serve "sim"
         "fleet": {
             "engine": "external",
             "external_urls": stack.urls[HOSTS[0]],
