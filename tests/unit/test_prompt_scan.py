@@ -185,6 +185,16 @@ time.sleep(600)
 """
 
 
+def _ignores(pid: int, *signums: signal.Signals) -> bool:
+    """Whether ``pid`` ignores every one of ``signums`` (its SigIgn mask in /proc)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), 16)
+    return all(mask & (1 << (signum - 1)) for signum in signums)
+
+
 def test_a_worker_whose_parent_was_killed_stops_and_ignores_signals_to_its_group(tmp_path: Path) -> None:
     data = metamath_file(tmp_path / "m.json", 400_000)
     parent = subprocess.Popen(
@@ -195,7 +205,8 @@ def test_a_worker_whose_parent_was_killed_stops_and_ignores_signals_to_its_group
     try:
         assert _wait_for(lambda: bool(_workers_of(tmp_path / "scans")), 60)
         (worker,) = _workers_of(tmp_path / "scans")
-        time.sleep(1.0)  # past the worker's imports: its own signal handling is in place
+        # Once its own signal handling is in place (SIGINT and SIGTERM ignored; a busy box imports slowly).
+        assert _wait_for(lambda: _ignores(worker, signal.SIGINT, signal.SIGTERM), 60)
         os.kill(worker, signal.SIGINT)  # a terminal's Ctrl-C reaches the whole group: the parent decides
         os.kill(worker, signal.SIGTERM)
         time.sleep(0.5)
