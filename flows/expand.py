@@ -530,8 +530,9 @@ class CheckedFlow(Flow[..., R]):
     A deployment's flow run gets its parameters from whoever started it. ``check`` (a request model of
     :mod:`datagen.app.request`) refuses a value that is no run choice (a run id that climbs, a config the box
     lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
-    A parameter the signature lacks (``config_path``, ``training``...) Prefect refuses on a worker one step
-    earlier, naming it; ``check`` refuses it too when the flow is called in-process.
+    A parameter the signature lacks (``config_path``, ``training``...) the server refuses at create-flow-run
+    (``datagen deploy`` closes the deployments' parameter schemas), and Prefect on a worker for a run that
+    skipped that check; ``check`` refuses it too when the flow is called in-process.
     """
 
     def __init__(

@@ -476,8 +476,9 @@ def deploy(
     Calls `prefect deploy` on deployments/prefect.yaml from the checkout's root (any working folder
     works) against the configured PREFECT_API_URL (with PREFECT_API_AUTH_STRING when the server asks for
     it), creating or updating the work pool with deployments/work-pool.json as its job template: the
-    command and environment of a run are the pool's, not the run's. Workers then run the flow from their own
-    checkout and refuse to run another commit than the one deployed.
+    command and environment of a run are the pool's, not the run's; then closes each deployment's parameters
+    to the flow's own, so the server refuses a run that sends another. Workers then run the flow from their
+    own checkout and refuse to run another commit than the one deployed.
     """
     from datagen.app.deploy import deploy as deploy_checkout
     from datagen.errors import ConfigError

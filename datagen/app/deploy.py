@@ -9,6 +9,11 @@ That template is the box's, not the run's: the command the worker starts, its en
 folder are fixed in ``job_configuration`` and left out of the per-run ``variables`` schema, which allows no
 other keys. So the server refuses (HTTP 422) a run that sends job variable ``command``, ``env`` or
 ``working_dir``, and the flow refuses one that reached a worker some other way (:func:`refused_job_variables`).
+
+The deployments' parameters are the run's choices and nothing else: after ``prefect deploy`` each deployment's
+parameter schema is closed (``"additionalProperties": false``, which Prefect's deploy leaves out) with its
+enforcement on, so the server refuses (HTTP 409, naming the parameter) a run that sends one the flow does not
+have (``training``, ``fleet``, ``config_path``...) before any flow run exists.
 """
 
 from __future__ import annotations
@@ -33,11 +38,11 @@ POOL_TEMPLATE = Path("deployments") / "work-pool.json"
 PREFECT_TIMEOUT_S = 600.0
 
 
-def _deployments(prefect_file: Path) -> list[tuple[str, str | None]]:
-    """(name, work pool name) of every deployment in the file."""
+def _deployments(prefect_file: Path) -> list[tuple[str, str | None, str]]:
+    """(name, work pool name, entrypoint) of every deployment in the file."""
     data = yaml.safe_load(prefect_file.read_text()) or {}
     return [
-        (str(entry["name"]), (entry.get("work_pool") or {}).get("name"))
+        (str(entry["name"]), (entry.get("work_pool") or {}).get("name"), str(entry.get("entrypoint") or ""))
         for entry in data.get("deployments") or []
         if entry.get("name")
     ]
@@ -57,6 +62,9 @@ def _prefect(args: list[str], repo: Path) -> subprocess.CompletedProcess[str]:
 def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[int, str]:
     """Create or update the deployments of ``deployments/prefect.yaml`` against the configured Prefect API.
 
+    The work pool first (its template), then ``prefect deploy``, then each deployment's parameter schema
+    closed to the flow's own parameters (:func:`closed_schema`).
+
     Args:
         repo: The checkout; the one holding the installed datagen package when None.
         names: Deployment names to deploy (all when None).
@@ -74,16 +82,16 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
     if not prefect_file.is_file():
         raise ConfigError(f"{root} has no {PREFECT_FILE}: run datagen deploy from a datagen checkout.")
     known = _deployments(prefect_file)
-    unknown = sorted(set(names or []) - {name for name, _ in known})
+    unknown = sorted(set(names or []) - {name for name, _, _ in known})
     if unknown:
         raise ConfigError(
             f"{prefect_file} has no deployment named {', '.join(unknown)}; it has: "
-            + ", ".join(name for name, _ in known)
+            + ", ".join(name for name, _, _ in known)
         )
-    chosen = [(name, pool) for name, pool in known if not names or name in names]
+    chosen = [entry for entry in known if not names or entry[0] in names]
     output: list[str] = []
     template = str(root / POOL_TEMPLATE)
-    for pool in sorted({pool for _, pool in chosen if pool}):
+    for pool in sorted({pool for _, pool, _ in chosen if pool}):
         # `update` changes the template alone (a paused pool stays paused, its concurrency limit stays);
         # `create --overwrite` would reset them.
         if _prefect(["work-pool", "inspect", pool], root).returncode == 0:
@@ -102,11 +110,60 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
         # (which must stay clean: a changed file there would make the version "-dirty").
         deploy_file = _with_version(prefect_file, version, Path(folder)) if version else prefect_file
         args = ["--no-prompt", "deploy", "--prefect-file", str(deploy_file)]
-        for name, _ in chosen:
+        for name, _, _ in chosen:
             args += ["--name", name]
         result = _prefect(args, root)
     output.append(result.stdout + result.stderr)
-    return result.returncode, "".join(output)
+    if result.returncode != 0:
+        return result.returncode, "".join(output)
+    code, said = _close_parameter_schemas({(name, entrypoint) for name, _, entrypoint in chosen}, root)
+    output.append(said)
+    return code, "".join(output)
+
+
+def closed_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
+    """``schema`` (a deployment's parameter schema) allowing no top-level parameter it does not list."""
+    return {**schema, "additionalProperties": False}
+
+
+def _close_parameter_schemas(chosen: set[tuple[str, str]], root: Path) -> tuple[int, str]:
+    """Close the parameter schema of the deployments ``prefect deploy`` just wrote, enforcement on.
+
+    Prefect builds a deployment's schema from the flow's signature without ``additionalProperties``, so its
+    server takes any extra parameter at create-flow-run, and Prefect on the worker then crashes the run on
+    it. With the schema closed and ``enforce_parameter_schema`` on, the server refuses such a run at once.
+    ``chosen`` holds (name, entrypoint) pairs: a name alone may also be another flow's deployment.
+    """
+    names = sorted({name for name, _ in chosen})
+    listed = _prefect(
+        [
+            "api",
+            "POST",
+            "/deployments/filter",
+            "--data",
+            json.dumps({"deployments": {"name": {"any_": names}}}),
+        ],
+        root,
+    )
+    if listed.returncode != 0:
+        return listed.returncode, f"listing the deployments failed: {listed.stdout}{listed.stderr}"
+    found = [entry for entry in json.loads(listed.stdout) if (entry["name"], entry["entrypoint"]) in chosen]
+    missing = chosen - {(entry["name"], entry["entrypoint"]) for entry in found}
+    if missing:
+        return 1, "prefect deploy left no deployment " + ", ".join(sorted(name for name, _ in missing)) + "\n"
+    said = []
+    for entry in found:
+        update = {
+            "parameter_openapi_schema": closed_schema(entry["parameter_openapi_schema"] or {}),
+            "enforce_parameter_schema": True,
+        }
+        patched = _prefect(
+            ["api", "PATCH", f"/deployments/{entry['id']}", "--data", json.dumps(update)], root
+        )
+        if patched.returncode != 0:
+            return patched.returncode, f"closing the parameters of {entry['name']} failed: {patched.stderr}"
+        said.append(f"deployment={entry['name']} parameters=closed (no parameter but the flow's own)\n")
+    return 0, "".join(said)
 
 
 def _with_version(prefect_file: Path, version: str, folder: Path) -> Path:

@@ -3,8 +3,9 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 
 * the README's steps run the CPU demo (two `transformers serve` servers, the tiny model) and `--watch` exits 0;
 * a bad dataset path makes `--watch` exit non-zero and print why, in one line and without a traceback;
-* runs that send what only the box's config decides (a climbing run id, a training restart command) are
-  refused before the flow starts, and the old whole-config payload by the server's parameter check;
+* runs that send what only the box's config decides (one per vector of docs/security.md) are refused before
+  anything runs: by the server at create-flow-run (a parameter the flow does not have, the old whole-config
+  payload), or by the flow in one line naming the field (a climbing run id, an output at the protected corpus);
 * two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -181,14 +183,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
         # Every deployment carries the clone's commit, which the flow checks on the worker.
-        versions = {
-            found["name"]: found["version"]
-            for found in prefect.api.post("/deployments/filter", json={}).json()
-        }
+        deployments = prefect.api.post("/deployments/filter", json={}).json()
+        versions = {found["name"]: found["version"] for found in deployments}
         expected = code_version(clone)
         assert versions == dict.fromkeys(["expand-host", "expand-manual", "expand-nightly"], expected), (
             versions
         )
+        # ... and takes no parameter but its flow's own: the server refuses any other at create-flow-run.
+        for found in deployments:
+            assert found["parameter_openapi_schema"]["additionalProperties"] is False, found["name"]
+            assert found["enforce_parameter_schema"] is True, found["name"]
         # Two for the whole module (the overlap test needs both): a second one started by that test alone made it
         # wait ~5 s for the worker to come up, where an idle worker's polls cost ~0.01 CPU-s a second.
         for index in (1, 2):
@@ -240,50 +244,165 @@ def test_a_bad_dataset_path_fails_the_watch_with_the_reason(stack: Stack, tmp_pa
     assert not restarts.exists(), "training was restarted although preflight refused to halt it"
 
 
-def test_a_run_sending_what_only_the_box_decides_is_refused_before_anything_runs(
-    stack: Stack, tmp_path: Path
-) -> None:
-    restarts = tmp_path / "restarts.txt"
-    training = _restart_marking(restarts)
-    store = stack.clone / "runs" / "_demo" / "store"
-    secret = stack.clone / "runs" / "secret"
-    secret.mkdir(parents=True, exist_ok=True)
-    (secret / "config.json").write_text('{"planted": "TOPSECRET-3f9a"}')
-    # A run id that climbs out of the run's folder: the flow refuses it in one line before any key is built.
-    climbing = stack.start("expand/expand-manual", config="demo-worker", run_id="../../secret")
-    # A config field sent as a parameter of its own: the server takes it (the schema lists the parameters, it
-    # does not forbid others), and Prefect refuses it on the worker before it calls the flow.
-    extra = stack.start(
-        "expand/expand-manual", config="demo-worker", run_id="vector-restart", training=training
-    )
-    # The old payload, the whole config: refused by the server at create-flow-run (`config` is a name).
+@dataclass
+class Vector:
+    """One way a run's parameters reached the box (docs/security.md), sent through create-flow-run.
+
+    ``field`` is what the refusal names: the server's 409 for a parameter the flow does not have or a value of
+    the wrong type; the run's Failed state for a value of an allowed parameter the flow refuses (``flow=True``);
+    Prefect's refusal on the worker for a run that turned the server's check off (``unchecked=True``).
+    """
+
+    deployment: str
+    parameters: dict[str, Any]
+    field: str
+    flow: bool = False
+    unchecked: bool = False
+
+
+class Vectors:
+    """Every vector sent at once, and each one's answer (the runs created, waited for together)."""
+
+    def __init__(self, root: Path, sleeper: subprocess.Popen[bytes]) -> None:
+        self.marks = root / "marks"  # what a command of the caller's would create
+        self.sleeper = sleeper  # the process a pidfile target would signal
+        self.sent: dict[str, Vector] = {}
+        self.answers: dict[str, httpx.Response] = {}
+        self.ends: dict[str, tuple[str, str, str]] = {}  # state type, state message, log
+
+
+# One per vector of docs/security.md ("What each run parameter can reach"), and the host part's deployment.
+VECTOR_NAMES = [
+    "restart-command",
+    "fleet-env",
+    "remote-code",
+    "climbing-run-id",
+    "config-path",
+    "dataset-path",
+    "external-urls",
+    "pidfile",
+    "protected-prefixes",
+    "output-at-corpus",
+    "whole-config",
+    "host-part-training",
+    "unchecked-training",
+]
+
+
+def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str, Vector]:
+    manual, host = "expand/expand-manual", "expand-host/expand-host"
+    base = {"config": "demo-worker"}
+    restart = {
+        "kind": "none",
+        "restart_after_run": True,
+        "restart_command": ["touch", str(marks / "restart")],
+    }
+    corpus = str(stack.clone / "datagen" / "samples")  # demo-worker's protected prefix
     whole = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
-    whole["training"] = training
-    found = stack.prefect.api.get("/deployments/name/expand/expand-manual").json()
-    created = stack.prefect.api.post(
-        f"/deployments/{found['id']}/create_flow_run", json={"parameters": {"config": whole}}
-    )
-    assert created.status_code in {409, 422}, created.text
-    assert "'config'" in created.text, created.text
+    host_part = {"run_id": "host-vector", "host": "box-a", "attempt_id": "attempt-1"}
+    return {
+        "restart-command": Vector(manual, {**base, "training": restart}, "'training'"),
+        "fleet-env": Vector(
+            manual,
+            {**base, "fleet": {"env": {"PYTHONSTARTUP": str(secret), "LD_PRELOAD": "x.so"}}},
+            "'fleet'",
+        ),
+        "remote-code": Vector(
+            manual,
+            {**base, "model": {"path": str(marks)}, "fleet": {"extra_args": ["--trust-remote-code"]}},
+            "'fleet', 'model'",
+        ),
+        "climbing-run-id": Vector(manual, {**base, "run_id": "../../secret"}, "run_id: ", flow=True),
+        "config-path": Vector(manual, {**base, "config_path": str(secret)}, "'config_path'"),
+        "dataset-path": Vector(
+            manual, {**base, "datasets": [{"name": "x", "format": "jsonl", "path": str(secret)}]}, "'datasets"
+        ),
+        "external-urls": Vector(
+            manual, {**base, "fleet": {"external_urls": ["http://127.0.0.1:9"]}}, "'fleet'"
+        ),
+        "pidfile": Vector(
+            manual, {**base, "training": {"kind": "pidfile", "pidfile": str(pidfile)}}, "'training'"
+        ),
+        "protected-prefixes": Vector(
+            manual, {**base, "protected_prefixes": [], "output": corpus}, "'protected_prefixes'"
+        ),
+        "output-at-corpus": Vector(
+            manual, {**base, "output": corpus, "run_id": "at-corpus"}, "output: ", flow=True
+        ),
+        "whole-config": Vector(manual, {"config": {**whole, "training": restart}}, "'config'"),
+        "host-part-training": Vector(host, {**base, **host_part, "training": restart}, "'training'"),
+        "unchecked-training": Vector(
+            manual, {**base, "run_id": "unchecked", "training": restart}, "'training'", unchecked=True
+        ),
+    }
 
-    state, log = stack.finish(climbing)
-    assert state == "FAILED", log[-3000:]
-    # The run's state says why, in one line (what `prefect deployment run --watch` and the UI show).
-    message = stack.flow_run(climbing)["state"]["message"]
-    assert message == (
-        "Validation of flow parameters failed with error: ConfigError: Run parameters refused, nothing "
-        "started: run_id: use 1-80 lowercase letters, digits, '.', '_' or '-', starting with a letter or digit"
-    ), message
-    assert "TOPSECRET" not in log and "stage=preflight" not in log, log[-3000:]
 
-    state, log = stack.finish(extra)
-    assert state in {"FAILED", "CRASHED"}, log[-3000:]
-    assert "but was provided with parameters ['config', 'run_id', 'training']" in log, log[-3000:]
-    assert "stage=preflight" not in log, "the flow started"
+@pytest.fixture(scope="module")
+def vectors(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Vectors]:
+    """Every vector of :func:`_vectors` sent through create-flow-run; the runs it created waited for together."""
+    root = tmp_path_factory.mktemp("vectors")
+    # Where `<output>/runs/../../secret/config.json` of the demo config lands: a climbing run id's target.
+    secret = stack.clone / "runs" / "_demo" / "secret" / "config.json"
+    secret.parent.mkdir(parents=True, exist_ok=True)
+    secret.write_text('{"planted": "TOPSECRET-3f9a"}')
+    found = Vectors(root, subprocess.Popen(["sleep", "900"]))
+    found.marks.mkdir()
+    pidfile = root / "training.pid"
+    pidfile.write_text(str(found.sleeper.pid))
+    corpus = stack.clone / "datagen" / "samples"  # demo-worker's protected prefix
+    before = _tree_digest(corpus)
+    try:
+        found.sent = _vectors(stack, found.marks, secret, pidfile)
+        assert list(found.sent) == VECTOR_NAMES
+        created = {}
+        for name, vector in found.sent.items():
+            deployment = stack.prefect.api.get(f"/deployments/name/{vector.deployment}").json()
+            payload: dict[str, Any] = {"parameters": vector.parameters}
+            if vector.unchecked:
+                payload["enforce_parameter_schema"] = False  # Prefect lets a run turn the server's check off
+            found.answers[name] = stack.prefect.api.post(
+                f"/deployments/{deployment['id']}/create_flow_run", json=payload
+            )
+            if found.answers[name].status_code == 201:
+                created[name] = found.answers[name].json()["id"]
+        for name, flow_run_id in created.items():
+            state, log = stack.finish(flow_run_id)
+            found.ends[name] = (state, str(stack.flow_run(flow_run_id)["state"]["message"]), log)
+        time.sleep(2)  # a restart would be detached: give it the time to show
+        assert _tree_digest(corpus) == before, "a run wrote into the protected corpus"
+        yield found
+    finally:
+        found.sleeper.kill()
+        found.sleeper.wait()
 
-    assert not (store / "runs" / "vector-restart").exists()
-    time.sleep(2)  # a restart would be detached: give it the time to show
-    assert not restarts.exists(), "the restart command ran"
+
+@pytest.mark.parametrize("name", VECTOR_NAMES)
+def test_a_run_sending_what_only_the_box_decides_is_refused_before_anything_runs(
+    stack: Stack, vectors: Vectors, name: str
+) -> None:
+    vector, answer = vectors.sent[name], vectors.answers[name]
+    if vector.flow:
+        # A value of a parameter the run may set: the flow refuses it before any path is built or file read.
+        assert answer.status_code == 201, answer.text
+        state, message, log = vectors.ends[name]
+        assert state == "FAILED", log[-3000:]
+        assert "Run parameters refused, nothing started: " + vector.field in message, message
+        assert "TOPSECRET" not in message + log and "stage=preflight" not in log, log[-3000:]
+    elif vector.unchecked:
+        # Prefect on the worker refuses a parameter the flow's signature lacks, before it calls the flow.
+        assert answer.status_code == 201, answer.text
+        state, message, log = vectors.ends[name]
+        assert state in {"FAILED", "CRASHED"}, log[-3000:]
+        assert "but was provided with parameters ['config', 'run_id', 'training']" in log, log[-3000:]
+        assert "stage=preflight" not in log, "the flow started"
+    else:
+        # The server refuses it at create-flow-run (the deployment's closed parameter schema): no flow run.
+        assert answer.status_code == 409, answer.text
+        detail = answer.json()["detail"]
+        assert vector.field in detail and "TOPSECRET" not in detail, detail
+        assert name not in vectors.ends
+    assert not any(vectors.marks.iterdir()), "a command of the caller's ran"
+    assert vectors.sleeper.poll() is None, "the pidfile's process was signalled"
 
 
 def test_two_overlapping_runs_of_two_deployments_never_generate_at_once(stack: Stack, tmp_path: Path) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from datagen.app.deploy import pool_template, refused_job_variables
+import pytest
+
+from datagen.app.deploy import closed_schema, pool_template, refused_job_variables
 
 REPO = Path(__file__).resolve().parents[2]
 FIXED = ("command", "env", "working_dir")
@@ -38,3 +40,30 @@ def test_a_run_may_send_the_offered_variables_and_nothing_else() -> None:
         {"command": "touch /tmp/x", "env.LD_PRELOAD": "/tmp/x.so", "working_dir": "/tmp", "name": "x"},
         template,
     ) == ["command", "env.LD_PRELOAD", "working_dir"]
+
+
+def test_a_closed_parameter_schema_refuses_a_parameter_the_flow_does_not_have() -> None:
+    # The schema `prefect deploy` gives the flow, closed as `datagen deploy` closes it, checked by the function
+    # the server's create-flow-run calls (test_operations sends the same through a real server).
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import ValidationError, validate
+
+    from flows.expand import expand
+    from flows.host import expand_host
+
+    schema = parameter_schema(expand).model_dump_for_openapi()
+    assert "additionalProperties" not in schema  # what Prefect's deploy sends: any extra key passes
+    validate({"config": "demo-worker", "training": {}}, schema, raise_on_error=True)
+
+    for flow, allowed in (
+        (expand, {"config": "demo-worker", "run_id": "a-run", "sampling": {"seed": 1}}),
+        (expand_host, {"config": "demo-worker", "run_id": "a-run", "host": "a", "attempt_id": "b"}),
+    ):
+        closed = closed_schema(parameter_schema(flow).model_dump_for_openapi())
+        validate(allowed, closed, raise_on_error=True)
+        with pytest.raises(ValidationError) as refused:
+            validate({**allowed, "training": {}, "config_path": "/x"}, closed, raise_on_error=True)
+        assert str(refused.value) == (
+            "Validation failed. Failure reason: Additional properties are not allowed "
+            "('config_path', 'training' were unexpected)"
+        )

@@ -4,9 +4,9 @@ Every payload is what a create-flow-run call carries as the flow run's ``paramet
 shape (``configs/demo-worker.yaml`` with one field changed) and the field sent as a parameter of its own. Each
 goes to the deployed flow's ``validate_parameters``, what the flow engine calls before the flow body (so
 before any file is read or training halted), and must be refused with one line that names the field and quotes
-nothing sent; the markers show nothing ran, was read, sent, signalled or written. (On a worker, Prefect itself
-refuses a parameter the flow's signature lacks one step earlier, naming it: test_operations shows both through
-a real API.)
+nothing sent; the markers show nothing ran, was read, sent, signalled or written. (Through a real API the
+server refuses a parameter the flow's signature lacks at create-flow-run, the deployments' parameter schemas
+being closed by ``datagen deploy``: test_operations sends the same vectors there.)
 """
 
 from __future__ import annotations
