@@ -53,6 +53,12 @@ class Settings(BaseSettings):
         gt=0,
         description="How long a run waits for the GPUs while another run holds them before it fails.",
     )
+    progress_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=10,
+        description="How often a run refreshes its progress artifact and progress log line while generating.",
+    )
 
 
 @lru_cache(maxsize=1)

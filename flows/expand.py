@@ -33,6 +33,7 @@ from prefect.exceptions import ExternalSignal
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
+from prefect.states import Completed
 from pydantic import BaseModel
 
 import datagen.engines
@@ -55,6 +56,7 @@ from datagen.errors import (
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import check_failed_share, retryable_failures
+from datagen.generation.progress import GenerationProgress
 from datagen.generation.shard import latest_shard_summary
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
@@ -62,7 +64,7 @@ from datagen.output.manifest import read_manifest
 from datagen.output.runs import make_run_id, open_store
 from datagen.output.store import Store
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
-from datagen.settings import server_api_key
+from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.credentials import load_s3_credentials
@@ -101,8 +103,6 @@ FLOW_TASK_WORKERS = 256
 MAX_SHARD_TASKS = 224
 # How often the flow starts shard tasks when the dispatcher's backlog runs low (it holds seconds of work).
 SCHEDULE_INTERVAL_S = 0.2
-# How often the flow refreshes the progress bar and the terminal progress line.
-PROGRESS_INTERVAL_S = 5.0
 # How long the end of generation waits for its last progress update to reach the API (it never waits longer:
 # with the API away, the run goes on to the merge and reports there).
 PROGRESS_CLOSE_TIMEOUT_S = 5.0
@@ -165,8 +165,17 @@ def _summary_from_report(report: RunReport, store: Store, layout: RunLayout, com
         dataset_version=report.tokenize.get("dataset_version"),
         report_url=store.url(layout.report_md),
         manifest_url=store.url(layout.manifest),
+        dataset_version_url=report.tokenize.get("dataset_version_url"),
         training=report.training,
     )
+
+
+def _completed(summary: RunSummary) -> RunSummary:
+    """The run's Completed state, its message saying where everything landed (the run page shows it).
+
+    Prefect ends a flow run in the state its function returns; calling the flow still returns ``summary``.
+    """
+    return cast(RunSummary, Completed(message=summary.state_message(), data=summary))
 
 
 def _prepared_outcomes(
@@ -208,18 +217,19 @@ def _record_generation_window(
         get_run_logger().warning("generation time not recorded attempt=%s error=%s", attempt_id, error)
 
 
-def _progress_description(
-    answered: int, total: int, failures: int, stats: DispatcherStats, elapsed_s: float
-) -> str:
-    """The progress artifact's text: requests answered, failures, output tok/s and the ETA."""
-    rate = answered / elapsed_s if elapsed_s > 0 else 0.0
-    left = max(0, total - answered)
-    eta = f"{left / rate / 60:.1f} min" if rate > 0 and left else ("done" if not left else "unknown")
-    return (
-        f"{answered}/{total} requests answered, {failures} failed, {stats.tokens_per_s:.1f} output tok/s, "
-        f"ETA {eta} ({sum(stats.in_flight.values())} in flight, {stats.queued} queued, "
-        f"{stats.retries} retries)"
+def _progress(
+    answered: int, total: int, stats: DispatcherStats, elapsed_s: float
+) -> tuple[GenerationProgress, str]:
+    """Generation so far and the progress artifact's text: the one-line summary, then the dispatcher's queues."""
+    progress = GenerationProgress(
+        answered=answered,
+        total=total,
+        failed=stats.failed,
+        output_tokens=stats.output_tokens,
+        elapsed_s=elapsed_s,
     )
+    detail = f"{sum(stats.in_flight.values())} in flight, {stats.queued} queued, {stats.retries} retries"
+    return progress, f"{progress.line()} ({detail})"
 
 
 def _stored_summary(store: Store, layout: RunLayout, shard: PromptShardRef) -> ShardSummary:
@@ -310,11 +320,17 @@ class _ProgressPublisher:
 
 
 class _GenerationProgress:
-    """The progress bar and the periodic progress line; a failed read or update never fails the run."""
+    """The progress bar and the periodic progress line; a failed read or update never fails the run.
 
-    def __init__(self, dispatcher: Dispatcher) -> None:
+    ``started`` is when generation started (``time.monotonic()``): the report's generation wall time starts
+    there too, so the tok/s shown here is the report's definition (:mod:`datagen.generation.progress`).
+    The UI's Logs tab (the run page's default) refreshes every 5 s while the run runs: the progress line is
+    what a person watches there; the artifact carries the same line.
+    """
+
+    def __init__(self, dispatcher: Dispatcher, started: float) -> None:
         self.dispatcher = dispatcher
-        self.started = time.monotonic()
+        self.started = started
         self.last_report = 0.0
         self.publisher = _ProgressPublisher()
         self.publisher.publish(0.0, "Requests answered")
@@ -327,34 +343,26 @@ class _GenerationProgress:
         self, answered: int, total: int, shards_done: int, shards_total: int, *, force: bool = False
     ) -> None:
         now = time.monotonic()
-        if not force and now - self.last_report < PROGRESS_INTERVAL_S:
+        if not force and now - self.last_report < get_settings().progress_interval_s:
             return
         self.last_report = now
         logger = get_run_logger()
-        percent = min(100.0, 100.0 * answered / total) if total else 0.0
         try:
             stats = self.dispatcher.stats()
         except Exception as error:  # progress is for humans: never worth failing a run over
             logger.warning("progress read failed error=%s", error)
             return
-        self.publisher.publish(
-            100.0 if force else percent,
-            _progress_description(answered, total, stats.failed, stats, now - self.started),
-        )
+        progress, description = _progress(answered, total, stats, now - self.started)
+        self.publisher.publish(100.0 if force else progress.percent, description)
         logger.info(
-            "progress %.1f%% answered=%d/%d in_flight=%d queued=%d backlog=%d shards_done=%d/%d tok/s=%.1f "
-            "req/s=%.1f elapsed_s=%.0f",
-            percent,
-            answered,
-            total,
+            "progress %s | in_flight=%d queued=%d backlog=%d shards_done=%d/%d req/s=%.1f",
+            progress.line(),
             sum(stats.in_flight.values()),
             stats.queued,
             stats.backlog,
             shards_done,
             shards_total,
-            stats.tokens_per_s,
             stats.requests_per_s,
-            now - self.started,
         )
 
 
@@ -365,13 +373,15 @@ def _generate_all(
     dispatcher: Dispatcher,
     store: Store,
     retry_failed: bool = False,
+    started: float | None = None,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
     """Run one task per shard, started as datasets are prepared, so the dispatcher's backlog never runs dry.
 
     A shard task registers all its requests with the dispatcher as one stream; the dispatcher admits
     requests (not shards) as slots free. A new shard task starts whenever the requests registered but not
     yet admitted (plus those of shard tasks still starting) fall below the dispatcher's admission limit,
-    so work is always waiting, however long the slowest request of any shard takes.
+    so work is always waiting, however long the slowest request of any shard takes. ``started`` is when
+    generation started (the report's wall time starts there; default: now).
     """
     logger = get_run_logger()
     pending: deque[PromptShardRef] = deque()
@@ -382,7 +392,7 @@ def _generate_all(
     errors: list[BaseException] = []
     total_requests = 0
     max_tasks = _max_shard_tasks(config)
-    progress = _GenerationProgress(dispatcher)
+    progress = _GenerationProgress(dispatcher, time.monotonic() if started is None else started)
     shard_progress = ShardProgress()
 
     def take_prepared(block: bool) -> None:
@@ -494,7 +504,7 @@ def _generate_on_hosts(
         nonlocal wall_s, finished
         started = time.monotonic()
         try:
-            result = _generate_all(config, run, prepared_futures, dispatcher, store, retry_failed)
+            result = _generate_all(config, run, prepared_futures, dispatcher, store, retry_failed, started)
             finished = True
             return result
         finally:
@@ -606,9 +616,10 @@ def _expand(
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
-            return _run(
+            summary = _run(
                 resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), bool(request.retry_failed)
             )
+        return _completed(summary)
 
 
 def _check_parameters(parameters: dict[str, Any]) -> None:
@@ -640,7 +651,8 @@ def _expand_config(
         if config_name is not None:
             hosts = HostRequest(config=config_name, run_id=resolved.run_id, output=resolved.output)
         with contextlib.ExitStack() as gpu_lock:
-            return _run(resolved, flow_run_id, gpu_lock, hosts, retry_failed)
+            summary = _run(resolved, flow_run_id, gpu_lock, hosts, retry_failed)
+        return _completed(summary)
 
 
 @functools.cache
@@ -768,7 +780,7 @@ def _run(
                 finished = False
                 try:
                     prepared, shard_summaries, errors = _generate_all(
-                        config, run, prepared_futures, dispatcher, store, retry_failed
+                        config, run, prepared_futures, dispatcher, store, retry_failed, generation_started
                     )
                     finished = True
                 finally:

@@ -120,13 +120,14 @@ def write_report(
     except OutputExistsError:
         # An earlier attempt (or a concurrent process on this run) reported first: its report stands.
         report = RunReport.model_validate(store.read_json(layout.report_json))
+    locations = datagen.dataset.report.run_locations(store, layout, report)
     with contextlib.suppress(OutputExistsError):
-        store.write_text(layout.report_md, report.to_markdown())
+        store.write_text(layout.report_md, report.to_markdown(locations))
     create_table_artifact(
         report.table_rows(), key="datagen-counts", description=f"Counts of run {run.run_id}"
     )
     create_markdown_artifact(
-        report.to_markdown(), key="datagen-report", description=f"Report of run {run.run_id}"
+        report.to_markdown(locations), key="datagen-report", description=f"Report of run {run.run_id}"
     )
     return report
 

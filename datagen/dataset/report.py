@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
+from datagen.generation.progress import output_tokens_per_s
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import DatasetMix, GenerationCounts, MixRow, PreparedDataset, ShardSummary, utc_now
@@ -88,15 +89,16 @@ class RunReport(BaseModel):
             )
         return rows
 
-    def to_markdown(self) -> str:
-        """A readable report: headline figures, the table, failures and rejections by reason."""
+    def to_markdown(self, locations: RunLocations | None = None) -> str:
+        """A readable report: where it landed (when given), headline figures, the table, failures, rejections."""
         lines = [
             f"# datagen run `{self.run_id}`",
             "",
+            *(locations.markdown() if locations else []),
             f"- engine: **{self.engine}**, servers: **{self.servers}**",
             f"- generation wall time: **{self.generation_wall_s:.1f} s** over {self.generation_attempts} "
             "attempt(s), "
-            f"output throughput: **{self.output_tokens_per_s:.1f} tok/s**",
+            f"throughput: **{self.output_tokens_per_s:.1f} output tok/s**",
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
             *([f"- hosts: {', '.join(self.hosts)}"] if self.hosts else []),
@@ -254,7 +256,7 @@ def build_report(
         servers=servers,
         generation_wall_s=generation_wall_s,
         generation_attempts=generation_attempts,
-        output_tokens_per_s=(totals.completion_tokens / generation_wall_s) if generation_wall_s > 0 else 0.0,
+        output_tokens_per_s=output_tokens_per_s(totals.completion_tokens, generation_wall_s),
         datasets=list(by_name.values()),
         totals=totals,
         tokenize=dict(tokenize_summary or {}),
@@ -264,6 +266,61 @@ def build_report(
         hosts=list(hosts),
         lost_hosts=dict(lost_hosts or {}),
         training=training,
+    )
+
+
+def _location(value: str) -> str:
+    """A link when a browser can open it (http/https), else code (a local path, an ``s3://`` URL)."""
+    return f"[{value}]({value})" if value.startswith(("http://", "https://")) else f"`{value}`"
+
+
+class RunLocations(BaseModel):
+    """Where a run's outputs landed, for the report artifact and the run's final state message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_folder: str
+    report_md: str
+    manifest: str
+    dataset_version: str | None = Field(default=None, description="The version record's key in the store.")
+    dataset_version_url: str | None = Field(default=None, description="The version's JSON record.")
+
+    @property
+    def export_command(self) -> str | None:
+        """The command that writes the JSONL both trainers read (None before a version exists)."""
+        return f"datagen export {self.dataset_version_url}" if self.dataset_version_url else None
+
+    def markdown(self) -> list[str]:
+        """The report's "where it landed" bullets (its first lines, before the headline figures)."""
+        lines = [
+            f"- run folder: {_location(self.run_folder)}",
+            f"- report: {_location(self.report_md)}",
+            f"- manifest: {_location(self.manifest)}",
+        ]
+        if self.dataset_version_url:
+            lines.append(f"- dataset version: {_location(self.dataset_version_url)}")
+        if self.export_command:
+            lines.append(f"- export: `{self.export_command}`")
+        return lines
+
+    def message(self) -> str:
+        """One line for the run's final state message."""
+        parts = [f"run folder {self.run_folder}", f"report {self.report_md}", f"manifest {self.manifest}"]
+        if self.dataset_version_url:
+            parts.append(f"dataset version {self.dataset_version_url}")
+        if self.export_command:
+            parts.append(f"export: {self.export_command}")
+        return "; ".join(parts)
+
+
+def run_locations(store: Store, layout: RunLayout, report: RunReport) -> RunLocations:
+    """Where ``report``'s run landed in ``store``: its folder, report, manifest and dataset version."""
+    return RunLocations(
+        run_folder=store.url(layout.root),
+        report_md=store.url(layout.report_md),
+        manifest=store.url(layout.manifest),
+        dataset_version=report.tokenize.get("dataset_version"),
+        dataset_version_url=report.tokenize.get("dataset_version_url"),
     )
 
 
@@ -284,9 +341,30 @@ class RunSummary(BaseModel):
     dataset_version: str | None
     report_url: str
     manifest_url: str
+    dataset_version_url: str | None = None
     training: list[str] = Field(
         default_factory=list, description="The trainers' commands on the dataset version (from the report)."
     )
+
+    def locations(self) -> RunLocations:
+        """Where the run landed."""
+        return RunLocations(
+            run_folder=self.run_url,
+            report_md=self.report_url,
+            manifest=self.manifest_url,
+            dataset_version=self.dataset_version,
+            dataset_version_url=self.dataset_version_url,
+        )
+
+    def state_message(self) -> str:
+        """The run's final state message: its headline counts, then where everything landed."""
+        head = (
+            "already complete, nothing regenerated"
+            if self.already_complete
+            else f"{self.completions} completions of {self.requests} requests ({self.failures} failed), "
+            f"{self.tokenized_rows} training rows, {self.output_tokens_per_s:.1f} output tok/s"
+        )
+        return f"{head}; {self.locations().message()}"
 
 
 GENERATION_RECORD = "generation.json"

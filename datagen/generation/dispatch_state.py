@@ -46,7 +46,9 @@ class DispatcherStats(BaseModel):
         failed: Requests resolved with a failure record.
         retries: Extra tries made after transient errors or server loss.
         output_tokens: Completion tokens reported by the servers.
-        tokens_per_s: Output tokens per second since the first request was dispatched.
+        tokens_per_s: Output tokens per second while the dispatcher was busy (first request sent to last
+            answer): the fleet's rate; a run's throughput counts the whole generation wall time instead
+            (:mod:`datagen.generation.progress`).
         requests_per_s: Resolved requests per second since the first request was dispatched.
 
     """

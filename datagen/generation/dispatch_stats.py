@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from datagen.generation.dispatch_admission import Admission
 from datagen.generation.dispatch_state import DispatcherStats, ServerState, ServerStats
+from datagen.generation.progress import output_tokens_per_s
 
 # Copying the server table races the loop adding or removing a server; a few tries always get one copy.
 COPY_TRIES = 3
@@ -64,6 +65,6 @@ def snapshot(servers: dict[str, ServerState], admission: Admission, counters: Co
         failed=counters.failed,
         retries=counters.retries,
         output_tokens=counters.output_tokens,
-        tokens_per_s=counters.output_tokens / elapsed_s if elapsed_s > 0 else 0.0,
+        tokens_per_s=output_tokens_per_s(counters.output_tokens, elapsed_s),
         requests_per_s=resolved / elapsed_s if elapsed_s > 0 else 0.0,
     )

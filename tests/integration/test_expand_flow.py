@@ -2,7 +2,9 @@
 
 Covers what P1 must show: every prompt ends as a completion or a recorded failure, Parquet whose loss mask
 covers assistant tokens only, a manifest written last; a rerun regenerates and overwrites nothing; a changed
-config under the same run id is refused; a server SIGKILLed mid-run loses no prompt.
+config under the same run id is refused; a server SIGKILLed mid-run loses no prompt. Through Prefect's API: the
+progress artifact mid-run (answered/total, %, tok/s, ETA), the report artifact and the final state message
+saying where everything landed.
 
 Both tests check one run of the flow (the module's ``killed_run``): a trainer to halt, four datasets, two CPU
 servers, one of them SIGKILLed once generation has started (the other takes over its requests). A second run
@@ -15,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pyarrow.parquet as pq
 import pytest
@@ -58,6 +61,8 @@ class KilledRun:
         trainer_returncode: The stand-in trainer's exit status once the run returned (None: it was still
             running and was killed).
         killed_pids: The server pid the killer took down (empty when generation never started in time).
+        progress_seen: Every (progress, description) of the progress artifact read through the API while the
+            run ran.
     """
 
     root: Path
@@ -65,6 +70,7 @@ class KilledRun:
     summary: RunSummary
     trainer_returncode: int | None
     killed_pids: list[int]
+    progress_seen: list[tuple[float, str]]
 
     @property
     def out(self) -> Path:
@@ -80,6 +86,27 @@ class KilledRun:
     def checkpoints(self) -> Path:
         """Where the stand-in trainer writes its checkpoint when it is halted."""
         return self.root / "checkpoints"
+
+
+PROGRESS_KEY = "generation-progress"
+# How often the watcher reads the progress artifact through the API while the run runs.
+WATCH_INTERVAL_S = 0.5
+
+
+def _watch_progress(seen: list[tuple[float, str]], stop: threading.Event) -> None:
+    """Read the progress artifact through the Prefect API, as the UI does, until ``stop``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        while not stop.wait(WATCH_INTERVAL_S):
+            artifacts = client.read_artifacts(
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PROGRESS_KEY]))
+            )
+            for artifact in artifacts:
+                entry = (float(cast(float, artifact.data)), artifact.description or "")
+                if entry not in seen:
+                    seen.append(entry)
 
 
 def _kill_one_server_once_generation_started(state_dir: Path, run_root: Path, killed: list[int]) -> None:
@@ -113,25 +140,33 @@ def killed_run(
     state_dir = root / "state"
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("DATAGEN_STATE_DIR", str(state_dir))
+        # Generation here lasts seconds: refresh the progress often enough for the watcher to see it mid-run.
+        patch.setenv("DATAGEN_PROGRESS_INTERVAL_S", "0.3")
         get_settings.cache_clear()
         try:
             trainer, pidfile, checkpoints = _start_trainer(root)
             killed: list[int] = []
+            progress_seen: list[tuple[float, str]] = []
             try:
                 config = _config(root, tiny_model_dir, pidfile, checkpoints)
                 killer = threading.Thread(
                     target=_kill_one_server_once_generation_started,
                     args=(state_dir, root / "out" / "runs" / RUN_ID, killed),
                 )
+                stop_watching = threading.Event()
+                watcher = threading.Thread(target=_watch_progress, args=(progress_seen, stop_watching))
                 killer.start()
+                watcher.start()
                 try:
                     summary = run_with_config(config)
                 finally:
                     killer.join()
+                    stop_watching.set()
+                    watcher.join()
             finally:
                 if trainer.poll() is None:
                     os.killpg(trainer.pid, signal.SIGKILL)
-            yield KilledRun(root, config, summary, trainer.wait(5), killed)
+            yield KilledRun(root, config, summary, trainer.wait(5), killed, progress_seen)
         finally:
             get_settings.cache_clear()
 
@@ -315,3 +350,64 @@ def test_a_server_killed_mid_run_loses_no_prompt(killed_run: KilledRun) -> None:
     assert len(completed) + len(failed) == KILLED_DATASET_PROMPTS == len(set(completed + failed))
     assert killed_run.summary.completions == len(_request_keys(run_root, "completions"))
     assert not _request_keys(run_root, "failures"), "a killed server's requests are re-dispatched, not failed"
+
+
+# What the run page shows mid-run: `62.5% · 200/320 answered · 604.1 output tok/s · ETA 3 min 5 s · ...`.
+PROGRESS_LINE = re.compile(
+    r"^(?P<percent>\d+\.\d)% · (?P<answered>\d+)/(?P<total>\d+) answered · \d+\.\d output tok/s · "
+    r"ETA (\d+ (s|min|h)|unknown)"
+)
+
+
+def test_progress_is_readable_through_the_api_while_generating(killed_run: KilledRun) -> None:
+    mid_run = [
+        (value, match)
+        for value, description in killed_run.progress_seen
+        if 0 < value < 100 and (match := PROGRESS_LINE.match(description))
+    ]
+    assert mid_run, f"no mid-run progress read through the API: {killed_run.progress_seen}"
+    for value, match in mid_run:
+        assert int(match["answered"]) < int(match["total"]) == killed_run.summary.requests
+        assert float(match["percent"]) == round(value, 1)
+    final = killed_run.progress_seen[-1]
+    assert final[0] == 100.0 and final[1].startswith(f"100.0% · {killed_run.summary.requests}/"), final
+
+
+def test_the_report_artifact_and_final_state_say_where_everything_landed(killed_run: KilledRun) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterId,
+        FlowRunFilterName,
+    )
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    summary = killed_run.summary
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_runs(
+            flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"expand-{RUN_ID}"])),
+            sort=FlowRunSort.START_TIME_ASC,
+            limit=1,
+        )[0]
+        report = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["datagen-report"])),
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])),
+        )[0]
+    version = summary.dataset_version_url
+    assert version and version.endswith("v0001.json")
+    markdown = str(report.data)
+    for line in (
+        f"- run folder: `{summary.run_url}`",
+        f"- report: `{summary.report_url}`",
+        f"- manifest: `{summary.manifest_url}`",
+        f"- dataset version: `{version}`",
+        f"- export: `datagen export {version}`",
+    ):
+        assert line in markdown, markdown
+    assert f"throughput: **{summary.output_tokens_per_s:.1f} output tok/s**" in markdown
+    assert flow_run.state is not None and flow_run.state.is_completed()
+    assert flow_run.state.message == summary.state_message()
+    for where in (summary.run_url, summary.report_url, summary.manifest_url, f"datagen export {version}"):
+        assert where in flow_run.state.message

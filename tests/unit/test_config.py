@@ -19,7 +19,7 @@ MINIMAL = {
 }
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "qwen36-27b-8xgpu.yaml"])
+@pytest.mark.parametrize("name", ["demo.yaml", "demo-watch.yaml", "qwen36-27b-8xgpu.yaml"])
 def test_example_configs_validate(name: str) -> None:
     config = load_run_config(REPO / "configs" / name)
     assert config.datasets

@@ -1,4 +1,4 @@
-"""The run report counts every attempt: throughput is all tokens over all generation time."""
+"""The run report: throughput over every attempt (one definition, the progress artifact's too), where it landed."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from datagen.dataset.report import (
     build_report,
     generation_time_over_attempts,
     record_generation_window,
+    run_locations,
 )
+from datagen.generation.progress import GenerationProgress, output_tokens_per_s
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import ShardSummary
@@ -68,3 +70,84 @@ def test_a_resumed_run_reports_throughput_over_every_attempt(tmp_path: Path) -> 
 
 def test_a_run_without_generation_records_sums_to_zero(tmp_path: Path) -> None:
     assert generation_time_over_attempts(Store(str(tmp_path)), RunLayout("r-1")) == (0.0, 0)
+
+
+def test_the_progress_artifact_and_the_report_give_one_throughput_for_the_same_numbers(
+    tmp_path: Path,
+) -> None:
+    from datagen.generation.dispatch_state import DispatcherStats
+    from flows.expand import _progress
+
+    # 4000 output tokens over 40 s of generation. The dispatcher was busy for 25 s of them: its own rate
+    # (160 tok/s) is the fleet's, not the run's; the artifact shows the report's figure.
+    report = build_report(
+        run_id="r-1",
+        config=_config(tmp_path),
+        prepared=[],
+        shards=[_shard(0, 3000), _shard(1, 1000)],
+        tokenize_summary=None,
+        servers=2,
+        generation_wall_s=40.0,
+        dataset_mix=[],
+        mix_by_category=[],
+    )
+    stats = DispatcherStats(
+        servers=[],
+        queued=0,
+        backing_off=0,
+        completed=20,
+        failed=0,
+        retries=0,
+        output_tokens=4000,
+        tokens_per_s=160.0,
+    )
+    progress, description = _progress(20, 20, stats, 40.0)
+    assert report.output_tokens_per_s == progress.tokens_per_s == output_tokens_per_s(4000, 40.0) == 100.0
+    assert "100.0 output tok/s" in description
+    assert "100.0 output tok/s" in report.to_markdown()
+
+
+def test_the_progress_line_says_answered_share_throughput_and_eta() -> None:
+    progress = GenerationProgress(answered=80, total=320, failed=2, output_tokens=12_000, elapsed_s=60.0)
+    # 80 answered in 60 s: 240 left take 180 s more.
+    assert progress.line() == (
+        "25.0% · 80/320 answered · 200.0 output tok/s · ETA 3 min 0 s · 2 failed · 1 min 0 s elapsed"
+    )
+    assert GenerationProgress(answered=0, total=10).line().startswith("0.0% · 0/10 answered · 0.0 output")
+    assert "ETA unknown" in GenerationProgress(answered=0, total=10, elapsed_s=5.0).line()
+    assert "ETA done" in GenerationProgress(answered=10, total=10, elapsed_s=5.0).line()
+
+
+def test_the_report_says_where_everything_landed(tmp_path: Path) -> None:
+    store, layout = Store(str(tmp_path)), RunLayout("r-1")
+    version = store.url("datasets/drafter-expansion/v0001.json")
+    report = build_report(
+        run_id="r-1",
+        config=_config(tmp_path),
+        prepared=[],
+        shards=[_shard(0, 100)],
+        tokenize_summary={
+            "dataset_version": "datasets/drafter-expansion/v0001.json",
+            "dataset_version_url": version,
+        },
+        servers=1,
+        generation_wall_s=1.0,
+        dataset_mix=[],
+        mix_by_category=[],
+    )
+    locations = run_locations(store, layout, report)
+    markdown = report.to_markdown(locations)
+    run_folder = store.url(layout.root)
+    assert f"- run folder: `{run_folder}`" in markdown
+    assert f"- report: `{store.url(layout.report_md)}`" in markdown
+    assert f"- manifest: `{store.url(layout.manifest)}`" in markdown
+    assert f"- dataset version: `{version}`" in markdown
+    assert f"- export: `datagen export {version}`" in markdown
+    # What a browser can open is a link; s3:// and local paths stay code.
+    remote = locations.model_copy(
+        update={"run_folder": "https://console.example/r-1", "manifest": "s3://b/m.json"}
+    )
+    assert "- run folder: [https://console.example/r-1](https://console.example/r-1)" in remote.markdown()
+    assert "- manifest: `s3://b/m.json`" in remote.markdown()
+    assert locations.message().startswith(f"run folder {run_folder}; report ")
+    assert locations.message().endswith(f"export: datagen export {version}")

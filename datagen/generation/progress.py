@@ -1,0 +1,65 @@
+"""A run's generation progress as a person reads it, and the one definition of output throughput.
+
+The progress artifact, the progress log line and the run report all compute output tok/s with
+:func:`output_tokens_per_s` over the generation wall time (from the start of generation, not from the first
+request sent), so the figure a person watches and the one the report keeps agree.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+def output_tokens_per_s(output_tokens: int, wall_s: float) -> float:
+    """Output tokens over the generation wall time that produced them (0 before any time has passed)."""
+    return output_tokens / wall_s if wall_s > 0 else 0.0
+
+
+def format_duration(seconds: float) -> str:
+    """``45 s``, ``3 min 5 s``, ``2 h 4 min``: short enough for a card, precise enough for an ETA."""
+    total = round(seconds)
+    if total < 60:
+        return f"{total} s"
+    if total < 3600:
+        return f"{total // 60} min {total % 60} s"
+    return f"{total // 3600} h {total % 3600 // 60} min"
+
+
+class GenerationProgress(BaseModel):
+    """Generation so far: what the progress artifact, its log line and the run page show."""
+
+    answered: int = Field(description="Requests answered: completions and recorded failures.")
+    total: int = Field(description="Requests of the run (prompts times samples).")
+    failed: int = 0
+    output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
+    elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
+
+    @property
+    def percent(self) -> float:
+        """Share of requests answered, 0-100."""
+        return min(100.0, 100.0 * self.answered / self.total) if self.total else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Output tok/s, defined as the report defines it (:func:`output_tokens_per_s`)."""
+        return output_tokens_per_s(self.output_tokens, self.elapsed_s)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the answer rate so far (0 when done, None before the first answer)."""
+        left = max(0, self.total - self.answered)
+        if not left:
+            return 0.0
+        if self.answered <= 0 or self.elapsed_s <= 0:
+            return None
+        return left / (self.answered / self.elapsed_s)
+
+    def line(self) -> str:
+        """One line, the essentials first (a card shows its start): ``62.5% · 200/320 answered · ...``."""
+        eta = self.eta_s
+        eta_text = "done" if eta == 0 else ("unknown" if eta is None else format_duration(eta))
+        return (
+            f"{self.percent:.1f}% · {self.answered}/{self.total} answered · "
+            f"{self.tokens_per_s:.1f} output tok/s · ETA {eta_text} · {self.failed} failed · "
+            f"{format_duration(self.elapsed_s)} elapsed"
+        )
