@@ -25,12 +25,15 @@ from typing import Any
 import yaml
 
 from datagen.app.codeversion import checkout_root, code_version
+from datagen.app.request import CONFIGS_FOLDER, config_names
 from datagen.errors import ConfigError
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
 # The work pool's base job template: what the worker runs and with which environment (the operator's).
 POOL_TEMPLATE = Path("deployments") / "work-pool.json"
 PREFECT_TIMEOUT_S = 600.0
+# The deployments of the flow whose runs pick one of the box's configs by name.
+EXPAND_ENTRYPOINT = "flows/expand.py:expand"
 
 
 def _deployments(prefect_file: Path) -> list[tuple[str, str | None]]:
@@ -99,8 +102,9 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
     with tempfile.TemporaryDirectory(prefix="datagen-deploy-") as folder:
         # One `prefect deploy` for all of them (each call costs seconds of Prefect imports). With several
         # deployments it ignores --version, so the version goes into a copy of the file, outside the checkout
-        # (which must stay clean: a changed file there would make the version "-dirty").
-        deploy_file = _with_version(prefect_file, version, Path(folder)) if version else prefect_file
+        # (which must stay clean: a changed file there would make the version "-dirty"), with the configs a
+        # run may pick named in the description of each deployment that leaves `config` to the run.
+        deploy_file = _deploy_copy(prefect_file, version, config_names(root / CONFIGS_FOLDER), Path(folder))
         args = ["--no-prompt", "deploy", "--prefect-file", str(deploy_file)]
         for name, _ in chosen:
             args += ["--name", name]
@@ -109,11 +113,29 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
     return result.returncode, "".join(output)
 
 
-def _with_version(prefect_file: Path, version: str, folder: Path) -> Path:
-    """A copy of ``prefect_file`` in ``folder`` whose every deployment has ``version``."""
+def configs_note(names: list[str]) -> str:
+    """The sentence a deployment's description gets: the configs a run may pick (``config`` has no default).
+
+    Not an enum in the parameter schema: the schema is the deploying checkout's, and the box's operator may
+    add a config to its own ``configs/`` folder without a new deployment.
+    """
+    listed = ", ".join(names) if names else "none yet"
+    return (
+        f"Configs of this commit (config): {listed}; or another configs/<name>.yaml the box's operator added."
+    )
+
+
+def _deploy_copy(prefect_file: Path, version: str | None, names: list[str], folder: Path) -> Path:
+    """A copy of ``prefect_file`` in ``folder``, each deployment with ``version`` and, when it gives no config, ``names``.
+
+    The expand deployments that leave ``config`` to the run get the checkout's configs in their description.
+    """
     data = yaml.safe_load(prefect_file.read_text())
     for entry in data.get("deployments") or []:
-        entry["version"] = version
+        if version:
+            entry["version"] = version
+        if entry.get("entrypoint") == EXPAND_ENTRYPOINT and "config" not in (entry.get("parameters") or {}):
+            entry["description"] = f"{str(entry.get('description') or '').rstrip()}\n\n{configs_note(names)}"
     copy = folder / prefect_file.name
     copy.write_text(yaml.safe_dump(data, sort_keys=False))
     return copy
