@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import functools
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -135,8 +136,31 @@ def _run_id_of(parameters: dict[str, Any]) -> str | None:
     return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
 
 
+# The shape of the names Prefect gives a flow run nobody named (the server's and the run form's
+# ``adjective-animal``): such a name is replaced, any other name the run was created with is kept.
+_GENERATED_NAME = re.compile(r"[a-z]+-[a-z]+")
+
+
+def given_run_name(name: str | None) -> str | None:
+    """The name a person gave the flow run at creation (the run form's Name, ``--flow-run-name``), if any.
+
+    Prefect names every flow run at creation (a random ``adjective-animal`` when none is given) and records no
+    flag saying who chose it, so a name of that shape counts as Prefect's.
+    """
+    if not name or _GENERATED_NAME.fullmatch(name) or name.startswith("expand-"):
+        return None
+    return name
+
+
 def _flow_run_name() -> str:
-    """``expand-<run id>``: the given run id, else the one the run will generate."""
+    """The name given at creation when a person gave one, else ``expand-<run id>``.
+
+    ``expand-<run id>`` uses the given run id, else the one the run will generate.
+    """
+    context = FlowRunContext.get()
+    given = given_run_name(context.flow_run.name if context and context.flow_run else None)
+    if given is not None:
+        return given
     return f"expand-{_run_id_of(dict(runtime_flow_run.parameters or {})) or _generated_run_id()}"
 
 
