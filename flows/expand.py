@@ -136,9 +136,9 @@ def _run_id_of(parameters: dict[str, Any]) -> str | None:
     return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
 
 
-# The shape of the names Prefect gives a flow run nobody named (the server's and the run form's
-# ``adjective-animal``): such a name is replaced, any other name the run was created with is kept.
-_GENERATED_NAME = re.compile(r"[a-z]+-[a-z]+")
+# The shape of the names Prefect gives a flow run nobody named (the server's ``golden-camel``, the run form's
+# prefilled ``Generic-Baboon``): such a name is replaced, any other name the run was created with is kept.
+_GENERATED_NAME = re.compile(r"[A-Za-z]+-[A-Za-z]+")
 
 
 def given_run_name(name: str | None) -> str | None:

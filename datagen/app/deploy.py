@@ -13,6 +13,7 @@ other keys. So the server refuses (HTTP 422) a run that sends job variable ``com
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -110,7 +111,57 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
             args += ["--name", name]
         result = _prefect(args, root)
     output.append(result.stdout + result.stderr)
+    if result.returncode == 0:
+        _store_form_schemas([name for name, _ in chosen])
     return result.returncode, "".join(output)
+
+
+def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A flow's parameter schema as the run form should draw it: an optional field is one empty field.
+
+    Pydantic writes a parameter ``x: str | None = None`` as ``anyOf: [string, null]`` with ``default: null``;
+    Prefect's UI draws that as a ``str | None`` toggle set to None ("Property is type None") and the
+    deployment page shows neither type nor default. Written as its plain type without a default, the form
+    draws one field left empty, and the server still takes null for it (its validation makes a property with
+    a type and no default nullable). An optional nested model (``sampling``) keeps its ``anyOf``: a bare
+    ``$ref`` would not be made nullable.
+    """
+    result = copy.deepcopy(schema)
+    for model in [result, *(result.get("definitions") or {}).values()]:
+        required = set(model.get("required") or [])
+        for name, field in (model.get("properties") or {}).items():
+            choices = field.get("anyOf")
+            if name in required or field.get("default", ...) is not None or not isinstance(choices, list):
+                continue
+            kept = [choice for choice in choices if choice != {"type": "null"}]
+            if len(kept) == len(choices) - 1 == 1 and "type" in kept[0]:
+                del field["anyOf"], field["default"]
+                field.update(kept[0])
+    return result
+
+
+def _store_form_schemas(names: list[str]) -> None:
+    """Give the deployments just deployed their :func:`form_schema` (Prefect stores the pydantic one)."""
+    import asyncio
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    async def store() -> None:
+        async with get_client() as client:
+            found = await client.read_deployments(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=names))
+            )
+            for deployment in found:
+                schema = deployment.parameter_openapi_schema or {}
+                drawn = form_schema(schema)
+                if drawn != schema:
+                    await client.update_deployment(
+                        deployment.id, DeploymentUpdate(parameter_openapi_schema=drawn)
+                    )
+
+    asyncio.run(store())
 
 
 def configs_note(names: list[str]) -> str:

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 from prefect.utilities.callables import parameter_schema
 
-from datagen.app.deploy import PREFECT_FILE, _deploy_copy, configs_note
+from datagen.app.deploy import PREFECT_FILE, _deploy_copy, configs_note, form_schema
 from datagen.app.request import RunRequest, SamplingChoice, config_names
 from flows.expand import _expand, given_run_name
 
@@ -113,5 +113,28 @@ def test_a_name_given_at_creation_is_kept_and_prefects_generated_one_replaced() 
     assert given_run_name("nightly-rerun-3") == "nightly-rerun-3"
     for _ in range(50):
         assert given_run_name(generate_slug(2)) is None
+    assert given_run_name("Generic-Baboon") is None  # the run form's prefilled name
     assert given_run_name("expand-20261204-010000-ab12cd") is None  # ours, from an earlier attempt
     assert given_run_name(None) is None and given_run_name("") is None
+
+
+def test_the_stored_form_schema_draws_optional_fields_plainly_and_the_server_still_takes_null() -> None:
+    from prefect.utilities.schema_tools.validation import validate
+
+    drawn = form_schema(_schema())
+
+    for name in ("run_id", "max_prompts", "series", "output", "datasets"):
+        field = drawn["properties"][name]
+        assert "anyOf" not in field and "default" not in field and field["type"], name
+    assert drawn["properties"]["max_prompts"]["type"] == "integer"
+    assert drawn["properties"]["retry_failed"] == _schema()["properties"]["retry_failed"]
+    assert drawn["properties"]["sampling"]["anyOf"][1] == {"type": "null"}
+    top_p = drawn["definitions"]["SamplingChoice"]["properties"]["top_p"]
+    assert top_p["type"] == "number" and top_p["maximum"] == 1
+    # What the UI's JSON mode and `prefect deployment run` send: unset choices as null.
+    unset = dict.fromkeys(["run_id", "max_prompts", "series", "output", "sampling", "datasets"])
+    sent = {"config": "demo", **unset, "sampling": {"temperature": None, "top_p": 0.5}}
+    assert [error.message for error in validate(sent, drawn, preprocess=True, ignore_required=False)] == []
+    wrong = {"config": "demo", "max_prompts": "many", "sampling": {"top_p": 5}}
+    errors = validate(wrong, drawn, preprocess=True, ignore_required=False)
+    assert sorted(str(list(error.path)) for error in errors) == ["['max_prompts']", "['sampling']"]
