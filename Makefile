@@ -24,12 +24,13 @@ MAKE_START := $(shell date +%s)
 SGLANG_VENVS := .venv-sglang/.built
 TRAINER_VENVS := .venv-trainers/.built
 
-.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick lock
+.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick lock screenshots
 
 help:
 	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
 	@echo "make test   - run the test suite"
 	@echo "make lint   - ruff + mypy"
+	@echo "make screenshots - refresh docs/screenshots/*.png from a real server, worker and headless chromium (apt-get install -y chromium)"
 	@echo "make lock   - refresh every lock in requirements/ from pyproject.toml and the venv recipes (commit them)"
 	@echo "make bench  - datagen's whole flow vs an ideal and a SpecForge-style client on simulated servers (~10 min)"
 
@@ -90,6 +91,9 @@ lock:
 	$(BIN)/python requirements/refresh.py project
 	$(MAKE) setup
 	$(BIN)/python requirements/refresh.py validation
+
+screenshots: $(STAMP)
+	docs/screenshots/refresh.sh
 
 clean-demo:
 	rm -rf runs datasets

@@ -16,6 +16,7 @@ import contextlib
 import contextvars
 import functools
 import queue
+import re
 import threading
 import time
 from collections import deque
@@ -56,13 +57,13 @@ from datagen.errors import (
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import check_failed_share, retryable_failures
-from datagen.generation.progress import GenerationProgress
 from datagen.generation.shard import latest_shard_summary
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.runs import make_run_id, open_store
 from datagen.output.store import Store
+from datagen.progress import GenerationProgress
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
@@ -135,8 +136,31 @@ def _run_id_of(parameters: dict[str, Any]) -> str | None:
     return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
 
 
+# The shape of the names Prefect gives a flow run nobody named (the server's ``golden-camel``, the run form's
+# prefilled ``Generic-Baboon``): such a name is replaced, any other name the run was created with is kept.
+_GENERATED_NAME = re.compile(r"[A-Za-z]+-[A-Za-z]+")
+
+
+def given_run_name(name: str | None) -> str | None:
+    """The name a person gave the flow run at creation (the run form's Name, ``--flow-run-name``), if any.
+
+    Prefect names every flow run at creation (a random ``adjective-animal`` when none is given) and records no
+    flag saying who chose it, so a name of that shape counts as Prefect's.
+    """
+    if not name or _GENERATED_NAME.fullmatch(name) or name.startswith("expand-"):
+        return None
+    return name
+
+
 def _flow_run_name() -> str:
-    """``expand-<run id>``: the given run id, else the one the run will generate."""
+    """The name given at creation when a person gave one, else ``expand-<run id>``.
+
+    ``expand-<run id>`` uses the given run id, else the one the run will generate.
+    """
+    context = FlowRunContext.get()
+    given = given_run_name(context.flow_run.name if context and context.flow_run else None)
+    if given is not None:
+        return given
     return f"expand-{_run_id_of(dict(runtime_flow_run.parameters or {})) or _generated_run_id()}"
 
 
@@ -323,7 +347,7 @@ class _GenerationProgress:
     """The progress bar and the periodic progress line; a failed read or update never fails the run.
 
     ``started`` is when generation started (``time.monotonic()``): the report's generation wall time starts
-    there too, so the tok/s shown here is the report's definition (:mod:`datagen.generation.progress`).
+    there too, so the tok/s shown here is the report's definition (:mod:`datagen.progress`).
     The UI's Logs tab (the run page's default) refreshes every 5 s while the run runs: the progress line is
     what a person watches there; the artifact carries the same line.
     """

@@ -18,6 +18,7 @@ have (``training``, ``fleet``, ``config_path``...) before any flow run exists.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -30,12 +31,15 @@ from typing import Any
 import yaml
 
 from datagen.app.codeversion import checkout_root, code_version
+from datagen.app.request import CONFIGS_FOLDER, config_names
 from datagen.errors import ConfigError
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
 # The work pool's base job template: what the worker runs and with which environment (the operator's).
 POOL_TEMPLATE = Path("deployments") / "work-pool.json"
 PREFECT_TIMEOUT_S = 600.0
+# The deployments of the flow whose runs pick one of the box's configs by name.
+EXPAND_ENTRYPOINT = "flows/expand.py:expand"
 
 
 def _deployments(prefect_file: Path) -> list[tuple[str, str | None, str]]:
@@ -107,8 +111,9 @@ def deploy(repo: Path | None = None, names: list[str] | None = None) -> tuple[in
     with tempfile.TemporaryDirectory(prefix="datagen-deploy-") as folder:
         # One `prefect deploy` for all of them (each call costs seconds of Prefect imports). With several
         # deployments it ignores --version, so the version goes into a copy of the file, outside the checkout
-        # (which must stay clean: a changed file there would make the version "-dirty").
-        deploy_file = _with_version(prefect_file, version, Path(folder)) if version else prefect_file
+        # (which must stay clean: a changed file there would make the version "-dirty"), with the configs a
+        # run may pick named in the description of each deployment that leaves `config` to the run.
+        deploy_file = _deploy_copy(prefect_file, version, config_names(root / CONFIGS_FOLDER), Path(folder))
         args = ["--no-prompt", "deploy", "--prefect-file", str(deploy_file)]
         for name, _, _ in chosen:
             args += ["--name", name]
@@ -128,6 +133,8 @@ def closed_schema(schema: Mapping[str, Any]) -> dict[str, Any]:
 
 def _close_parameter_schemas(chosen: set[tuple[str, str]], root: Path) -> tuple[int, str]:
     """Close the parameter schema of the deployments ``prefect deploy`` just wrote, enforcement on.
+
+    The schema stored is also the one the run form draws (:func:`form_schema`).
 
     Prefect builds a deployment's schema from the flow's signature without ``additionalProperties``, so its
     server takes any extra parameter at create-flow-run, and Prefect on the worker then crashes the run on
@@ -154,7 +161,7 @@ def _close_parameter_schemas(chosen: set[tuple[str, str]], root: Path) -> tuple[
     said = []
     for entry in found:
         update = {
-            "parameter_openapi_schema": closed_schema(entry["parameter_openapi_schema"] or {}),
+            "parameter_openapi_schema": closed_schema(form_schema(entry["parameter_openapi_schema"] or {})),
             "enforce_parameter_schema": True,
         }
         patched = _prefect(
@@ -166,11 +173,53 @@ def _close_parameter_schemas(chosen: set[tuple[str, str]], root: Path) -> tuple[
     return 0, "".join(said)
 
 
-def _with_version(prefect_file: Path, version: str, folder: Path) -> Path:
-    """A copy of ``prefect_file`` in ``folder`` whose every deployment has ``version``."""
+def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A flow's parameter schema as the run form should draw it: an optional field is one empty field.
+
+    Pydantic writes a parameter ``x: str | None = None`` as ``anyOf: [string, null]`` with ``default: null``;
+    Prefect's UI draws that as a ``str | None`` toggle set to None ("Property is type None") and the
+    deployment page shows neither type nor default. Written as its plain type without a default, the form
+    draws one field left empty, and the server still takes null for it (its validation makes a property with
+    a type and no default nullable). An optional nested model (``sampling``) keeps its ``anyOf``: a bare
+    ``$ref`` would not be made nullable.
+    """
+    result = copy.deepcopy(schema)
+    for model in [result, *(result.get("definitions") or {}).values()]:
+        required = set(model.get("required") or [])
+        for name, field in (model.get("properties") or {}).items():
+            choices = field.get("anyOf")
+            if name in required or field.get("default", ...) is not None or not isinstance(choices, list):
+                continue
+            kept = [choice for choice in choices if choice != {"type": "null"}]
+            if len(kept) == len(choices) - 1 == 1 and "type" in kept[0]:
+                del field["anyOf"], field["default"]
+                field.update(kept[0])
+    return result
+
+
+def configs_note(names: list[str]) -> str:
+    """The sentence a deployment's description gets: the configs a run may pick (``config`` has no default).
+
+    Not an enum in the parameter schema: the schema is the deploying checkout's, and the box's operator may
+    add a config to its own ``configs/`` folder without a new deployment.
+    """
+    listed = ", ".join(names) if names else "none yet"
+    return (
+        f"Configs of this commit (config): {listed}; or another configs/<name>.yaml the box's operator added."
+    )
+
+
+def _deploy_copy(prefect_file: Path, version: str | None, names: list[str], folder: Path) -> Path:
+    """A copy of ``prefect_file`` in ``folder``, each deployment with ``version`` and, when it gives no config, ``names``.
+
+    The expand deployments that leave ``config`` to the run get the checkout's configs in their description.
+    """
     data = yaml.safe_load(prefect_file.read_text())
     for entry in data.get("deployments") or []:
-        entry["version"] = version
+        if version:
+            entry["version"] = version
+        if entry.get("entrypoint") == EXPAND_ENTRYPOINT and "config" not in (entry.get("parameters") or {}):
+            entry["description"] = f"{str(entry.get('description') or '').rstrip()}\n\n{configs_note(names)}"
     copy = folder / prefect_file.name
     copy.write_text(yaml.safe_dump(data, sort_keys=False))
     return copy

@@ -47,9 +47,10 @@ def _yaml_key(name: str, _info: Any) -> str:
 
 
 class SamplingChoice(BaseModel):
-    """Sampling defaults a run may change; a dataset's own ``sampling:`` in the config still wins."""
+    """Sampling defaults a run may change; a dataset's own sampling in the config still wins."""
 
-    model_config = ConfigDict(extra="forbid", field_title_generator=_yaml_key)
+    # Titled by its key, not its class name: the run form shows the title as the section's heading.
+    model_config = ConfigDict(extra="forbid", field_title_generator=_yaml_key, title="sampling")
 
     temperature: float | None = Field(default=None, ge=0, description="Sampling temperature.")
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")

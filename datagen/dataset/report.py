@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
-from datagen.generation.progress import output_tokens_per_s
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
+from datagen.progress import output_tokens_per_s
 from datagen.records import DatasetMix, GenerationCounts, MixRow, PreparedDataset, ShardSummary, utc_now
 
 

@@ -53,6 +53,24 @@ class LaunchCommand(BaseModel):
         argv_part = shlex.join(self.argv)
         return f"{env_part} {argv_part}".strip()
 
+    def shell_block(self) -> str:
+        """The same command as shell lines: each variable and each option with its values on a line.
+
+        For artifacts: Prefect's UI cuts a long line of a code block off, and a server's argv runs to hundreds
+        of characters. The lines join with backslash continuations, so the block still pastes as one command.
+        """
+        import shlex
+
+        program: list[list[str]] = []
+        for arg in self.argv:
+            if not program or arg.startswith("-"):
+                program.append([arg])
+            else:
+                program[-1].append(arg)
+        lines = [f"{key}={shlex.quote(value)}" for key, value in sorted(self.env.items())]
+        lines += [shlex.join(group) for group in program]
+        return " \\\n    ".join(lines)
+
 
 class ServerSlot(BaseModel):
     """Where one server runs: the planner's decision that a recipe turns into a :class:`LaunchCommand`."""

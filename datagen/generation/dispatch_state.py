@@ -48,7 +48,7 @@ class DispatcherStats(BaseModel):
         output_tokens: Completion tokens reported by the servers.
         tokens_per_s: Output tokens per second while the dispatcher was busy (first request sent to last
             answer): the fleet's rate; a run's throughput counts the whole generation wall time instead
-            (:mod:`datagen.generation.progress`).
+            (:mod:`datagen.progress`).
         requests_per_s: Resolved requests per second since the first request was dispatched.
 
     """

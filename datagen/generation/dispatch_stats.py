@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from datagen.generation.dispatch_admission import Admission
 from datagen.generation.dispatch_state import DispatcherStats, ServerState, ServerStats
-from datagen.generation.progress import output_tokens_per_s
+from datagen.progress import output_tokens_per_s
 
 # Copying the server table races the loop adding or removing a server; a few tries always get one copy.
 COPY_TRIES = 3

@@ -141,11 +141,12 @@ class EnvReport(ReportModel):
             ]
         if self.problems:
             lines += ["", "## Problems", ""]
-            lines += [
-                f"- **{problem.severity}**: {problem.message}"
-                + (f" Fix: {problem.fix}" if problem.fix else "")
-                for problem in self.problems
-            ]
+            # The fix is a list item of its own under its problem: a markdown continuation line would run the
+            # two sentences together.
+            for problem in self.problems:
+                lines.append(f"- **{problem.severity}**: {problem.message}")
+                if problem.fix:
+                    lines.append(f"  - Fix: {problem.fix}")
         return "\n".join(lines) + "\n"
 
 

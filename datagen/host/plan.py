@@ -124,7 +124,7 @@ class ServerPlan(BaseModel):
             lines.append(f"### {title}: {server.url} (GPUs: {gpus})")
             lines.append("")
             if server.launch is not None:
-                lines += ["```bash", server.launch.shell_line(), "```"]
+                lines += ["```bash", server.launch.shell_block(), "```"]
             else:
                 lines.append("external: not started by datagen")
             if server.log_path:

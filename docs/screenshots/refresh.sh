@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Refresh docs/screenshots/*.png: a real Prefect server and worker run the CPU demo deployment, then headless
-# Chromium (Debian: `apt-get install -y chromium`) photographs the flow run page and the report artifact.
-# Run from anywhere; takes a few minutes on a laptop. Look at the PNGs before committing them.
+# Refresh docs/screenshots/*.png (`make screenshots`): on a copy of the checkout, a real Prefect server (free
+# port, auth string, PREFECT_UI_API_URL), `datagen deploy` and a process worker run the CPU demo; headless
+# Chromium (Debian: `apt-get install -y chromium`) photographs the run form, the deployment's parameters, a run
+# mid-generation, its report artifact and a failed run. Options: --out DIR. Run from anywhere; takes a few
+# minutes. Look at the PNGs before committing them.
 set -euo pipefail
 repo="$(cd "$(dirname "$0")/../.." && pwd)"
 python="${PYTHON:-$repo/.venv/bin/python}"

@@ -35,8 +35,9 @@ def test_prefect_yaml_is_accepted_by_prefects_model_and_parameters_are_run_confi
         if deployment.name == "expand-host":
             continue
         assert deployment.entrypoint == "flows/expand.py:expand"
-        assert list(deployment.parameters) == ["config"]
-        load_run_config(REPO / "configs" / f"{deployment.parameters['config']}.yaml")
+    # A click on expand-manual's Run must not start a run that halts training: `config` has no default.
+    manual = next(d for d in model.deployments if d.name == "expand-manual")
+    assert not manual.parameters
     nightly = next(d for d in model.deployments if d.name == "expand-nightly")
     nightly_config = load_run_config(REPO / "configs" / f"{nightly.parameters['config']}.yaml")
     assert nightly_config.series == "nightly"
@@ -113,4 +114,5 @@ def test_deploy_all_creates_manual_and_nightly_deployments_without_a_baked_in_pa
         assert deployment.pull_steps == [{"datagen.app.pullstep.enter_checkout": {}}]
         # One rule for the GPUs is the host lock the flow holds, not a per-deployment limit.
         assert deployment.global_concurrency_limit is None
-        load_run_config(REPO / "configs" / f"{deployment.parameters['config']}.yaml")
+    assert deployments["manual"].parameters == {}
+    load_run_config(REPO / "configs" / f"{nightly.parameters['config']}.yaml")

@@ -29,6 +29,7 @@ SHARED_MODULES = frozenset(
         "templates",
         "processes",
         "literals",
+        "progress",
     }
 )
 STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")

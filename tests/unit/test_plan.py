@@ -3,6 +3,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shlex
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,7 +215,14 @@ def test_markdown_shows_the_exact_command_of_every_server(tmp_path: Path, base_p
 
     for server in plan.servers:
         assert server.launch is not None
-        assert server.launch.shell_line() in markdown
+        block = server.launch.shell_block()
+        assert f"```bash\n{block}\n```" in markdown
+        # The block is the same command: the shell joins its continuation lines back into the exact argv.
+        joined = shlex.split(block.replace("\\\n", " "))
+        env = [f"{key}={value}" for key, value in sorted(server.launch.env.items())]
+        assert joined == env + server.launch.argv
+        # Short lines: Prefect's UI cuts a code block's long line off.
+        assert max(len(line) for line in block.splitlines()) < 120
     assert "CUDA_VISIBLE_DEVICES=1" in markdown
     assert ServerPlan.model_validate_json(plan.model_dump_json()) == plan
 

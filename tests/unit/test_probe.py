@@ -135,6 +135,18 @@ def test_markdown_lists_every_gpu_and_the_interconnect() -> None:
     assert "**warning**: GPU 3" in markdown
 
 
+def test_markdown_puts_each_problems_fix_on_a_line_of_its_own() -> None:
+    report = probe_from_dir(FIXTURES / "pcie-8gpu", packages=NO_PACKAGES)
+    fixed = [problem for problem in report.problems if problem.fix]
+    assert fixed, "the fixture has a problem with a fix"
+
+    lines = report.to_markdown().splitlines()
+
+    for problem in fixed:
+        at = lines.index(f"- **{problem.severity}**: {problem.message}")
+        assert lines[at + 1] == f"  - Fix: {problem.fix}"
+
+
 def test_report_round_trips_through_json() -> None:
     report = probe_from_dir(FIXTURES / "h200x2-nvlink", packages=NO_PACKAGES)
 

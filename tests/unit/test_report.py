@@ -12,9 +12,9 @@ from datagen.dataset.report import (
     record_generation_window,
     run_locations,
 )
-from datagen.generation.progress import GenerationProgress, output_tokens_per_s
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
+from datagen.progress import GenerationProgress, output_tokens_per_s
 from datagen.records import ShardSummary
 
 

@@ -120,8 +120,9 @@ def test_a_config_path_at_any_yaml_is_refused_without_reading_it(tmp_path: Path)
     assert "config: required" in message
     for name in (str(secret), "../../" + str(secret), "configs/demo-worker.yaml"):
         assert "config: must be the name of one of the box's configs (" in _refused({"config": name})
-    assert "config: no config named 'demo-worker.yaml' on this box; pick one of: demo, demo-worker," in (
-        _refused({"config": "demo-worker.yaml"})
+    assert (
+        "config: no config named 'demo-worker.yaml' on this box; pick one of: demo, demo-watch, demo-worker,"
+        in (_refused({"config": "demo-worker.yaml"}))
     )
 
 
