@@ -96,12 +96,19 @@ WATCH_INTERVAL_S = 0.5
 def _watch_progress(seen: list[tuple[float, str]], stop: threading.Event) -> None:
     """Read the progress artifact through the Prefect API, as the UI does, until ``stop``."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        FlowRunFilter,
+        FlowRunFilterName,
+    )
 
     with get_client(sync_client=True) as client:
         while not stop.wait(WATCH_INTERVAL_S):
+            # This run's artifacts only: other modules' runs on the worker's shared API have the same key.
             artifacts = client.read_artifacts(
-                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PROGRESS_KEY]))
+                artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PROGRESS_KEY])),
+                flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[f"expand-{RUN_ID}"])),
             )
             for artifact in artifacts:
                 entry = (float(cast(float, artifact.data)), artifact.description or "")
