@@ -390,7 +390,9 @@ def _answers(fleet: Fleet, count: int) -> list[object]:
         max_inflight_per_server=2,
         generation=generation,
     ) as dispatcher:
-        return [dispatcher.submit(make_request(f"q{index}")).result(60) for index in range(count)]
+        # All at once: more requests than one server's cap, so every server of the fleet takes some.
+        futures = [dispatcher.submit(make_request(f"q{index}")) for index in range(count)]
+        return [future.result(60) for future in futures]
 
 
 def test_a_foreign_listener_on_a_planned_port_is_named_never_asked_and_our_server_moves_on(
