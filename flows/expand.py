@@ -40,11 +40,14 @@ from pydantic import BaseModel
 import datagen.engines
 from datagen.app.request import (
     HostRequest,
+    ResolvedRun,
     RunRequest,
     SamplingChoice,
     configs_folder,
+    operator_run,
     parse_run_request,
-    resolve_request,
+    resolve_run,
+    with_run_id,
 )
 from datagen.config import RunConfig, is_valid_slug
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
@@ -128,7 +131,11 @@ def box_configs() -> Path:
 
 
 def _run_id_of(parameters: dict[str, Any]) -> str | None:
-    """The run id a flow run's parameters give, if any, for its name (never reads the box's configs)."""
+    """The run id a flow run's parameters give, if any, for its name (never reads the box's configs).
+
+    The operator's flow receives its config resolved, run id included; a deployment's run gives its
+    ``run_id`` parameter, else takes the flow run's own (:func:`_generated_run_id`), as its body does.
+    """
     run_id = parameters.get("run_id")
     config = parameters.get("config")
     if not run_id and isinstance(config, RunConfig | dict):  # the operator's flow: a whole config
@@ -633,16 +640,14 @@ def _expand(
             "output": output,
             "sampling": sampling,
             "datasets": datasets,
+            "retry_failed": retry_failed,
         }
         request = parse_run_request(parameters, box_configs(), RunRequest)
-        resolved = resolve_request(request, box_configs())
-        resolved = resolved.model_copy(update={"run_id": resolved.run_id or _generated_run_id()})
+        run = resolve_run(request, box_configs(), _generated_run_id())
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
-            summary = _run(
-                resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), bool(request.retry_failed)
-            )
+            summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
 
 
@@ -659,7 +664,7 @@ def _expand_config(
     """The flow with a whole config, any field: for the box's operator (``datagen run --config``) only.
 
     Args:
-        config: The run's whole configuration, as the operator wrote it.
+        config: The run's whole configuration, as the operator wrote it, resolved (its run id fixed).
         config_name: Its name when it is one of the checkout's configs (a multi-host run's hosts read it).
         retry_failed: Send the run's retryable failures again.
 
@@ -670,12 +675,9 @@ def _expand_config(
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
     with forward_thread_logs(flow_run_id), explain_failure():
         verify_code_version(__file__)
-        resolved = config.model_copy(update={"run_id": config.run_id or _generated_run_id()})
-        hosts = None
-        if config_name is not None:
-            hosts = HostRequest(config=config_name, run_id=resolved.run_id, output=resolved.output)
+        run = operator_run(config, config_name, retry_failed)
         with contextlib.ExitStack() as gpu_lock:
-            summary = _run(resolved, flow_run_id, gpu_lock, hosts, retry_failed)
+            summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
 
 
@@ -692,22 +694,16 @@ def operator_flow() -> Flow[..., RunSummary]:
 def run_with_config(
     config: RunConfig, config_name: str | None = None, retry_failed: bool = False
 ) -> RunSummary:
-    """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box)."""
-    return operator_flow()(config=config, config_name=config_name, retry_failed=retry_failed)
+    """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box).
 
-
-def _run(
-    config: RunConfig,
-    flow_run_id: str,
-    gpu_lock: contextlib.ExitStack,
-    hosts_request: HostRequest | None,
-    retry_failed: bool = False,
-) -> RunSummary:
-    """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on.
-
-    ``hosts_request`` is what a multi-host run's host parts are sent (None: the config is no box config by
-    name, so hosts cannot resolve it, and a multi-host run is refused).
+    A config without a run id gets a new one here, before the flow run starts: its name and body read it.
     """
+    return operator_flow()(config=with_run_id(config), config_name=config_name, retry_failed=retry_failed)
+
+
+def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
+    """The run itself, once its entry point resolved it; ``gpu_lock`` holds this host's GPUs from the halt on."""
+    config, hosts_request, retry_failed = resolved.config, resolved.hosts, resolved.retry_failed
     logger = get_run_logger()
     # The Prefect block's S3 credentials (None: the AWS chain), passed to every store and S3-reading task.
     credentials = load_s3_credentials()
@@ -865,6 +861,6 @@ def _run(
 if __name__ == "__main__":
     import sys
 
-    from datagen.config import load_run_config
+    from datagen.app.request import resolve_config_file
 
-    run_with_config(load_run_config(sys.argv[1]))
+    run_with_config(resolve_config_file(Path(sys.argv[1])))
