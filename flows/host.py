@@ -36,11 +36,10 @@ from datagen.output.hosts import (
     write_host_object,
 )
 from datagen.output.layout import RunLayout
-from datagen.output.runs import open_store
 from datagen.output.store import Store
 from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
 from flows.serving import fleet_state_dir, serve_on_this_box
-from tasks.credentials import load_s3_credentials
+from tasks.context import open_run_store
 from tasks.hosts import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
@@ -130,16 +129,15 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
     logger = get_run_logger()
     assert config.run_id is not None, "the parent resolves the run id before starting host parts"
     local = config.for_host(host)
-    # The Prefect block's S3 credentials (None: the AWS chain): this box meets the parent in the run's store.
-    credentials = load_s3_credentials()
-    store = open_store(config, credentials)
+    # With the Prefect block's S3 credentials (None: the AWS chain): this box meets the parent in the run's store.
+    store = open_run_store(config)
     layout = RunLayout(config.run_id)
     poll_s = config.multi_host.poll_interval_s
     hostname = socket.gethostname()
 
     problems: list[str] = []
     try:
-        datagen.app.preflight.run_host_preflight(local, credentials)
+        datagen.app.preflight.run_host_preflight(local, store.credentials)
     except PreflightError as error:
         problems = error.problems
     write_host_object(
