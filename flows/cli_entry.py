@@ -3,7 +3,7 @@
 ``datagen`` (``pyproject.toml``), ``python -m flows.cli_entry`` and ``make demo`` start here. The core
 (:mod:`datagen.app.cli`) never imports ``flows``; this module hands it :func:`start_expand`, so ``datagen run``
 and ``datagen demo`` run the very flow body a deployment runs, and Prefect is only imported once a run is asked
-for. The path of a run: ``cli.run`` (the config resolved once: :func:`datagen.app.request.resolve_config_file`)
+for. The path of a run: ``cli.run`` (the config resolved once: :func:`datagen.app.run_request.resolve_config_file`)
 -> ``terminal.run_in_terminal`` -> :func:`start_expand` -> :func:`flows.expand.run_with_config`.
 """
 

@@ -38,7 +38,7 @@ from prefect.states import Completed
 from pydantic import BaseModel
 
 import datagen.engines
-from datagen.app.request import (
+from datagen.app.run_request import (
     HostRequest,
     ResolvedRun,
     RunRequest,
@@ -550,7 +550,7 @@ class CheckedFlow(Flow[..., R]):
     """A flow whose run parameters pass ``check`` before Prefect validates them against the signature.
 
     A deployment's flow run gets its parameters from whoever started it. ``check`` (a request model of
-    :mod:`datagen.app.request`) refuses a value that is no run choice (a run id that climbs, a config the box
+    :mod:`datagen.app.run_request`) refuses a value that is no run choice (a run id that climbs, a config the box
     lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
     A parameter the signature lacks (``config_path``, ``training``...) the server refuses at create-flow-run
     (``datagen deploy`` closes the deployments' parameter schemas), and Prefect on a worker for a run that
@@ -747,7 +747,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
         servers, generation_wall_s = 0, 0.0
         errors: list[BaseException] = []
     elif config.hosts:
-        # Several boxes: each host part halts its training and serves (flows/host.py); this flow holds no
+        # Several boxes: each host part halts its training and serves (flows/host_part.py); this flow holds no
         # GPU lock and halts nothing itself, it only sends the requests.
         logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
@@ -832,6 +832,6 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
 if __name__ == "__main__":
     import sys
 
-    from datagen.app.request import resolve_config_file
+    from datagen.app.run_request import resolve_config_file
 
     run_with_config(resolve_config_file(Path(sys.argv[1])))

@@ -24,12 +24,13 @@ from typing import TypeVar
 from prefect import get_run_logger
 
 import datagen.engines
-from datagen.app.request import HostRequest
+from datagen.app.run_request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightError
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.hosts import HostWatch
-from datagen.output.hosts import (
+from datagen.generation.multihost import HostWatch
+from datagen.output.layout import RunLayout
+from datagen.output.multihost import (
     HostFleet,
     HostPreflight,
     HostsGo,
@@ -37,11 +38,10 @@ from datagen.output.hosts import (
     read_host_object,
     write_host_object,
 )
-from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.settings import server_api_key
 from tasks.context import RunContext
-from tasks.hosts import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
+from tasks.multihost import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
 
 T = TypeVar("T")
 # After the release, how long the parent waits to see every host part end (to log how each ended).

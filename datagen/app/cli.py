@@ -75,7 +75,7 @@ def run(
     """
     from datagen.app.preflight import check_output_reachable
     from datagen.app.pullstep import default_checkout
-    from datagen.app.request import box_config_name, resolve_config_file
+    from datagen.app.run_request import box_config_name, resolve_config_file
     from datagen.app.terminal import (
         INTERRUPT_SIGNALS,
         exit_code_for_signal,

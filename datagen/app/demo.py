@@ -79,7 +79,7 @@ def run_demo(run_id: str, start_flow: StartFlow) -> int:
     Returns:
         The process exit code.
     """
-    from datagen.app.request import resolve_config_file
+    from datagen.app.run_request import resolve_config_file
     from datagen.app.terminal import print_summary, run_in_terminal, run_log_path
     from datagen.app.tinymodel import build_tiny_model
     from datagen.config import check_run_id_option

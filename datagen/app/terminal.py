@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 StartFlow = Callable[["RunConfig", "str | None", bool], Callable[[], "RunSummary"]]
 """How the command line reaches the `expand` flow (the console script, ``flows/cli_entry.py``, passes it in).
 
-Called with the resolved config (:func:`datagen.app.request.resolve_config_file`), its name when it is one of
+Called with the resolved config (:func:`datagen.app.run_request.resolve_config_file`), its name when it is one of
 the checkout's configs (a multi-host run's hosts resolve it by it) and ``retry_failed``: imports Prefect and
 the flow, which configures Prefect's logging, and returns the run, so :func:`run_in_terminal` sets up its log
 file in between. The core never imports Prefect, and ``datagen --help`` stays fast.

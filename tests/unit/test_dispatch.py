@@ -12,7 +12,7 @@ import pytest
 from datagen.config import GenerationConfig
 from datagen.generation.dispatch_state import DispatcherStats, GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.wire import GenerationRequest
+from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams
 from tests.support.fault_server import FaultPlan, FaultServer
 

@@ -1,7 +1,7 @@
 """The `expand-host` flow: one box's part of a multi-host run, on that box's own Prefect worker.
 
 The parent `expand` flow starts one run of this flow per host (``run_deployment``, one work queue per box)
-and talks to it through the run's store (:mod:`datagen.output.hosts`)::
+and talks to it through the run's store (:mod:`datagen.output.multihost`)::
 
     host preflight -> preflight.json ... wait for go.json (every host passed)
       -> [host GPU lock] halt-training -> probe-environment -> plan-servers -> start-fleet -> fleet.json
@@ -24,10 +24,11 @@ from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
 import datagen.app.preflight
-from datagen.app.request import HostPartRequest, SamplingChoice, parse_run_request, resolve_request
+from datagen.app.run_request import HostPartRequest, SamplingChoice, parse_run_request, resolve_request
 from datagen.config import RunConfig, is_valid_slug
 from datagen.errors import PreflightError
-from datagen.output.hosts import (
+from datagen.output.layout import RunLayout
+from datagen.output.multihost import (
     HostFleet,
     HostPreflight,
     HostsGo,
@@ -35,12 +36,11 @@ from datagen.output.hosts import (
     wait_for_host_object,
     write_host_object,
 )
-from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.context import open_run_store
-from tasks.hosts import flow_run_ended, parent_lease_lapsed
+from tasks.multihost import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
 
