@@ -16,7 +16,6 @@ import contextlib
 import contextvars
 import functools
 import queue
-import re
 import threading
 import time
 from collections import deque
@@ -85,6 +84,7 @@ from tasks.run import (
     write_attempt_record,
     write_report,
 )
+from tasks.run_names import is_generated_run_name
 from tasks.runtime import (
     explain_failure,
     forward_thread_logs,
@@ -136,18 +136,14 @@ def _run_id_of(parameters: dict[str, Any]) -> str | None:
     return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
 
 
-# The shape of the names Prefect gives a flow run nobody named (the server's ``golden-camel``, the run form's
-# prefilled ``Generic-Baboon``): such a name is replaced, any other name the run was created with is kept.
-_GENERATED_NAME = re.compile(r"[A-Za-z]+-[A-Za-z]+")
-
-
 def given_run_name(name: str | None) -> str | None:
     """The name a person gave the flow run at creation (the run form's Name, ``--flow-run-name``), if any.
 
-    Prefect names every flow run at creation (a random ``adjective-animal`` when none is given) and records no
-    flag saying who chose it, so a name of that shape counts as Prefect's.
+    Prefect names every flow run at creation and records no flag saying who chose it: a name one of its
+    generators could have produced (:func:`tasks.run_names.is_generated_run_name`) counts as Prefect's, and so
+    does ours, ``expand-<run id>``, from an earlier attempt.
     """
-    if not name or _GENERATED_NAME.fullmatch(name) or name.startswith("expand-"):
+    if not name or is_generated_run_name(name) or name.startswith("expand-"):
         return None
     return name
 
