@@ -34,22 +34,47 @@ def command_block_lines(line: str) -> list[str]:
 
     A remark (``# ...`` alone, or after the command) becomes comment lines above it, wrapped by word. A
     command longer than :data:`COMMAND_BLOCK_CHARS` gets one option (``--flag value`` or ``key=value``) per
-    line, joined by backslash continuations; a single word longer than the line (a URL) stays whole.
+    line, joined by backslash continuations; a line still too long (a long path) is folded after a ``/``
+    with a backslash-newline, which the shell removes, so the path pastes whole.
     """
     command, _, remark = line.partition(_REMARK) if not line.startswith("#") else ("", "", line[1:])
     lines = textwrap.wrap(
         remark.strip(), COMMAND_BLOCK_CHARS - 2, initial_indent="# ", subsequent_indent="# "
     )
     command = command.strip()
+    if not command:
+        return lines
     if len(command) <= COMMAND_BLOCK_CHARS:
-        return lines + ([command] if command else [])
+        return [*lines, command]
     groups: list[list[str]] = []
     for word in command.split():
         if not groups or word.startswith("-") or ("=" in word and not groups[-1][-1].startswith("-")):
             groups.append([word])
         else:
             groups[-1].append(word)
-    return [*lines, " \\\n    ".join(" ".join(group) for group in groups)]
+    rendered = [("    " if index else "") + " ".join(group) for index, group in enumerate(groups)]
+    for index, text in enumerate(rendered):
+        last = index == len(rendered) - 1
+        lines += _folded(text if last else f"{text} \\")
+    return lines
+
+
+def _folded(text: str) -> list[str]:
+    """``text`` cut into lines of at most :data:`COMMAND_BLOCK_CHARS`, each cut a backslash-newline.
+
+    Cuts go after the last ``/`` (else space) that fits, never inside the indentation; the pieces after a cut
+    start at the first column, since the shell joins them to the word before (a space would split it).
+    """
+    pieces: list[str] = []
+    indent = len(text) - len(text.lstrip(" "))
+    while len(text) > COMMAND_BLOCK_CHARS:
+        room = COMMAND_BLOCK_CHARS - 1  # the backslash
+        cut = max(text.rfind("/", indent, room) + 1, text.rfind(" ", indent, room) + 1)
+        if cut <= indent:
+            cut = room
+        pieces.append(text[:cut] + "\\")
+        text, indent = text[cut:], 0
+    return [*pieces, text]
 
 
 class DatasetReport(GenerationCounts):

@@ -46,7 +46,7 @@ from tests.support.prefect_stack import PrefectStack, copy_checkout, free_port  
 OUT = REPO / "docs" / "screenshots"
 WIDTH, HEIGHT = 1600, 1000
 # The run form is photographed whole: every field of the run's choices, the sampling section included.
-FORM_HEIGHT = 2400
+FORM_HEIGHT = 2200
 # How long a page gets to fetch and render (Prefect's UI is a single-page app that polls its API).
 RENDER_S = 8.0
 CHROMIUM_FLAGS = [
