@@ -157,7 +157,8 @@ def test_a_90_s_s3_outage_mid_run_is_ridden_out_and_costs_at_most_what_was_in_fl
 
     log = err.read_text()
     assert code == 0, log[-3000:]
-    assert "s3 retry" in log and "checkpoint failed, results kept" in log, "the outage was met"
+    # Met: botocore retried refused connections (a write may straddle the whole outage in its own retries).
+    assert "cause=EndpointConnectionError" in log, "the outage was never met"
     redone = sum(count - 1 for count in sent.values())
     assert len(sent) == PROMPTS
     assert redone <= IN_FLIGHT, (
