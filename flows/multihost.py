@@ -35,6 +35,7 @@ from datagen.output.hosts import (
     HostsGo,
     HostsRelease,
     read_host_object,
+    read_latest_host_fleet,
     write_host_object,
 )
 from datagen.output.layout import RunLayout
@@ -221,7 +222,7 @@ def _await_fleets(
     ready: list[HostFleet] = []
     while waiting and len(ready) < wanted:
         for name in list(waiting):
-            found = read_host_object(store, layout, attempt_id, HostFleet, host=name)
+            found = read_latest_host_fleet(store, layout, attempt_id, name)
             if found is not None:
                 del waiting[name]
                 ready.append(found)
@@ -263,7 +264,7 @@ def _watch_hosts(
         try:
             watch.follow(store, layout, attempt_id)
             for name in list(waiting):
-                found = read_host_object(store, layout, attempt_id, HostFleet, host=name)
+                found = read_latest_host_fleet(store, layout, attempt_id, name)
                 if found is not None:
                     del waiting[name]
                     _join(watch, found, outcome)

@@ -130,6 +130,21 @@ def read_host_fleet(
     return HostFleet.model_validate(store.read_json(key))
 
 
+def read_latest_host_fleet(store: Store, layout: RunLayout, attempt_id: str, host: str) -> HostFleet | None:
+    """A host's fleet as its latest version has it (None before ``fleet.json`` exists).
+
+    A host joining late may have restarted a server already: joining with ``fleet.json`` alone would send
+    requests to a port its server has left.
+    """
+    latest = read_host_fleet(store, layout, attempt_id, host, 0)
+    while latest is not None:
+        newer = read_host_fleet(store, layout, attempt_id, host, latest.version + 1)
+        if newer is None:
+            break
+        latest = newer
+    return latest
+
+
 class FleetPublisher:
     """A host part's fleet in the store: ``fleet.json`` first, then one new version per server restart.
 
