@@ -54,12 +54,31 @@ class GenerationProgress(BaseModel):
             return None
         return left / (self.answered / self.elapsed_s)
 
-    def line(self) -> str:
-        """One line, the essentials first (a card shows its start): ``62.5% · 200/320 answered · ...``."""
+    @property
+    def eta_text(self) -> str:
+        """The ETA as a person reads it: ``3 min 5 s``, ``done``, or ``unknown`` before the first answer."""
         eta = self.eta_s
-        eta_text = "done" if eta == 0 else ("unknown" if eta is None else format_duration(eta))
+        return "done" if eta == 0 else ("unknown" if eta is None else format_duration(eta))
+
+    def line(self) -> str:
+        """One line, the essentials first (the log line): ``62.5% · 200/320 answered · ...``."""
         return (
             f"{self.percent:.1f}% · {self.answered}/{self.total} answered · "
-            f"{self.tokens_per_s:.1f} output tok/s · ETA {eta_text} · {self.failed} failed · "
+            f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text} · {self.failed} failed · "
             f"{format_duration(self.elapsed_s)} elapsed"
         )
+
+    def card(self, detail: str = "") -> str:
+        """The same figures as short Markdown lines, the essentials first, for the progress artifact's card.
+
+        Prefect's UI draws an artifact's description on its card one line per paragraph and cuts each line off
+        at the card's edge (about 40 characters at 1600 px): so one short paragraph per pair of figures,
+        ``detail`` (the dispatcher's queues) last.
+        """
+        lines = [
+            f"**{self.percent:.1f}%** · {self.answered}/{self.total} answered",
+            f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text}",
+            f"{self.failed} failed · {format_duration(self.elapsed_s)} elapsed",
+            *([detail] if detail else []),
+        ]
+        return "\n\n".join(lines)
