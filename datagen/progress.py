@@ -33,6 +33,11 @@ class GenerationProgress(BaseModel):
     failed: int = 0
     output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
     elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
+    answered_here: int | None = Field(
+        default=None,
+        description="Requests this attempt answered (None: all of ``answered``). A resumed run's stored answers "
+        "count in ``answered`` but took none of ``elapsed_s``: the ETA's rate leaves them out.",
+    )
 
     @property
     def percent(self) -> float:
@@ -46,13 +51,14 @@ class GenerationProgress(BaseModel):
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the answer rate so far (0 when done, None before the first answer)."""
+        """Seconds left at this attempt's answer rate (0 when done, None before its first answer)."""
         left = max(0, self.total - self.answered)
         if not left:
             return 0.0
-        if self.answered <= 0 or self.elapsed_s <= 0:
+        answered = self.answered if self.answered_here is None else self.answered_here
+        if answered <= 0 or self.elapsed_s <= 0:
             return None
-        return left / (self.answered / self.elapsed_s)
+        return left / (answered / self.elapsed_s)
 
     @property
     def eta_text(self) -> str:

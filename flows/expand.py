@@ -247,6 +247,7 @@ def _progress(
         failed=stats.failed,
         output_tokens=stats.output_tokens,
         elapsed_s=elapsed_s,
+        answered_here=stats.completed + stats.failed,
     )
     detail = f"{sum(stats.in_flight.values())} in flight · {stats.queued} queued · {stats.retries} retries"
     return progress, progress.card(detail)
