@@ -33,6 +33,11 @@ class GenerationProgress(BaseModel):
     failed: int = 0
     output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
     elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
+    answered_here: int | None = Field(
+        default=None,
+        description="Requests this attempt answered (None: all of ``answered``). A resumed run's stored answers "
+        "count in ``answered`` but took none of ``elapsed_s``: the ETA's rate leaves them out.",
+    )
 
     @property
     def percent(self) -> float:
@@ -46,20 +51,40 @@ class GenerationProgress(BaseModel):
 
     @property
     def eta_s(self) -> float | None:
-        """Seconds left at the answer rate so far (0 when done, None before the first answer)."""
+        """Seconds left at this attempt's answer rate (0 when done, None before its first answer)."""
         left = max(0, self.total - self.answered)
         if not left:
             return 0.0
-        if self.answered <= 0 or self.elapsed_s <= 0:
+        answered = self.answered if self.answered_here is None else self.answered_here
+        if answered <= 0 or self.elapsed_s <= 0:
             return None
-        return left / (self.answered / self.elapsed_s)
+        return left / (answered / self.elapsed_s)
+
+    @property
+    def eta_text(self) -> str:
+        """The ETA as a person reads it: ``3 min 5 s``, ``done``, or ``unknown`` before the first answer."""
+        eta = self.eta_s
+        return "done" if eta == 0 else ("unknown" if eta is None else format_duration(eta))
 
     def line(self) -> str:
-        """One line, the essentials first (a card shows its start): ``62.5% · 200/320 answered · ...``."""
-        eta = self.eta_s
-        eta_text = "done" if eta == 0 else ("unknown" if eta is None else format_duration(eta))
+        """One line, the essentials first (the log line): ``62.5% · 200/320 answered · ...``."""
         return (
             f"{self.percent:.1f}% · {self.answered}/{self.total} answered · "
-            f"{self.tokens_per_s:.1f} output tok/s · ETA {eta_text} · {self.failed} failed · "
+            f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text} · {self.failed} failed · "
             f"{format_duration(self.elapsed_s)} elapsed"
         )
+
+    def card(self, detail: str = "") -> str:
+        """The same figures as short Markdown lines, the essentials first, for the progress artifact's card.
+
+        Prefect's UI draws an artifact's description on its card one line per paragraph and cuts each line off
+        at the card's edge (about 40 characters at 1600 px): so one short paragraph per pair of figures,
+        ``detail`` (the dispatcher's queues) last.
+        """
+        lines = [
+            f"**{self.percent:.1f}%** · {self.answered}/{self.total} answered",
+            f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text}",
+            f"{self.failed} failed · {format_duration(self.elapsed_s)} elapsed",
+            *([detail] if detail else []),
+        ]
+        return "\n\n".join(lines)

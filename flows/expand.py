@@ -16,7 +16,6 @@ import contextlib
 import contextvars
 import functools
 import queue
-import re
 import threading
 import time
 from collections import deque
@@ -88,6 +87,7 @@ from tasks.run import (
     write_attempt_record,
     write_report,
 )
+from tasks.run_names import is_generated_run_name
 from tasks.runtime import (
     explain_failure,
     forward_thread_logs,
@@ -143,18 +143,14 @@ def _run_id_of(parameters: dict[str, Any]) -> str | None:
     return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
 
 
-# The shape of the names Prefect gives a flow run nobody named (the server's ``golden-camel``, the run form's
-# prefilled ``Generic-Baboon``): such a name is replaced, any other name the run was created with is kept.
-_GENERATED_NAME = re.compile(r"[A-Za-z]+-[A-Za-z]+")
-
-
 def given_run_name(name: str | None) -> str | None:
     """The name a person gave the flow run at creation (the run form's Name, ``--flow-run-name``), if any.
 
-    Prefect names every flow run at creation (a random ``adjective-animal`` when none is given) and records no
-    flag saying who chose it, so a name of that shape counts as Prefect's.
+    Prefect names every flow run at creation and records no flag saying who chose it: a name one of its
+    generators could have produced (:func:`tasks.run_names.is_generated_run_name`) counts as Prefect's, and so
+    does ours, ``expand-<run id>``, from an earlier attempt.
     """
-    if not name or _GENERATED_NAME.fullmatch(name) or name.startswith("expand-"):
+    if not name or is_generated_run_name(name) or name.startswith("expand-"):
         return None
     return name
 
@@ -246,16 +242,17 @@ def _record_generation_window(
 def _progress(
     answered: int, total: int, stats: DispatcherStats, elapsed_s: float
 ) -> tuple[GenerationProgress, str]:
-    """Generation so far and the progress artifact's text: the one-line summary, then the dispatcher's queues."""
+    """Generation so far and the progress artifact's text: the figures, then the dispatcher's queues."""
     progress = GenerationProgress(
         answered=answered,
         total=total,
         failed=stats.failed,
         output_tokens=stats.output_tokens,
         elapsed_s=elapsed_s,
+        answered_here=stats.completed + stats.failed,
     )
-    detail = f"{sum(stats.in_flight.values())} in flight, {stats.queued} queued, {stats.retries} retries"
-    return progress, f"{progress.line()} ({detail})"
+    detail = f"{sum(stats.in_flight.values())} in flight · {stats.queued} queued · {stats.retries} retries"
+    return progress, progress.card(detail)
 
 
 def _stored_summary(store: Store, layout: RunLayout, shard: PromptShardRef) -> ShardSummary:
@@ -350,8 +347,10 @@ class _GenerationProgress:
 
     ``started`` is when generation started (``time.monotonic()``): the report's generation wall time starts
     there too, so the tok/s shown here is the report's definition (:mod:`datagen.progress`).
-    The UI's Logs tab (the run page's default) refreshes every 5 s while the run runs: the progress line is
-    what a person watches there; the artifact carries the same line.
+    What Prefect 3.9.1's run page (``/v2``) shows of it: its Logs tab (the default) polls every 5 s while the
+    run runs, so the progress line is what updates by itself; the Artifacts tab's card shows the artifact's
+    figures as of when the tab was opened (switching tabs or reloading fetches them again). The header shows
+    no state message, and a new Running state would count as another run attempt: nothing goes there.
     """
 
     def __init__(self, dispatcher: Dispatcher, started: float) -> None:
@@ -359,7 +358,7 @@ class _GenerationProgress:
         self.started = started
         self.last_report = 0.0
         self.publisher = _ProgressPublisher()
-        self.publisher.publish(0.0, "Requests answered")
+        self.publisher.publish(0.0, "**0.0%** · generation starting")
 
     def close(self) -> None:
         """Let the last update reach the API if it can, briefly (the run's end never waits on the API)."""

@@ -5,7 +5,8 @@ and talks to it through the run's store (:mod:`datagen.output.multihost`)::
 
     host preflight -> preflight.json ... wait for go.json (every host passed)
       -> [host GPU lock] halt-training -> probe-environment -> plan-servers -> start-fleet -> fleet.json
-      -> keep the servers up (restarting dead ones) until release.json (or the parent's run ended)
+      -> keep the servers up (restarting dead ones, each restart published as fleet-NNNN.json) until
+         release.json (or the parent's run ended)
       -> stop-fleet -> hand-back-gpus
 
 Generation itself happens in the parent: its one dispatcher sends requests to every host's servers.
@@ -29,6 +30,7 @@ from datagen.config import RunConfig, is_valid_slug
 from datagen.errors import PreflightError
 from datagen.output.layout import RunLayout
 from datagen.output.multihost import (
+    FleetPublisher,
     HostFleet,
     HostPreflight,
     HostsGo,
@@ -195,8 +197,12 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
             urls=serving.urls,
             max_inflight_per_server=serving.plan.dispatcher_inflight,
             served_model_name=serving.plan.served_model_name,
+            launched=any(server.launch is not None for server in serving.plan.servers),
         )
-        write_host_object(store, layout, attempt_id, published, host=host)
+        publisher = FleetPublisher(store, layout, attempt_id, published)
+        publisher.publish()
+        # Each restart (maybe on another port) is a new version of fleet.json: the parent's dispatcher follows.
+        serving.fleet.on_server_restarted(publisher.server_restarted)
         logger.info("host serving host=%s servers=%d; until the parent releases it", host, len(serving.urls))
         started = time.monotonic()
         released = wait_for_host_object(

@@ -3,7 +3,7 @@
     check-hosts -> one `expand-host` flow run per host (run_deployment, timeout=0: subflow runs in the UI)
       -> every host's preflight.json -> go.json (or: refuse the run, nothing halted anywhere)
       -> the first fleet.json(s) (multi_host.start_with_hosts) -> one Dispatcher; later hosts join it,
-         lost hosts leave it (a watcher thread)
+         lost hosts leave it, a server a host restarted elsewhere (fleet-NNNN.json) moves in it (a watcher thread)
       -> generation (the same shard tasks as on one box)
       -> every host still in the run answers, or is lost (waiting at most multi_host.host_lost_after_s)
       -> release.json (naming the lost hosts and why) -> the hosts stop and hand back
@@ -28,7 +28,7 @@ from datagen.app.run_request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightError
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.multihost import HostWatch
+from datagen.generation.multihost import HostVouches, HostWatch
 from datagen.output.layout import RunLayout
 from datagen.output.multihost import (
     HostFleet,
@@ -36,6 +36,7 @@ from datagen.output.multihost import (
     HostsGo,
     HostsRelease,
     read_host_object,
+    read_latest_host_fleet,
     write_host_object,
 )
 from datagen.output.store import Store
@@ -88,6 +89,7 @@ def run_on_hosts(
             waiting = dict(started)
             ready = _await_fleets(config, store, layout, attempt_id, waiting, outcome)
             first = ready[0]
+            vouches = HostVouches()
             with Dispatcher(
                 first.urls,
                 model=first.served_model_name,
@@ -96,8 +98,11 @@ def run_on_hosts(
                 generation=config.generation,
                 api_key=server_api_key(),
                 exact_tokens=datagen.engines.exact_tokens_enabled(config),
+                vouch=vouches.version,
             ) as dispatcher:
-                watch = HostWatch(dispatcher, lost_after_s=config.multi_host.host_lost_after_s)
+                watch = HostWatch(
+                    dispatcher, lost_after_s=config.multi_host.host_lost_after_s, vouches=vouches
+                )
                 for fleet in ready:
                     _join(watch, fleet, outcome)
                 stop = threading.Event()
@@ -213,7 +218,7 @@ def _await_fleets(
     ready: list[HostFleet] = []
     while waiting and len(ready) < wanted:
         for name in list(waiting):
-            found = read_host_object(store, layout, attempt_id, HostFleet, host=name)
+            found = read_latest_host_fleet(store, layout, attempt_id, name)
             if found is not None:
                 del waiting[name]
                 ready.append(found)
@@ -248,13 +253,14 @@ def _watch_hosts(
     outcome: HostsOutcome,
     stop: threading.Event,
 ) -> None:
-    """Until ``stop``: join hosts whose fleet appears, remove hosts that are gone."""
+    """Until ``stop``: join hosts whose fleet appears, follow their servers' restarts, remove hosts that are gone."""
     logger = get_run_logger()
     deadline = time.monotonic() + config.multi_host.ready_timeout_s
     while not stop.wait(config.multi_host.poll_interval_s):
         try:
+            watch.follow(store, layout, attempt_id)
             for name in list(waiting):
-                found = read_host_object(store, layout, attempt_id, HostFleet, host=name)
+                found = read_latest_host_fleet(store, layout, attempt_id, name)
                 if found is not None:
                     del waiting[name]
                     _join(watch, found, outcome)

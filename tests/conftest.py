@@ -109,6 +109,7 @@ HEAVIEST_FIRST = [
     "tests/integration/test_run_states.py::test_a_sigkill_in_every_state",
     "tests/integration/test_operations.py",
     "tests/integration/test_run_states_prefect.py",
+    "tests/integration/test_s3_outage.py",
     "tests/integration/test_multihost.py",
     "tests/integration/test_chaos.py::test_flow_killed_at_random_moments",
     "tests/integration/test_sglang_contract.py",

@@ -40,6 +40,8 @@ POOL_TEMPLATE = Path("deployments") / "work-pool.json"
 PREFECT_TIMEOUT_S = 600.0
 # The deployments of the flow whose runs pick one of the box's configs by name.
 EXPAND_ENTRYPOINT = "flows/expand.py:expand"
+# How a parameter schema refers to one of its models.
+DEFINITIONS_REF = "#/definitions/"
 
 
 def _deployments(prefect_file: Path) -> list[tuple[str, str | None, str]]:
@@ -180,21 +182,44 @@ def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
     Prefect's UI draws that as a ``str | None`` toggle set to None ("Property is type None") and the
     deployment page shows neither type nor default. Written as its plain type without a default, the form
     draws one field left empty, and the server still takes null for it (its validation makes a property with
-    a type and no default nullable). An optional nested model (``sampling``) keeps its ``anyOf``: a bare
-    ``$ref`` would not be made nullable.
+    a type and no default nullable). An optional nested model (``sampling: SamplingChoice | None``) is written
+    the same way: its model inlined as a plain ``object`` section, whose own optional fields are plain too
+    (a bare ``$ref`` would not be made nullable, an inlined ``type: object`` is).
     """
     result = copy.deepcopy(schema)
-    for model in [result, *(result.get("definitions") or {}).values()]:
+    definitions = result.get("definitions") or {}
+    for model in [result, *definitions.values()]:
         required = set(model.get("required") or [])
         for name, field in (model.get("properties") or {}).items():
             choices = field.get("anyOf")
             if name in required or field.get("default", ...) is not None or not isinstance(choices, list):
                 continue
             kept = [choice for choice in choices if choice != {"type": "null"}]
-            if len(kept) == len(choices) - 1 == 1 and "type" in kept[0]:
+            if len(kept) != 1 or len(choices) != 2:
+                continue
+            if "type" in kept[0]:
                 del field["anyOf"], field["default"]
                 field.update(kept[0])
+            elif _inlinable(kept[0], definitions):
+                del field["anyOf"], field["default"]
+                inlined = definitions[kept[0]["$ref"].removeprefix(DEFINITIONS_REF)]
+                field.update({key: value for key, value in inlined.items() if key not in field})
+    referenced = json.dumps(result["properties"])
+    for name in list(definitions):
+        if f'"{DEFINITIONS_REF}{name}"' not in referenced:
+            del definitions[name]
+    if "definitions" in result and not definitions:
+        del result["definitions"]
     return result
+
+
+def _inlinable(choice: Mapping[str, Any], definitions: Mapping[str, Any]) -> bool:
+    """True for a ``$ref`` to a flat object model (no model inside it): it can be drawn as a section."""
+    reference = choice.get("$ref")
+    if not isinstance(reference, str) or not reference.startswith(DEFINITIONS_REF):
+        return False
+    model = definitions.get(reference.removeprefix(DEFINITIONS_REF))
+    return isinstance(model, dict) and model.get("type") == "object" and "$ref" not in json.dumps(model)
 
 
 def configs_note(names: list[str]) -> str:

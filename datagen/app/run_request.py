@@ -23,7 +23,7 @@ from typing import Any, Final, TypeVar
 from uuid import UUID
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from datagen.config import (
     RunConfig,
@@ -62,7 +62,10 @@ class SamplingChoice(BaseModel):
     top_k: int | None = Field(default=None, gt=0, description="Sample among this many tokens.")
     min_p: float | None = Field(default=None, ge=0, le=1, description="Minimum token probability.")
     max_tokens: int | None = Field(default=None, gt=0, description="Longest answer, in tokens.")
-    enable_thinking: bool | None = Field(default=None, description="Let the model think before answering.")
+    enable_thinking: bool | None = Field(
+        default=None,
+        description="Let the model think before answering (never switched: the config's choice).",
+    )
     samples_per_prompt: int | None = Field(default=None, gt=0, le=64, description="Answers per prompt.")
     seed: int | None = Field(default=None, description="Sampling seed.")
 
@@ -94,6 +97,12 @@ class RunRequest(BaseModel):
         description="With the run_id of a run that ended Failed: send again its failed requests whose reason "
         "was not the prompt's own (server errors, resets, timeouts, a wrong server or model).",
     )
+
+    @field_validator("sampling", mode="after")
+    @classmethod
+    def _empty_sampling_changes_nothing(cls, value: SamplingChoice | None) -> SamplingChoice | None:
+        """A sampling section with nothing set (the run form's untouched section, ``{}``) is no sampling choice."""
+        return value if value is not None and value.model_dump(exclude_none=True) else None
 
     def changes_config(self) -> bool:
         """True when a choice other than the run id and output is set (a resumed run refuses those)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import textwrap
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -20,6 +21,60 @@ from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.progress import output_tokens_per_s
 from datagen.records import DatasetMix, GenerationCounts, MixRow, PreparedDataset, ShardSummary, utc_now
+
+# The widest line of a command block in the report: Prefect's UI cuts a longer line of a code block off (its
+# artifact page's column is about this wide at 1600 px), so commands wrap an option per line, comments by word.
+COMMAND_BLOCK_CHARS = 72
+# How a command line of ``training`` carries a remark: ``command   # remark`` (what the CLI prints).
+_REMARK = "   # "
+
+
+def command_block_lines(line: str) -> list[str]:
+    """One shell line as the report's code block shows it: narrow, and still pasting as the same command.
+
+    A remark (``# ...`` alone, or after the command) becomes comment lines above it, wrapped by word. A
+    command longer than :data:`COMMAND_BLOCK_CHARS` gets one option (``--flag value`` or ``key=value``) per
+    line, joined by backslash continuations; a line still too long (a long path) is folded after a ``/``
+    with a backslash-newline, which the shell removes, so the path pastes whole.
+    """
+    command, _, remark = line.partition(_REMARK) if not line.startswith("#") else ("", "", line[1:])
+    lines = textwrap.wrap(
+        remark.strip(), COMMAND_BLOCK_CHARS - 2, initial_indent="# ", subsequent_indent="# "
+    )
+    command = command.strip()
+    if not command:
+        return lines
+    if len(command) <= COMMAND_BLOCK_CHARS:
+        return [*lines, command]
+    groups: list[list[str]] = []
+    for word in command.split():
+        if not groups or word.startswith("-") or ("=" in word and not groups[-1][-1].startswith("-")):
+            groups.append([word])
+        else:
+            groups[-1].append(word)
+    rendered = [("    " if index else "") + " ".join(group) for index, group in enumerate(groups)]
+    for index, text in enumerate(rendered):
+        last = index == len(rendered) - 1
+        lines += _folded(text if last else f"{text} \\")
+    return lines
+
+
+def _folded(text: str) -> list[str]:
+    """``text`` cut into lines of at most :data:`COMMAND_BLOCK_CHARS`, each cut a backslash-newline.
+
+    Cuts go after the last ``/`` (else space) that fits, never inside the indentation; the pieces after a cut
+    start at the first column, since the shell joins them to the word before (a space would split it).
+    """
+    pieces: list[str] = []
+    indent = len(text) - len(text.lstrip(" "))
+    while len(text) > COMMAND_BLOCK_CHARS:
+        room = COMMAND_BLOCK_CHARS - 1  # the backslash
+        cut = max(text.rfind("/", indent, room) + 1, text.rfind(" ", indent, room) + 1)
+        if cut <= indent:
+            cut = room
+        pieces.append(text[:cut] + "\\")
+        text, indent = text[cut:], 0
+    return [*pieces, text]
 
 
 class DatasetReport(GenerationCounts):
@@ -139,7 +194,8 @@ class RunReport(BaseModel):
             lines += ["", "## Completions not tokenized, by reason", ""]
             lines += [f"- {reason}: {count}" for reason, count in sorted(dropped.items())]
         if self.training:
-            lines += ["", "## Training on this version", "", "```", *self.training, "```"]
+            block = [wrapped for line in self.training for wrapped in command_block_lines(line)]
+            lines += ["", "## Training on this version", "", "```bash", *block, "```"]
         return "\n".join(lines) + "\n"
 
     def _mix_markdown(self) -> list[str]:

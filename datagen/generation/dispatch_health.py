@@ -15,6 +15,11 @@ wedged, whatever its ``/health`` says (a chat-hung server still answers it). Its
 elsewhere at once, and it is held out of rotation (``/health`` is not asked) for the limit, doubled for each
 stall in a row, before it may rejoin. Until some server has completed a request there is no yardstick and
 only ``request_timeout_s`` applies.
+
+With ``vouch`` (a multi-host run's parent, which cannot see whose process listens on a remote port), a server
+that refused a connection is gone: another program may take its port, and its ``/health`` would answer for
+it. Such a server is neither probed nor given requests again until its host vouches for it: ``vouch(url)``
+changes when the host publishes that it restarted the server there and checked it is its own.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class ServerHealth:
         health_path: The engine's readiness path.
         headers: Sent with every request (the API key).
         liveness: Optional check that a server's process is alive; False marks it down at once.
+        vouch: Optional: the version of its host's word for a server (None: no host vouches for it, probes
+            decide); a gone server is trusted again only once it changes (see the module docstring).
 
     """
 
@@ -78,6 +85,7 @@ class ServerHealth:
         health_path: str,
         headers: dict[str, str],
         liveness: Callable[[str], bool] | None,
+        vouch: Callable[[str], int | None] | None = None,
     ) -> None:
         self.table = table
         self.servers = table.servers
@@ -86,6 +94,7 @@ class ServerHealth:
         self.health_path = health_path
         self.headers = headers
         self.liveness = liveness
+        self.vouch = vouch
         self.all_down_since: float | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
         # The slowest completion any server gave (seconds): the stall yardstick; None until the first.
@@ -196,8 +205,22 @@ class ServerHealth:
         )
         self.probe_soon(server)
 
-    def mark_down(self, server: ServerState, reason: str, *, refund: bool = False) -> None:
-        """The server went away: cut its tries short (their requests are retried at once elsewhere)."""
+    def mark_down(
+        self, server: ServerState, reason: str, *, refund: bool = False, gone: bool = False
+    ) -> None:
+        """The server went away: cut its tries short (their requests are retried at once elsewhere).
+
+        ``gone``: it refused a connection (nothing of ours listens there now); with ``vouch``, it waits for its
+        host's word before it is probed again.
+        """
+        vouched = self.vouch(server.url) if gone and self.vouch is not None else None
+        if vouched is not None and server.gone_at_vouch is None:
+            server.gone_at_vouch = vouched
+            logger.warning(
+                "server gone url=%s: no request or probe goes there until its host says it restarted it "
+                "(another program may take the port)",
+                server.url,
+            )
         if not server.up:
             return
         server.up = False
@@ -223,6 +246,16 @@ class ServerHealth:
                 logger.exception("health check failed; retrying in %.1fs", HEALTH_INTERVAL_S)
             await asyncio.sleep(HEALTH_INTERVAL_S)
 
+    def _awaits_vouch(self, server: ServerState) -> bool:
+        """Gone, and its host has not vouched for it since (so nothing may reach its port)."""
+        if server.gone_at_vouch is None or self.vouch is None:
+            return False
+        if self.vouch(server.url) == server.gone_at_vouch:
+            return True
+        server.gone_at_vouch = None
+        logger.info("server vouched for by its host again url=%s", server.url)
+        return False
+
     def _is_alive(self, url: str) -> bool:
         assert self.liveness is not None
         try:
@@ -242,7 +275,7 @@ class ServerHealth:
         probes = []
         for server, is_alive in zip(servers, alive, strict=True):
             if not is_alive:
-                self.mark_down(server, "liveness check reports the process dead")
+                self.mark_down(server, "liveness check reports the process dead", gone=True)
             elif stall_limit_s is not None and self._stalled(server, now, stall_limit_s):
                 continue
             elif server.suspect_since is not None and now - server.suspect_since >= SUSPECT_MAX_S:
@@ -256,11 +289,13 @@ class ServerHealth:
                 probes.append(self._probe(server))
         await asyncio.gather(*probes)
 
-    @staticmethod
-    def _needs_probe(server: ServerState, now: float) -> bool:
-        """Down or suspect, not being probed, and not held out after a stall (its /health proves nothing)."""
+    def _needs_probe(self, server: ServerState, now: float) -> bool:
+        """Whether to probe ``server``: down or suspect, not being probed, not held out after a stall.
+
+        Not either while it is gone without its host's word since (``vouch``).
+        """
         waiting = not server.up or server.suspect_since is not None
-        return waiting and not server.probing and now >= server.held_until
+        return waiting and not server.probing and now >= server.held_until and not self._awaits_vouch(server)
 
     def _stalled(self, server: ServerState, now: float, limit_s: float) -> bool:
         """Mark ``server`` down and hold it out when it held requests and answered nothing for ``limit_s``."""
@@ -307,14 +342,14 @@ class ServerHealth:
             )
             status = response.status
         except ConnectFailedError as error:
-            self.mark_down(server, f"health probe refused: {describe(error)}")
+            self.mark_down(server, f"health probe refused: {describe(error)}", gone=True)
             return
         except HttpError:
             # A busy server may answer /health slowly (SGLang runs a generation there); not proof of death.
             return
         finally:
             server.probing = False
-        if status == 200:
+        if status == 200 and not self._awaits_vouch(server):
             self.mark_up(server)
 
     def _expire_if_no_live_servers(self) -> None:

@@ -145,6 +145,8 @@ class ServerState:
     # Stalls in a row (an answer resets it) and when a stalled server may be probed again.
     stalls: int = 0
     held_until: float = 0.0
+    # With a vouch (multi-host): its host's word for it when it refused a connection, until the word changes.
+    gone_at_vouch: int | None = None
     # Generation requests, sized to the in-flight cap; and a separate small pool for /health probes,
     # so a probe never waits behind (or takes) a generation slot.
     pool: HttpPool | None = None

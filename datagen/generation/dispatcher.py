@@ -79,6 +79,9 @@ class Dispatcher:
         max_inflight_per_server: Requests kept in flight on each server (also its connection pool size).
         generation: Timeouts, retries and backoff.
         liveness: Optional check that a server's process is alive; a False answer marks it down at once.
+        vouch: Optional, for servers on other hosts: the version of the host's word for a server (None: no
+            host vouches for it). A vouched-for server that refused a connection gets no request or probe
+            until the version changes.
         api_key: Sent as a bearer token when set.
         admission_limit: Requests admitted at once across all streams; by default
             ``ADMISSION_SLOTS_FACTOR`` times the fleet's slots (at least ``ADMISSION_MIN_REQUESTS``).
@@ -101,6 +104,7 @@ class Dispatcher:
         max_inflight_per_server: int,
         generation: GenerationConfig,
         liveness: Callable[[str], bool] | None = None,
+        vouch: Callable[[str], int | None] | None = None,
         api_key: str | None = None,
         admission_limit: int | None = None,
         exact_tokens: bool = False,
@@ -124,6 +128,7 @@ class Dispatcher:
             health_path=rules.health_path,
             headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
             liveness=liveness,
+            vouch=vouch,
         )
         self._sender = RequestSender(
             model=model,
@@ -342,7 +347,7 @@ class Dispatcher:
             self._fail(job, outcome.reason, outcome.error_type, outcome.status, server.url)
             return
         if outcome.server_down:
-            self._health.mark_down(server, outcome.reason)
+            self._health.mark_down(server, outcome.reason, gone=True)
         elif outcome.suspect:
             self._health.mark_suspect(server, outcome.reason)
         step = self._retry.after(job, outcome, server.url, len(self._table.servers))

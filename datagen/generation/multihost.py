@@ -11,6 +11,12 @@ box leaves its flow run "Running" in Prefect forever (its worker died with it), 
 the signal that always comes. Removing a server hands its in-flight requests back to the queue without
 costing them an attempt; the other hosts answer them.
 
+A host's server that dies is restarted by its host, maybe on another port (another program took its own):
+the host publishes each restart as a new version of its fleet, and :meth:`HostWatch.follow` reads them in
+order, moving the dispatcher to the new URL. The parent cannot see whose process listens on a remote port,
+so a server that refused a connection gets nothing more from the dispatcher until such a version vouches for
+it (:class:`HostVouches`): a program that took the port is never sent a request, nor a probe.
+
 When generation is over the parent checks once more (``check(..., at_end=True)``) before it releases the hosts:
 a box that died near the end, maybe while none of its servers had a request (so no failed request told the
 dispatcher), refuses or ignores a connection; it is lost then, named in the release and the report, and the
@@ -29,7 +35,9 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from datagen.generation.dispatcher import Dispatcher
-from datagen.output.multihost import HostFleet
+from datagen.output.layout import RunLayout
+from datagen.output.multihost import HostFleet, read_host_fleet
+from datagen.output.store import Store
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +57,35 @@ class LostHost:
     in_flight: int
 
 
+class HostVouches:
+    """For each server URL, the version of its host's fleet that last vouched for it (thread-safe).
+
+    The dispatcher reads it (``Dispatcher(vouch=vouches.version)``) before it trusts a gone server again. Only
+    servers their host launched are here: an external server (``HostFleet.launched`` False) has no host to
+    restart it, and the parent's own probes decide for it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._versions: dict[str, int] = {}
+
+    def version(self, url: str) -> int | None:
+        """The version that last vouched for ``url``; None when no host vouches for it."""
+        with self._lock:
+            return self._versions.get(url.rstrip("/"))
+
+    def vouch(self, urls: list[str], version: int) -> None:
+        """Version ``version`` of a host's fleet says these servers are its own, ready."""
+        with self._lock:
+            for url in urls:
+                self._versions[url.rstrip("/")] = version
+
+    def forget(self, url: str) -> None:
+        """A URL its server moved off: nothing vouches for it any more."""
+        with self._lock:
+            self._versions.pop(url.rstrip("/"), None)
+
+
 @dataclass
 class _Member:
     fleet: HostFleet
@@ -62,11 +99,13 @@ class HostWatch:
     Args:
         dispatcher: The run's dispatcher (running).
         lost_after_s: How long all of a host's servers may be down before the host is removed.
+        vouches: What the hosts' fleets say of each server (the same object the dispatcher reads).
         clock: Monotonic seconds (a parameter for tests).
     """
 
     dispatcher: Dispatcher
     lost_after_s: float
+    vouches: HostVouches = field(default_factory=HostVouches)
     clock: Callable[[], float] = time.monotonic
     members: dict[str, _Member] = field(default_factory=dict)
     lost: list[LostHost] = field(default_factory=list)
@@ -78,6 +117,8 @@ class HostWatch:
             if fleet.host in self.members or any(lost.name == fleet.host for lost in self.lost):
                 return False
             self.members[fleet.host] = _Member(fleet)
+        if fleet.launched:
+            self.vouches.vouch(fleet.urls, fleet.version)
         for url in fleet.urls:
             self.dispatcher.add_server(url, max_inflight=fleet.max_inflight_per_server)
         logger.info(
@@ -89,6 +130,54 @@ class HostWatch:
             ",".join(fleet.urls),
         )
         return True
+
+    def follow(self, store: Store, layout: RunLayout, attempt_id: str) -> int:
+        """Apply every new version of the members' fleets, in order; returns how many were applied.
+
+        A version's URLs are in plan order: one that differs from the version before is a server moved to
+        another port, and the dispatcher moves with it. Its restarted servers are vouched for from then on.
+        """
+        with self._lock:
+            members = list(self.members.items())
+        applied = 0
+        for name, member in members:
+            while True:
+                newer = read_host_fleet(store, layout, attempt_id, name, member.fleet.version + 1)
+                if newer is None:
+                    break
+                self._apply(name, member, newer)
+                applied += 1
+        return applied
+
+    def _apply(self, name: str, member: _Member, newer: HostFleet) -> None:
+        before = member.fleet
+        if len(newer.urls) != len(before.urls):
+            # A host never adds or drops servers mid-run; a version that does is not one it wrote.
+            logger.error(
+                "host fleet version ignored host=%s version=%d: %d servers where it had %d",
+                name,
+                newer.version,
+                len(newer.urls),
+                len(before.urls),
+            )
+            member.fleet = before.model_copy(update={"version": newer.version})
+            return
+        if newer.launched:
+            self.vouches.vouch(newer.restarted, newer.version)
+        for old, new in zip(before.urls, newer.urls, strict=True):
+            if old != new:
+                self.vouches.forget(old)
+                self.dispatcher.move_server(old, new)
+                logger.warning(
+                    "host server moved host=%s from=%s to=%s version=%d", name, old, new, newer.version
+                )
+        logger.info(
+            "host servers restarted host=%s version=%d urls=%s",
+            name,
+            newer.version,
+            ",".join(newer.restarted),
+        )
+        member.fleet = newer
 
     @property
     def active(self) -> list[str]:

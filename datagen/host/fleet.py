@@ -8,7 +8,8 @@ its log, *and* the socket on its port its own, *and* HTTP 200 on the engine's he
 planned model in its model list (:mod:`datagen.host.server_process`), under one deadline: a crashed server
 is noticed at once, never after the whole timeout. A server whose port another program took after the plan
 (a bind failure in its log, or a listener not of its process tree) is stopped and launched again on the next
-free port, at start and on restarts; :meth:`Fleet.on_server_moved` tells the dispatcher. When the plan has a router
+free port, at start and on restarts; :meth:`Fleet.on_server_moved` tells the dispatcher, and
+:meth:`Fleet.on_server_restarted` a multi-host run's parent (through its host part). When the plan has a router
 (sglang-router), it is one more owned process, started once every server is ready; clients then use
 :attr:`Fleet.client_urls` (the router) only.
 """
@@ -92,6 +93,7 @@ class Fleet:
             trust_env=not self._launches,
         )
         self._moved_listeners: list[Callable[[str, str], None]] = []
+        self._restart_listeners: list[Callable[[str, str], None]] = []
         self._lock = threading.RLock()
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
@@ -271,6 +273,15 @@ class Fleet:
         """
         self._moved_listeners.append(callback)
 
+    def on_server_restarted(self, callback: Callable[[str, str], None]) -> None:
+        """Call ``callback(old_url, new_url)`` after every restart that made a server ready again.
+
+        The URLs differ when the restart moved the server off a port another program took. A multi-host run's
+        host part publishes each restart this way: the parent cannot see whose process listens on a remote
+        port, so it trusts a server that went away again only once its host says it restarted it.
+        """
+        self._restart_listeners.append(callback)
+
     def restarts(self, url: str) -> int:
         """How many times the server at ``url`` was restarted."""
         return self._server_by_url(url).restarts
@@ -333,6 +344,11 @@ class Fleet:
                     server.process.wait(timeout=processes.KILL_WAIT_S)
             return False
         logger.info("server restarted url=%s", server.spec.url)
+        for callback in self._restart_listeners:
+            try:
+                callback(url_before, server.spec.url)
+            except Exception:
+                logger.exception("server restart listener failed old=%s new=%s", url_before, server.spec.url)
         return True
 
     def _relocate(self, server: ServerProcess, why: str) -> str | None:

@@ -5,10 +5,11 @@ untracked files, one commit): ``prefect server start`` on a free port with an au
 ``PREFECT_UI_API_URL``, ``datagen deploy``, a process worker, then runs of ``expand-manual`` on the CPU demo
 config. Headless Chromium (Debian's ``chromium``) photographs, in Prefect's default UI:
 
-- ``run-form.png``: the deployment's run form (the config dropdown, the run's choices, their descriptions);
+- ``run-form.png``: the deployment's run form, whole (config, the run's choices, the sampling section);
 - ``deployment-parameters.png``: the deployment page's Parameters tab;
-- ``flow-run-progress.png``: a run mid-generation, its artifacts (the progress bar among them);
-- ``report-artifact.png``: that run's report artifact;
+- ``flow-run-progress.png``: a run mid-generation, its Artifacts tab (the progress card among them);
+- ``flow-run-logs.png``: the same run's Logs tab, newest first: the progress line the tab polls every 5 s;
+- ``report-artifact.png``: that run's report artifact, and ``report-training.png`` its trainers' commands;
 - ``server-plan-artifact.png``: its server plan, each server's exact command;
 - ``flow-run-failed.png``: a run refused for an unknown dataset, its one ``run failed:`` line.
 
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
 from websockets.sync.client import ClientConnection, connect
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,6 +45,8 @@ from tests.support.prefect_stack import PrefectStack, copy_checkout, free_port  
 
 OUT = REPO / "docs" / "screenshots"
 WIDTH, HEIGHT = 1600, 1000
+# The run form is photographed whole: every field of the run's choices, the sampling section included.
+FORM_HEIGHT = 2200
 # How long a page gets to fetch and render (Prefect's UI is a single-page app that polls its API).
 RENDER_S = 8.0
 CHROMIUM_FLAGS = [
@@ -59,6 +63,9 @@ CHROMIUM_FLAGS = [
 ]
 # Long enough answers that the run is still generating when the progress shot is taken.
 WATCH_SAMPLING = {"max_tokens": 192, "samples_per_prompt": 48}
+# The watched run's config: demo-worker, also exported for the trainers (the report then holds their commands).
+# Written into the clone after `datagen deploy`, so the run form's list of configs stays the checkout's.
+WATCH_CONFIG = "demo-screenshots"
 RUN_TIMEOUT_S = 900.0
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
@@ -95,10 +102,14 @@ class Browser:
         self.socket: ClientConnection = connect(page["webSocketDebuggerUrl"], max_size=None)
         self.ids = itertools.count(1)
         self.call("Page.enable")
+        self.resize(HEIGHT)
+
+    def resize(self, height: int) -> None:
+        """Give the page a viewport ``WIDTH`` x ``height`` (a tall one photographs a long page whole)."""
         self.call(
             "Emulation.setDeviceMetricsOverride",
             width=WIDTH,
-            height=HEIGHT,
+            height=height,
             deviceScaleFactor=1,
             mobile=False,
         )
@@ -203,6 +214,9 @@ def main() -> int:
             check=True,
             capture_output=True,
         )
+        watch_config = yaml.safe_load((clone / "configs" / "demo-worker.yaml").read_text())
+        watch_config["tokenize"]["formats"] = ["parquet", "jsonl"]
+        (clone / "configs" / f"{WATCH_CONFIG}.yaml").write_text(yaml.safe_dump(watch_config, sort_keys=False))
         stack.start_worker(
             "gpu-box",
             work / "worker",
@@ -219,8 +233,10 @@ def main() -> int:
             login = base64.b64encode(stack.auth_string.encode()).decode()
             page.evaluate(f"localStorage.setItem('prefect-password', {json.dumps(login)})")
 
+            page.resize(FORM_HEIGHT)
             page.open(f"{ui}/deployments/deployment/{deployment['id']}/run")
             page.shot(args.out / "run-form.png")
+            page.resize(HEIGHT)
             page.open(f"{ui}/deployments/deployment/{deployment['id']}?tab=Parameters")
             page.shot(args.out / "deployment-parameters.png")
 
@@ -232,7 +248,7 @@ def main() -> int:
             page.shot(args.out / "flow-run-failed.png")
 
             watched = stack.create_flow_run(
-                "expand/expand-manual", config="demo-worker", sampling=WATCH_SAMPLING
+                "expand/expand-manual", config=WATCH_CONFIG, sampling=WATCH_SAMPLING
             )
             deadline = time.monotonic() + RUN_TIMEOUT_S
             # Mid-generation: a fifth of the requests answered, or the run's end if it is quicker.
@@ -243,9 +259,22 @@ def main() -> int:
                 time.sleep(2)
             page.open(f"{ui}/runs/flow-run/{watched}?tab=Artifacts")
             page.shot(args.out / "flow-run-progress.png")
+            # The Logs tab newest first (the UI keeps the choice of its sort menu in localStorage).
+            page.evaluate("localStorage.setItem('prefect-log-sort-order', JSON.stringify('TIMESTAMP_DESC'))")
+            page.open(f"{ui}/runs/flow-run/{watched}?tab=Logs")
+            page.shot(args.out / "flow-run-logs.png")
             print("watched run:", stack.wait_final(watched, RUN_TIMEOUT_S))
             page.open(f"{ui}/artifacts/artifact/{_artifact_id(stack, watched, 'datagen-report')}")
             page.shot(args.out / "report-artifact.png")
+            found = page.evaluate(
+                "(() => { const h = [...document.querySelectorAll('h2')]"
+                ".find(e => e.innerText.includes('Training on this version'));"
+                " if (h) { h.scrollIntoView(); return true } return false })()"
+            )
+            if not found:
+                raise SystemExit("the report artifact has no 'Training on this version' section")
+            time.sleep(1)
+            page.shot(args.out / "report-training.png")
             page.open(f"{ui}/artifacts/artifact/{_artifact_id(stack, watched, 'server-plan')}")
             page.shot(args.out / "server-plan-artifact.png")
         return 0

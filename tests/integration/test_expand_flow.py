@@ -359,25 +359,30 @@ def test_a_server_killed_mid_run_loses_no_prompt(killed_run: KilledRun) -> None:
     assert not _request_keys(run_root, "failures"), "a killed server's requests are re-dispatched, not failed"
 
 
-# What the run page shows mid-run: `62.5% · 200/320 answered · 604.1 output tok/s · ETA 3 min 5 s · ...`.
-PROGRESS_LINE = re.compile(
-    r"^(?P<percent>\d+\.\d)% · (?P<answered>\d+)/(?P<total>\d+) answered · \d+\.\d output tok/s · "
-    r"ETA (\d+ (s|min|h)|unknown)"
+# The progress artifact's card mid-run, one short line per paragraph, the essentials first:
+# `**62.5%** · 200/320 answered`, `604.1 output tok/s · ETA 3 min 5 s`, `0 failed · 40 s elapsed`, the queues.
+PROGRESS_CARD = re.compile(
+    r"^\*\*(?P<percent>\d+\.\d)%\*\* · (?P<answered>\d+)/(?P<total>\d+) answered\n\n"
+    r"\d+\.\d output tok/s · ETA (\d+ (s|min|h)|unknown)( \d+ (s|min))?\n\n"
+    r"\d+ failed · [\d a-z]+ elapsed\n\n\d+ in flight · \d+ queued · \d+ retries$"
 )
+# What the card shows per line: the Artifacts tab's grid at 1600 px cuts a longer line off.
+CARD_LINE_CHARS = 40
 
 
 def test_progress_is_readable_through_the_api_while_generating(killed_run: KilledRun) -> None:
     mid_run = [
-        (value, match)
+        (value, description, match)
         for value, description in killed_run.progress_seen
-        if 0 < value < 100 and (match := PROGRESS_LINE.match(description))
+        if 0 < value < 100 and (match := PROGRESS_CARD.match(description))
     ]
     assert mid_run, f"no mid-run progress read through the API: {killed_run.progress_seen}"
-    for value, match in mid_run:
+    for value, description, match in mid_run:
         assert int(match["answered"]) < int(match["total"]) == killed_run.summary.requests
         assert float(match["percent"]) == round(value, 1)
+        assert max(len(line) for line in description.replace("**", "").split("\n\n")) <= CARD_LINE_CHARS
     final = killed_run.progress_seen[-1]
-    assert final[0] == 100.0 and final[1].startswith(f"100.0% · {killed_run.summary.requests}/"), final
+    assert final[0] == 100.0 and final[1].startswith(f"**100.0%** · {killed_run.summary.requests}/"), final
 
 
 def test_the_report_artifact_and_final_state_say_where_everything_landed(killed_run: KilledRun) -> None:

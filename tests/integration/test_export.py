@@ -223,7 +223,7 @@ def test_s3_export_prints_a_download_before_the_trainer_commands() -> None:
 
 
 def test_the_report_shows_each_trainers_command_or_how_to_export(tmp_path: Path, qwen3_dir: Path) -> None:
-    from datagen.dataset.report import build_report
+    from datagen.dataset.report import COMMAND_BLOCK_CHARS, build_report
 
     root = tmp_path / "store"
     plain = merge_run(root, qwen3_dir, "run-a", "alpha", 0)
@@ -254,9 +254,17 @@ def test_the_report_shows_each_trainers_command_or_how_to_export(tmp_path: Path,
     (record,) = exported.exports
     text = markdown(exported.model_dump(mode="json"))
     assert "## Training on this version" in text
-    assert f"data.prompts_path={record.url} data.max_length={record.longest_row_tokens}" in text
-    assert f"--model {qwen3_dir} --data {record.url} --seq-length {record.longest_row_tokens}" in text
-    assert f"datagen export {plain.dataset_version_url}" in markdown(plain.model_dump(mode="json"))
+    # Each command wraps an option per line (Prefect's UI cuts a long line of a code block off) and still
+    # pastes as the same command: the backslash continuations joined give the CLI's one line back.
+    block = text.split("## Training on this version", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    assert max(len(line) for line in block.splitlines()) <= COMMAND_BLOCK_CHARS
+    joined = block.replace(" \\\n    ", " ").replace("\\\n", "")  # what the shell reads
+    for line in training_commands(record, str(config.model.tokenizer or qwen3_dir)):
+        if not line.startswith("#"):
+            assert line.partition("   # ")[0].strip() in joined.splitlines(), line
+    assert "\n    --seq-length " in block and "\nspeculators train \\\n    --verifier-name-or-path " in block
+    hint = markdown(plain.model_dump(mode="json"))
+    assert f"\ndatagen export {plain.dataset_version_url}\n" in hint.replace("\\\n", "")
 
 
 def test_corpus_adopt_with_jsonl_exports_the_adopted_parts_and_prints_the_commands(

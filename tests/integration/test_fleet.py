@@ -390,7 +390,9 @@ def _answers(fleet: Fleet, count: int) -> list[object]:
         max_inflight_per_server=2,
         generation=generation,
     ) as dispatcher:
-        # All at once: more requests than one server's cap, so every server of the fleet takes some.
+        # Every server up first (under load a probe may answer late, and the first server up would take all),
+        # then all at once: more requests than one server's cap, so every server of the fleet takes some.
+        assert _wait_for(lambda: len(dispatcher.stats().servers_up) == len(fleet.client_urls), timeout_s=30)
         futures = [dispatcher.submit(make_request(f"q{index}")) for index in range(count)]
         return [future.result(60) for future in futures]
 

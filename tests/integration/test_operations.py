@@ -600,6 +600,37 @@ def test_the_ui_hands_the_browser_the_api_url_it_was_given_on_a_non_default_port
     assert version.status_code == 200, version.text
 
 
+def test_the_stored_run_form_takes_sampling_omitted_empty_or_set_and_refuses_an_unknown_key(
+    stack: Stack,
+) -> None:
+    deployment = stack.prefect.api.get("/deployments/name/expand/expand-manual").json()
+    sampling = deployment["parameter_openapi_schema"]["properties"]["sampling"]
+    assert sampling["type"] == "object" and "anyOf" not in sampling  # a plain section: no None toggle
+    # Far in the future: the server checks the parameters, no worker starts the run before it is deleted.
+    later = {"type": "SCHEDULED", "state_details": {"scheduled_time": "2099-01-01T00:00:00Z"}}
+
+    for parameters in (
+        {"config": "demo-worker"},
+        {"config": "demo-worker", "sampling": None},
+        {"config": "demo-worker", "sampling": {}},
+        {"config": "demo-worker", "sampling": {"temperature": 0.2, "top_p": None}},
+    ):
+        created = stack.prefect.api.post(
+            f"/deployments/{deployment['id']}/create_flow_run",
+            json={"parameters": parameters, "state": later},
+        )
+        assert created.status_code == 201, (parameters, created.text)
+        stack.prefect.api.delete(f"/flow_runs/{created.json()['id']}").raise_for_status()
+    refused = stack.prefect.api.post(
+        f"/deployments/{deployment['id']}/create_flow_run",
+        json={
+            "parameters": {"config": "demo-worker", "sampling": {"restart_command": ["sh"]}},
+            "state": later,
+        },
+    )
+    assert refused.status_code == 409 and "restart_command" in refused.json()["detail"], refused.text
+
+
 def test_deploy_gives_an_existing_pool_its_template_and_keeps_its_concurrency_limit(stack: Stack) -> None:
     from prefect.workers.process import ProcessWorker
 

@@ -1,6 +1,7 @@
 """A launched stand-in for an engine's server: it loads for a while, then binds its port the way uvicorn does.
 
-``--load-s`` delays the bind (a model loading). A port another program holds is logged as uvicorn logs it
+``--load-s`` delays the bind (a model loading); ``--answer-s`` is how long each chat answer takes. A port
+another program holds is logged as uvicorn logs it
 (``[Errno 98] error while attempting to bind on address (...): address already in use``) and ends the process
 with code 1. Once bound, a :class:`tests.support.fault_server.FaultServer` answers ``/health``, chat
 completions, and ``/v1/models`` with ``--model``.
@@ -12,7 +13,7 @@ import argparse
 import sys
 import time
 
-from tests.support.fault_server import FaultServer
+from tests.support.fault_server import FaultPlan, FaultServer
 
 
 def main() -> None:
@@ -22,10 +23,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--load-s", type=float, default=0.0)
     parser.add_argument("--model", default="none")
+    parser.add_argument("--answer-s", type=float, default=0.0, help="Seconds each chat answer takes.")
     args = parser.parse_args()
     print(f"loading model={args.model} for {args.load_s}s", flush=True)
     time.sleep(args.load_s)
-    server = FaultServer(port=args.port)
+    server = FaultServer(FaultPlan(base_delay_s=args.answer_s), port=args.port)
     server.models = [args.model]
     try:
         server.start()

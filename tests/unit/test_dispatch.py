@@ -10,8 +10,10 @@ from concurrent.futures import Future, wait
 import pytest
 
 from datagen.config import GenerationConfig
+from datagen.generation.dispatch_health import HEALTH_INTERVAL_S
 from datagen.generation.dispatch_state import DispatcherStats, GenerationResult
 from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.multihost import HostVouches
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams
 from tests.support.fault_server import FaultPlan, FaultServer
@@ -247,6 +249,46 @@ def test_server_that_goes_away_loses_its_requests_to_the_others_and_rejoins_afte
     assert {record.server for record in later if isinstance(record, CompletionRecord)} == {
         steady.url,
         flaky.url,
+    }
+
+
+def test_with_a_vouch_a_gone_server_waits_for_its_hosts_word_whatever_answers_on_its_port() -> None:
+    plan = FaultPlan(base_delay_s=0.05)
+    vouches = HostVouches()
+    with FaultServer(plan) as steady:
+        remote = FaultServer(plan)
+        remote.start()
+        vouches.vouch([steady.url, remote.url], 0)
+        with Dispatcher(
+            [steady.url, remote.url],
+            model="test-model",
+            engine="sglang",
+            max_inflight_per_server=2,
+            generation=FAST_RETRIES,
+            vouch=vouches.version,
+        ) as dispatcher:
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            futures = [dispatcher.submit(make_request(f"v{i}")) for i in range(20)]
+            wait_until(lambda: remote.in_flight > 0)
+            remote.stop()
+            assert all(isinstance(record, CompletionRecord) for record in results(futures))
+            wait_until(lambda: servers_up(dispatcher) == [steady.url])
+            # Something answers on its port again (for all the parent knows, another program): not trusted.
+            remote.start()
+            checks, chats = remote.health_checks, len(remote.chat_requests())
+            more = [dispatcher.submit(make_request(f"w{i}")) for i in range(10)]
+            time.sleep(3 * HEALTH_INTERVAL_S)
+            assert remote.health_checks == checks and len(remote.chat_requests()) == chats
+            assert servers_up(dispatcher) == [steady.url]
+            # Its host says it restarted it there: probed, trusted, given requests.
+            vouches.vouch([remote.url], 1)
+            wait_until(lambda: len(servers_up(dispatcher)) == 2)
+            later = results([dispatcher.submit(make_request(f"x{i}")) for i in range(8)])
+            results(more)
+        remote.stop()
+    assert {record.server for record in later if isinstance(record, CompletionRecord)} == {
+        steady.url,
+        remote.url,
     }
 
 

@@ -15,8 +15,11 @@ from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.multihost import HostWatch
 from datagen.output.layout import RunLayout
 from datagen.output.multihost import (
+    FleetPublisher,
     HostFleet,
     HostsGo,
+    read_host_fleet,
+    read_latest_host_fleet,
     wait_for_host_object,
     write_host_object,
 )
@@ -122,6 +125,26 @@ def _wait(condition: Any, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_each_restart_is_a_new_fleet_version_and_a_late_reader_gets_the_latest(tmp_path: Path) -> None:
+    store = Store(str(tmp_path / "out"))
+    layout = RunLayout("r1")
+    first = _fleet("box-1", ["http://a:1", "http://a:2"])
+    publisher = FleetPublisher(store, layout, "a1", first)
+    publisher.publish()
+    assert read_latest_host_fleet(store, layout, "a1", "box-1") == first
+
+    publisher.server_restarted("http://a:1", "http://a:3")  # moved off a taken port
+    publisher.server_restarted("http://a:2", "http://a:2")  # restarted where it was
+
+    one = read_host_fleet(store, layout, "a1", "box-1", 1)
+    two = read_host_fleet(store, layout, "a1", "box-1", 2)
+    assert one is not None and (one.urls, one.restarted) == (["http://a:3", "http://a:2"], ["http://a:3"])
+    assert two is not None and (two.urls, two.restarted) == (["http://a:3", "http://a:2"], ["http://a:2"])
+    assert read_latest_host_fleet(store, layout, "a1", "box-1") == two
+    assert read_host_fleet(store, layout, "a1", "box-1", 0) == first, "fleet.json is never rewritten"
+    assert layout.hosts_object("a1", two.name, "box-1") == "runs/r1/hosts/a1/box-1/fleet-0002.json"
 
 
 def test_a_host_whose_servers_stay_down_is_removed_and_a_live_one_stays() -> None:

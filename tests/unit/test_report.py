@@ -118,6 +118,27 @@ def test_the_progress_line_says_answered_share_throughput_and_eta() -> None:
     assert "ETA done" in GenerationProgress(answered=10, total=10, elapsed_s=5.0).line()
 
 
+def test_a_resumed_runs_eta_counts_only_what_this_attempt_answered() -> None:
+    # 200 answers were stored by an earlier attempt; this one answered 40 in 60 s: 80 left take 120 s.
+    resumed = GenerationProgress(answered=240, total=320, elapsed_s=60.0, answered_here=40)
+    assert resumed.eta_s == 120.0
+    assert "ETA 2 min 0 s" in resumed.line()
+    assert GenerationProgress(answered=200, total=320, elapsed_s=5.0, answered_here=0).eta_text == "unknown"
+
+
+def test_the_progress_card_puts_the_essentials_first_in_short_lines() -> None:
+    progress = GenerationProgress(answered=80, total=320, failed=2, output_tokens=12_000, elapsed_s=60.0)
+    assert progress.card("4 in flight · 0 queued · 1 retries").split("\n\n") == [
+        "**25.0%** · 80/320 answered",
+        "200.0 output tok/s · ETA 3 min 0 s",
+        "2 failed · 1 min 0 s elapsed",
+        "4 in flight · 0 queued · 1 retries",
+    ]
+    assert GenerationProgress(answered=0, total=10).card() == (
+        "**0.0%** · 0/10 answered\n\n0.0 output tok/s · ETA unknown\n\n0 failed · 0 s elapsed"
+    )
+
+
 def test_the_report_says_where_everything_landed(tmp_path: Path) -> None:
     store, layout = Store(str(tmp_path)), RunLayout("r-1")
     version = store.url("datasets/drafter-expansion/v0001.json")

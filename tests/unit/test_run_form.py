@@ -8,6 +8,9 @@ so a click on Run never starts a run that halts training).
 
 from __future__ import annotations
 
+import functools
+import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from prefect.utilities.callables import parameter_schema
 from datagen.app.deploy import PREFECT_FILE, _deploy_copy, configs_note, form_schema
 from datagen.app.run_request import RunRequest, SamplingChoice, config_names
 from flows.expand import _expand, given_run_name
+from tasks.run_names import UI_ADJECTIVES, UI_ANIMAL_MAX_CHARS, UI_ANIMALS
 
 REPO = Path(__file__).resolve().parents[2]
 CLASS_NAMES = {"SamplingChoice", "RunRequest", "HostRequest", "RunConfig", "Parameters"}
@@ -106,16 +110,72 @@ def test_expand_manual_has_no_default_config_and_its_deployed_description_names_
     assert not (REPO / "deployments" / "git-abc").exists()
 
 
-def test_a_name_given_at_creation_is_kept_and_prefects_generated_one_replaced() -> None:
+def test_a_typed_name_is_kept_and_only_names_prefects_generators_make_are_replaced() -> None:
     from prefect.utilities.names import generate_slug
 
-    assert given_run_name("qwen 2k smoke test") == "qwen 2k smoke test"
-    assert given_run_name("nightly-rerun-3") == "nightly-rerun-3"
-    for _ in range(50):
+    # Typed names, two-word ones included: no generator of Prefect makes these.
+    for typed in (
+        "nightly-test",
+        "smoke-test",
+        "qwen-rerun",
+        "Generic-Test",
+        "golden-Camel",
+        "qwen 2k smoke test",
+        "nightly-rerun-3",
+        "ab-ab",
+    ):
+        assert given_run_name(typed) == typed, typed
+    # The API's names for a run created without one, and the default UI's prefilled Name.
+    for _ in range(2000):
         assert given_run_name(generate_slug(2)) is None
-    assert given_run_name("Generic-Baboon") is None  # the run form's prefilled name
+    for _ in range(500):
+        assert given_run_name(_ui_prefilled_name()) is None
+    assert given_run_name("golden-camel") is None and given_run_name("Generic-Baboon") is None
     assert given_run_name("expand-20261204-010000-ab12cd") is None  # ours, from an earlier attempt
     assert given_run_name(None) is None and given_run_name("") is None
+
+
+@functools.cache
+def _ui_run_form_words() -> tuple[list[str], list[str]]:
+    """The adjectives and the animals the installed default UI's run form picks its prefilled Name from."""
+    import prefect
+
+    assets = Path(prefect.__file__).parent / "server" / "ui-v2" / "assets"
+    (script,) = [text for path in assets.glob("*.js") if "maxCharCount" in (text := path.read_text())]
+    generator = re.search(r"=\(\)=>`\$\{(\w+)\(\)\}-\$\{(\w+)\(\{maxCharCount:(\d+)\}\)\}`", script)
+    assert generator, "the run form's name generator moved: update tasks/run_names.py"
+    adjectives_fn, animals_fn, max_chars = generator.groups()
+    assert int(max_chars) == UI_ANIMAL_MAX_CHARS
+
+    def picked_list(function: str) -> str:
+        found = re.search(rf"function {re.escape(function)}\(e\)\{{return \w+\((\w+),e\)\}}", script)
+        assert found, function
+        return found.group(1)
+
+    def words(variable: str) -> list[str]:
+        found = re.search(rf"\b{re.escape(variable)}=(\[[^\]]*\]|`[^`]*`\.split\(`\.`\))", script)
+        assert found, variable
+        text = found.group(1)
+        return (
+            text[1 : -len("`.split(`.`)")].split(".")
+            if text.startswith("`")
+            else re.findall(r"`([^`]*)`", text)
+        )
+
+    return words(picked_list(adjectives_fn)), words(picked_list(animals_fn))
+
+
+def _ui_prefilled_name() -> str:
+    adjectives, animals = _ui_run_form_words()
+    return (
+        f"{random.choice(adjectives)}-{random.choice([a for a in animals if len(a) <= UI_ANIMAL_MAX_CHARS])}"
+    )
+
+
+def test_the_run_form_name_lists_are_the_installed_uis() -> None:
+    adjectives, animals = _ui_run_form_words()
+    assert set(adjectives) == UI_ADJECTIVES
+    assert {animal for animal in animals if len(animal) <= UI_ANIMAL_MAX_CHARS} == UI_ANIMALS
 
 
 def test_the_stored_form_schema_draws_optional_fields_plainly_and_the_server_still_takes_null() -> None:
@@ -123,18 +183,40 @@ def test_the_stored_form_schema_draws_optional_fields_plainly_and_the_server_sti
 
     drawn = form_schema(_schema())
 
-    for name in ("run_id", "max_prompts", "series", "output", "datasets"):
+    for name in ("run_id", "max_prompts", "series", "output", "datasets", "sampling"):
         field = drawn["properties"][name]
         assert "anyOf" not in field and "default" not in field and field["type"], name
     assert drawn["properties"]["max_prompts"]["type"] == "integer"
     assert drawn["properties"]["retry_failed"] == _schema()["properties"]["retry_failed"]
-    assert drawn["properties"]["sampling"]["anyOf"][1] == {"type": "null"}
-    top_p = drawn["definitions"]["SamplingChoice"]["properties"]["top_p"]
-    assert top_p["type"] == "number" and top_p["maximum"] == 1
-    # What the UI's JSON mode and `prefect deployment run` send: unset choices as null.
+    # sampling: a plain section (no None toggle) titled by its key, its own fields plain, no class left over.
+    sampling = drawn["properties"]["sampling"]
+    assert sampling["type"] == "object" and sampling["title"] == "sampling"
+    assert sampling["description"] == _schema()["properties"]["sampling"]["description"]
+    assert "definitions" not in drawn and "$ref" not in str(drawn)
+    top_p = sampling["properties"]["top_p"]
+    assert top_p["type"] == "number" and top_p["maximum"] == 1 and "default" not in top_p
+    assert [name for name, field in sampling["properties"].items() if "anyOf" in field] == []
+    # What the UI's JSON mode and `prefect deployment run` send: unset choices as null, or left out.
     unset = dict.fromkeys(["run_id", "max_prompts", "series", "output", "sampling", "datasets"])
-    sent = {"config": "demo", **unset, "sampling": {"temperature": None, "top_p": 0.5}}
-    assert [error.message for error in validate(sent, drawn, preprocess=True, ignore_required=False)] == []
+    for sent in (
+        {"config": "demo", **unset},
+        {"config": "demo"},
+        {"config": "demo", "sampling": {}},
+        {"config": "demo", **unset, "sampling": {"temperature": None, "top_p": 0.5}},
+    ):
+        assert [
+            error.message for error in validate(sent, drawn, preprocess=True, ignore_required=False)
+        ] == []
     wrong = {"config": "demo", "max_prompts": "many", "sampling": {"top_p": 5}}
     errors = validate(wrong, drawn, preprocess=True, ignore_required=False)
-    assert sorted(str(list(error.path)) for error in errors) == ["['max_prompts']", "['sampling']"]
+    assert sorted(str(list(error.path)) for error in errors) == ["['max_prompts']", "['sampling', 'top_p']"]
+    unknown = {"config": "demo", "sampling": {"restart_command": ["sh"]}}
+    assert validate(unknown, drawn, preprocess=True, ignore_required=False)
+
+
+def test_an_untouched_sampling_section_changes_nothing() -> None:
+    assert RunRequest(config="demo", sampling={}).sampling is None
+    assert RunRequest(config="demo", sampling={"seed": None}).sampling is None
+    assert not RunRequest(config="demo", run_id="r1", sampling={}).changes_config()
+    chosen = RunRequest(config="demo", sampling={"enable_thinking": False})
+    assert chosen.sampling == SamplingChoice(enable_thinking=False) and chosen.changes_config()
