@@ -10,6 +10,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
 * a cancelled run stops its servers;
+* a run cancelled after its API was away (Prefect's runner has stopped watching for cancels) still stops:
+  Cancelled, its server gone, training handed back, the GPU lock free, nothing stored changed;
 * the server asks for its auth string (the whole module runs with it on): a request without it gets 401;
 * the UI served on a non-default port hands the browser the API URL it was given (``PREFECT_UI_API_URL``);
 * a run cannot choose the command, environment or folder the worker starts it with: the server refuses those job
