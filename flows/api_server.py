@@ -7,7 +7,9 @@ recipe: ``uvicorn --factory prefect.server.api.server:create_app``, see
 ``prefect.server.api.server.SubprocessASGIServer``) is started in its own session, so a signal to the
 terminal's process group never reaches it, and it is stopped last: after the flow returned or raised and
 Prefect's log and event workers have drained. It also dies with this process (``PR_SET_PDEATHSIG``) if
-this process is killed outright.
+this process is killed outright. It requires an auth string only this process holds (set as
+``PREFECT_API_AUTH_STRING`` here for the block): another user of the box cannot read the run or start one on it
+over loopback, and a ``PREFECT_SERVER_API_AUTH_STRING`` the shell exports for a shared server is not inherited.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ctypes
 import importlib.util
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -38,6 +41,8 @@ API_HEALTH_POLL_S = 0.2
 API_STOP_TIMEOUT_S = 5.0
 # How long Prefect's log and event workers may take to send what they hold before the server stops.
 WORKER_DRAIN_TIMEOUT_S = 5.0
+# The temporary server's own auth string (random bytes, URL-safe text): as strong as the README's shared one.
+AUTH_STRING_BYTES = 24
 # prctl(2) option: the signal the kernel sends the child when its parent thread dies.
 PR_SET_PDEATHSIG = 1
 
@@ -78,6 +83,9 @@ class LocalApiServer:
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         self.port = _free_port()
+        # Only this process knows it: other users of the box cannot read or start runs on its server, and an
+        # auth string the shell exports for a shared server (PREFECT_SERVER_API_AUTH_STRING) is not inherited.
+        self.auth_string = secrets.token_urlsafe(AUTH_STRING_BYTES)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -107,6 +115,7 @@ class LocalApiServer:
             from prefect.settings import get_current_settings
 
             env.update(get_current_settings().to_environment_variables(exclude_unset=True))
+        env["PREFECT_SERVER_API_AUTH_STRING"] = self.auth_string
         spec = importlib.util.find_spec("prefect")
         assert spec is not None and spec.submodule_search_locations
         argv = [
@@ -250,9 +259,10 @@ def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[
             drain_prefect_workers()
         return
     server = early or LocalApiServer(log_dir / f"prefect-api-{os.getpid()}.log")
-    previous = os.environ.get("PREFECT_API_URL")
+    previous = {name: os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
     try:
         os.environ["PREFECT_API_URL"] = server.start()
+        os.environ["PREFECT_API_AUTH_STRING"] = server.auth_string
         refresh_global_settings_context()
         yield server.api_url
     finally:
@@ -261,8 +271,9 @@ def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[
         finally:
             _silence_prefect_workers()
             server.stop()
-            if previous is None:
-                os.environ.pop("PREFECT_API_URL", None)
-            else:
-                os.environ["PREFECT_API_URL"] = previous
+            for name, value in previous.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
             refresh_global_settings_context()

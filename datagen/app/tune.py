@@ -260,18 +260,55 @@ def with_setting(argv: list[str], flag: str, value: int) -> list[str]:
     return [*updated, flag, str(value)]
 
 
-def _wait_ready(process: subprocess.Popen[bytes], url: str, health_path: str, timeout_s: float) -> None:
+def _wait_ready(
+    process: subprocess.Popen[bytes], url: str, engine: str, model: str, timeout_s: float
+) -> None:
+    """Wait until the server just launched is ours and serves ``model``, as a fleet's readiness does.
+
+    Ours: the socket listening on the URL's port belongs to ``process``'s tree, so another program that took
+    the port is never measured in its place; then the health path answers 200 and the model list names
+    ``model``.
+
+    Raises:
+        RuntimeError: The server exited, another program holds its port, or it serves another model.
+        TimeoutError: It was not ready in ``timeout_s``.
+
+    """
+    from datagen import processes
+    from datagen.host.server_process import list_served_models, port_listener, wrong_model_message
+
+    recipe = engine_class(engine)
+    address = httpx.URL(url)
+    port = address.port or (443 if address.scheme == "https" else 80)
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited with {process.returncode} before it became ready")
-        try:
-            if httpx.get(url + health_path, timeout=READY_POLL_S * 4).status_code == httpx.codes.OK:
+    with httpx.Client(timeout=READY_POLL_S * 4, trust_env=False) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"the server exited with {process.returncode} before it became ready")
+            listener = port_listener(
+                process.pid,
+                port,
+                lambda bound: True,
+                processes.listening_sockets(),
+                owner="the server datagen tune started",
+            )
+            if listener.verdict == "foreign":
+                raise RuntimeError(f"{listener.detail}: stop that program or give --url another port")
+            if listener.verdict != "none" and _answers(client, url + recipe.health_path):
+                models = list_served_models(client, url + recipe.models_path, {})
+                if models is not None and model not in models:
+                    raise RuntimeError(f"{url} {wrong_model_message(models, model, recipe.models_path)}")
                 return
-        except httpx.HTTPError:
-            pass
-        time.sleep(READY_POLL_S)
+            time.sleep(READY_POLL_S)
     raise TimeoutError(f"{url} was not ready within {timeout_s:.0f}s")
+
+
+def _answers(client: httpx.Client, url: str) -> bool:
+    """Whether ``url`` answers 200 now."""
+    try:
+        return client.get(url).status_code == httpx.codes.OK
+    except httpx.HTTPError:
+        return False
 
 
 def tune_setting_by_restart(
@@ -323,7 +360,7 @@ def tune_setting_by_restart(
         with open(log_path or os.devnull, "ab") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            _wait_ready(process, url.rstrip("/"), engine_class(engine).health_path, ready_timeout_s)
+            _wait_ready(process, url.rstrip("/"), engine, model, ready_timeout_s)
             level = inflight or inflight_with_margin(value)
             point = asyncio.run(_measure_level([url.rstrip("/")], model, level, max_tokens, metrics_path))
         finally:

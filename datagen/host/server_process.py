@@ -253,37 +253,21 @@ class ServerLauncher:
             return "waiting", ""
         models = self.served_models(server.spec.url)
         if models is not None and self.served_model not in models:
-            return "failed", (
-                f"it serves {', '.join(repr(model) for model in models) or 'no model'}, not the planned "
-                f"{self.served_model!r} (GET {self.engine.models_path}): another program or run holds this "
-                "address; point the run at its own servers or set model.served_name to the name they serve"
-            )
+            return "failed", wrong_model_message(models, self.served_model, self.engine.models_path)
         return "ready", ""
 
     def listener(self, server: ServerProcess) -> Listener:
         """Who listens on launched ``server``'s port (sockets that its URL does not reach are ignored)."""
         spec = server.spec
-        listening = self._listening_sockets()
-        if listening is None or server.process is None:
+        if server.process is None:
             return Listener("unknown")
-        inodes = {inode for address, inode in listening.get(spec.port, []) if _reaches(address, spec)}
-        if not inodes:
-            return Listener("none")
-        foreign = processes.not_held_by(server.process.pid, inodes)
-        if not foreign:
-            return Listener("ours")
-        holders = []
-        for inode in sorted(foreign):
-            pid = processes.socket_holder(inode)
-            if pid is None:
-                holders.append("pid unknown (a process this user cannot inspect)")
-            else:
-                holders.append(
-                    f"pid={pid} cmd={redact(processes.read_command_line(pid) or '?', self.api_key)!r}"
-                )
-        return Listener(
-            "foreign",
-            f"another program listens on port {spec.port} ({'; '.join(holders)}), not server {spec.index}",
+        return port_listener(
+            server.process.pid,
+            spec.port,
+            lambda address: _reaches(address, spec),
+            self._listening_sockets(),
+            owner=f"server {spec.index}",
+            secret=self.api_key,
         )
 
     def _listening_sockets(self) -> dict[int, list[tuple[processes.IPAddress, int]]] | None:
@@ -296,12 +280,7 @@ class ServerLauncher:
     def served_models(self, url: str) -> list[str] | None:
         """The model names the server at ``url`` lists; None when it has no usable list (warned once)."""
         path = self.engine.models_path
-        try:
-            response = self._client.get(url + path, headers=self._auth)
-            entries = response.json()["data"] if response.status_code == httpx.codes.OK else None
-            models = [str(entry["id"]) for entry in entries] if isinstance(entries, list) else None
-        except (httpx.HTTPError, ValueError, KeyError, TypeError):
-            models = None
+        models = list_served_models(self._client, url + path, self._auth)
         if models is None and url not in self._unchecked:
             self._unchecked.add(url)
             logger.warning(
@@ -408,6 +387,63 @@ def write_pidfile(path: Path, owned: list[ServerProcess]) -> None:
         owner_pid=os.getpid(), owner_start_ticks=processes.start_ticks(os.getpid()), servers=records
     )
     write_registry(path, registry)
+
+
+def port_listener(
+    pid: int,
+    port: int,
+    reaches: Callable[[processes.IPAddress], bool],
+    listening: dict[int, list[tuple[processes.IPAddress, int]]] | None,
+    *,
+    owner: str,
+    secret: str | None = None,
+) -> Listener:
+    """Who listens on ``port``: nobody, the process tree of ``pid`` (ours), another program, or unknown.
+
+    Args:
+        pid: The launched server's process (its group and descendants count as it).
+        port: The port it was told to bind.
+        reaches: Whether a socket listening on an address receives what is sent to the server's URL.
+        listening: :func:`datagen.processes.listening_sockets` (None where there is no ``/proc``).
+        owner: How the log names the server (``server 3``).
+        secret: The servers' API key, replaced by ``***`` where a command line is quoted.
+
+    """
+    if listening is None:
+        return Listener("unknown")
+    inodes = {inode for address, inode in listening.get(port, []) if reaches(address)}
+    if not inodes:
+        return Listener("none")
+    foreign = processes.not_held_by(pid, inodes)
+    if not foreign:
+        return Listener("ours")
+    holders = []
+    for inode in sorted(foreign):
+        holder = processes.socket_holder(inode)
+        if holder is None:
+            holders.append("pid unknown (a process this user cannot inspect)")
+        else:
+            holders.append(f"pid={holder} cmd={redact(processes.read_command_line(holder) or '?', secret)!r}")
+    return Listener("foreign", f"another program listens on port {port} ({'; '.join(holders)}), not {owner}")
+
+
+def list_served_models(client: httpx.Client, models_url: str, headers: dict[str, str]) -> list[str] | None:
+    """The model names the engine's model list at ``models_url`` gives; None when there is no usable list."""
+    try:
+        response = client.get(models_url, headers=headers)
+        entries = response.json()["data"] if response.status_code == httpx.codes.OK else None
+        return [str(entry["id"]) for entry in entries] if isinstance(entries, list) else None
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
+
+
+def wrong_model_message(models: list[str], planned: str, models_path: str) -> str:
+    """Why a server that lists ``models`` but not ``planned`` is not the one requests are meant for."""
+    return (
+        f"it serves {', '.join(repr(model) for model in models) or 'no model'}, not the planned "
+        f"{planned!r} (GET {models_path}): another program or run holds this "
+        "address; point the run at its own servers or set model.served_name to the name they serve"
+    )
 
 
 def _reaches(address: processes.IPAddress, spec: ServerSpec) -> bool:

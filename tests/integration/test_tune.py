@@ -15,9 +15,11 @@ from datagen.config import RunConfig
 from datagen.engines.tune_result import TunePoint, TuneResult, load_tune_result
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report
+from tests.support.fault_server import FaultServer
 from tests.support.transformers_servers import TransformersServer, TransformersServerPool, free_port
 from tests.support.workers import worker_port
 
+REPO = Path(__file__).resolve().parents[2]
 LEVELS = (1, 2, 4)
 MAX_TOKENS = 8
 
@@ -171,3 +173,60 @@ def test_restart_sweep_starts_one_server_per_value_and_records_each(
     assert best in (64, 128)
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.url + "/health", timeout=2)  # stopped after the sweep
+
+
+# --- a restarted server is measured only when it is ours and serves the model asked for -------------------
+
+
+def _standin_argv(port: int, model: str) -> list[str]:
+    """A launched stand-in (tests/support/standin_server.py) that loads briefly, then serves ``model``."""
+    return [
+        sys.executable, "-m", "tests.support.standin_server",
+        "--port", str(port), "--load-s", "1", "--model", model,
+    ]  # fmt: skip
+
+
+def test_a_restart_whose_port_another_program_took_is_refused_naming_it_and_never_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    foreign = FaultServer(port=free_port())
+    foreign.models = ["sim"]  # it even answers /health and lists the model: only its socket tells it apart
+    foreign.start()
+    try:
+        with pytest.raises(RuntimeError, match=rf"another program listens on port {foreign.port} \(pid="):
+            tune_setting_by_restart(
+                _standin_argv(foreign.port, "sim"), foreign.url, "sim", "transformers", "--load-s", (1,),
+                inflight=1, max_tokens=MAX_TOKENS, ready_timeout_s=60, log_path=tmp_path / "server.log",
+            )  # fmt: skip
+        assert foreign.chat_requests() == []
+    finally:
+        foreign.stop()
+
+
+def test_a_restarted_server_that_serves_another_model_is_refused_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    port = free_port()
+    with pytest.raises(RuntimeError, match=r"serves 'other', not the planned 'sim'"):
+        tune_setting_by_restart(
+            _standin_argv(port, "other"), f"http://127.0.0.1:{port}", "sim", "transformers", "--load-s", (1,),
+            inflight=1, max_tokens=MAX_TOKENS, ready_timeout_s=60, log_path=tmp_path / "server.log",
+        )  # fmt: skip
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)  # stopped all the same
+
+
+def test_a_restarted_stand_in_that_is_ours_and_serves_the_model_is_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    port = free_port()
+    best, points = tune_setting_by_restart(
+        _standin_argv(port, "sim"), f"http://127.0.0.1:{port}", "sim", "transformers", "--load-s", (1, 2),
+        inflight=1, max_tokens=MAX_TOKENS, ready_timeout_s=60, log_path=tmp_path / "server.log",
+    )  # fmt: skip
+    assert [point.setting for point in points] == [1, 2]
+    assert all(point.failed == 0 for point in points)
+    assert best in (1, 2)
