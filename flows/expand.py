@@ -29,7 +29,7 @@ from prefect import Flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
-from prefect.exceptions import ExternalSignal
+from prefect.exceptions import CancelledRun, ExternalSignal
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
@@ -49,6 +49,7 @@ from datagen.config import RunConfig, is_valid_slug
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.errors import (
     ConfigError,
+    RunCancelled,
     ShardsFailedError,
     TrainingEnvironmentChangedError,
     UnfixableStorageError,
@@ -67,6 +68,7 @@ from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from flows.serving import fleet_state_dir, serve_on_this_box
+from tasks.cancellation import run_cancellable
 from tasks.credentials import load_s3_credentials
 from tasks.data import (
     CorpusIds,
@@ -622,17 +624,18 @@ def _expand(
     """
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
-    with forward_thread_logs(flow_run_id), explain_failure():
+    parameters = {
+        "config": config,
+        "run_id": run_id,
+        "max_prompts": max_prompts,
+        "series": series,
+        "output": output,
+        "sampling": sampling,
+        "datasets": datasets,
+    }
+
+    def body() -> RunSummary:
         verify_code_version(__file__)
-        parameters = {
-            "config": config,
-            "run_id": run_id,
-            "max_prompts": max_prompts,
-            "series": series,
-            "output": output,
-            "sampling": sampling,
-            "datasets": datasets,
-        }
         request = parse_run_request(parameters, box_configs(), RunRequest)
         resolved = resolve_request(request, box_configs())
         resolved = resolved.model_copy(update={"run_id": resolved.run_id or _generated_run_id()})
@@ -643,6 +646,9 @@ def _expand(
                 resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), bool(request.retry_failed)
             )
         return _completed(summary)
+
+    with forward_thread_logs(flow_run_id), explain_failure():
+        return cast(RunSummary, run_cancellable(body))
 
 
 def _check_parameters(parameters: dict[str, Any]) -> None:
@@ -667,7 +673,8 @@ def _expand_config(
     """
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
-    with forward_thread_logs(flow_run_id), explain_failure():
+
+    def body() -> RunSummary:
         verify_code_version(__file__)
         resolved = config.model_copy(update={"run_id": config.run_id or _generated_run_id()})
         hosts = None
@@ -676,6 +683,9 @@ def _expand_config(
         with contextlib.ExitStack() as gpu_lock:
             summary = _run(resolved, flow_run_id, gpu_lock, hosts, retry_failed)
         return _completed(summary)
+
+    with forward_thread_logs(flow_run_id), explain_failure():
+        return cast(RunSummary, run_cancellable(body))
 
 
 @functools.cache
@@ -691,8 +701,15 @@ def operator_flow() -> Flow[..., RunSummary]:
 def run_with_config(
     config: RunConfig, config_name: str | None = None, retry_failed: bool = False
 ) -> RunSummary:
-    """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box)."""
-    return operator_flow()(config=config, config_name=config_name, retry_failed=retry_failed)
+    """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box).
+
+    Raises:
+        RunCancelled: The run was cancelled through the Prefect API (it ended Cancelled, servers stopped).
+    """
+    try:
+        return operator_flow()(config=config, config_name=config_name, retry_failed=retry_failed)
+    except CancelledRun as cancelled:
+        raise RunCancelled(str(cancelled)) from cancelled
 
 
 def _run(
