@@ -204,6 +204,13 @@ class RunInterrupted(KeyboardInterrupt):
         super().__init__(f"interrupted by {self.signal_name}")
 
 
+class RunCancelled(DatagenError):
+    """The run was cancelled through the Prefect API: it stopped its servers and handed training back.
+
+    Everything finished so far is stored; the run resumes with its run id.
+    """
+
+
 # HTTP answers a retry can cure, for every client datagen has (the dispatcher's servers, S3): 5xx, and the
 # 4xx that say "not now" (408 request timeout, 409 a conflicting request still in progress, 429 slow down).
 RETRYABLE_HTTP_4XX = frozenset({408, 409, 429})

@@ -29,7 +29,7 @@ from prefect import Flow, get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.client.schemas.objects import FlowRun, State
 from prefect.context import FlowRunContext
-from prefect.exceptions import ExternalSignal
+from prefect.exceptions import CancelledRun, ExternalSignal
 from prefect.futures import PrefectFuture
 from prefect.logging.loggers import flow_run_logger
 from prefect.runtime import flow_run as runtime_flow_run
@@ -52,6 +52,7 @@ from datagen.config import RunConfig, is_valid_slug
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
 from datagen.errors import (
     ConfigError,
+    RunCancelled,
     ShardsFailedError,
     TrainingEnvironmentChangedError,
     UnfixableStorageError,
@@ -70,6 +71,7 @@ from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from flows.serving import fleet_state_dir, serve_on_this_box
+from tasks.cancellation import run_cancellable
 from tasks.context import RunContext, open_run_store
 from tasks.data import (
     CorpusIds,
@@ -610,18 +612,19 @@ def _expand(
     """
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
-    with forward_thread_logs(flow_run_id), explain_failure():
+    parameters = {
+        "config": config,
+        "run_id": run_id,
+        "max_prompts": max_prompts,
+        "series": series,
+        "output": output,
+        "sampling": sampling,
+        "datasets": datasets,
+        "retry_failed": retry_failed,
+    }
+
+    def body() -> RunSummary:
         verify_code_version(__file__)
-        parameters = {
-            "config": config,
-            "run_id": run_id,
-            "max_prompts": max_prompts,
-            "series": series,
-            "output": output,
-            "sampling": sampling,
-            "datasets": datasets,
-            "retry_failed": retry_failed,
-        }
         request = parse_run_request(parameters, box_configs(), RunRequest)
         run = resolve_run(request, box_configs(), _generated_run_id())
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
@@ -629,6 +632,9 @@ def _expand(
         with contextlib.ExitStack() as gpu_lock:
             summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
+
+    with forward_thread_logs(flow_run_id), explain_failure():
+        return cast(RunSummary, run_cancellable(body))
 
 
 def _check_parameters(parameters: dict[str, Any]) -> None:
@@ -653,12 +659,16 @@ def _expand_config(
     """
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
-    with forward_thread_logs(flow_run_id), explain_failure():
+
+    def body() -> RunSummary:
         verify_code_version(__file__)
         run = operator_run(config, config_name, retry_failed)
         with contextlib.ExitStack() as gpu_lock:
             summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
+
+    with forward_thread_logs(flow_run_id), explain_failure():
+        return cast(RunSummary, run_cancellable(body))
 
 
 @functools.cache
@@ -677,8 +687,14 @@ def run_with_config(
     """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box).
 
     A config without a run id gets a new one here, before the flow run starts: its name and body read it.
+
+    Raises:
+        RunCancelled: The run was cancelled through the Prefect API (it ended Cancelled, servers stopped).
     """
-    return operator_flow()(config=with_run_id(config), config_name=config_name, retry_failed=retry_failed)
+    try:
+        return operator_flow()(config=with_run_id(config), config_name=config_name, retry_failed=retry_failed)
+    except CancelledRun as cancelled:
+        raise RunCancelled(str(cancelled)) from cancelled
 
 
 def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:

@@ -18,7 +18,7 @@ import contextlib
 import os
 import socket
 import time
-from typing import Any
+from typing import Any, cast
 
 from prefect import get_run_logger
 from prefect.context import FlowRunContext
@@ -41,6 +41,7 @@ from datagen.output.multihost import (
 from datagen.output.store import Store
 from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
 from flows.serving import fleet_state_dir, serve_on_this_box
+from tasks.cancellation import run_cancellable
 from tasks.context import open_run_store
 from tasks.multihost import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
@@ -96,24 +97,28 @@ def _expand_host(
     """
     context = FlowRunContext.get()
     flow_run_id = str(context.flow_run.id) if context and context.flow_run else "local"
-    with forward_thread_logs(flow_run_id), explain_failure():
+    parameters = {
+        "config": config,
+        "run_id": run_id,
+        "host": host,
+        "attempt_id": attempt_id,
+        "parent_flow_run_id": parent_flow_run_id,
+        "max_prompts": max_prompts,
+        "series": series,
+        "output": output,
+        "sampling": sampling,
+        "datasets": datasets,
+    }
+
+    def body() -> str:
         verify_code_version(__file__)
-        parameters = {
-            "config": config,
-            "run_id": run_id,
-            "host": host,
-            "attempt_id": attempt_id,
-            "parent_flow_run_id": parent_flow_run_id,
-            "max_prompts": max_prompts,
-            "series": series,
-            "output": output,
-            "sampling": sampling,
-            "datasets": datasets,
-        }
         request = parse_run_request(parameters, box_configs(), HostPartRequest)
         resolved = resolve_request(request.run_request(), box_configs(), resume=False)
         parent = str(request.parent_flow_run_id) if request.parent_flow_run_id else None
         return _serve(resolved, request.host, request.attempt_id, parent, flow_run_id)
+
+    with forward_thread_logs(flow_run_id), explain_failure():
+        return cast(str, run_cancellable(body))
 
 
 expand_host = CheckedFlow(

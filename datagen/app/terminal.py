@@ -4,7 +4,8 @@ The exit codes (README and docs/operations.md list them too):
 
 ====  =========================================================================================
 0     done (or already complete)
-1     the run failed after it started; everything finished is stored, rerun with ``--run-id``
+1     the run failed after it started, or was cancelled through the Prefect API; everything finished is stored,
+      rerun with ``--run-id``
 2     bad configuration or a preflight refusal: nothing was halted or started
 3     the run is complete, but training was not restarted: its environment changed since the halt
 130   interrupted by SIGINT (Ctrl-C); servers stopped, resumable with ``--run-id``
@@ -36,6 +37,7 @@ from datagen.errors import (
     ConfigError,
     DatagenError,
     PreflightError,
+    RunCancelled,
     RunInterrupted,
     TrainingEnvironmentChangedError,
 )
@@ -220,6 +222,13 @@ def run_in_terminal(
                 f"finished so far is stored. Resume with: {resume_command}"
             )
             return exit_code_for_signal(interrupted.signum), None
+        except RunCancelled:
+            _FILE_ONLY.info("run cancelled", exc_info=True)
+            _echo_error(
+                f"datagen: run {run_id} cancelled through the Prefect API: servers stopped, everything finished "
+                f"so far is stored. Resume with: {resume_command}"
+            )
+            return EXIT_RUN_FAILED, None
         except TrainingEnvironmentChangedError as held_back:
             logging.getLogger(__name__).info("training held back", exc_info=True)
             _echo_error(f"datagen: run {run_id} is complete and stored, but {held_back}")

@@ -142,6 +142,8 @@ class Dispatcher:
         self._thread = LoopThread("Dispatcher", "datagen-dispatcher")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._final_stats: DispatcherStats | None = None
+        # Requests the close itself resolved as failures: nothing records them (their shards send them again).
+        self._unfinished_at_close = 0
 
     @property
     def admission_limit(self) -> int:
@@ -173,16 +175,21 @@ class Dispatcher:
         return self
 
     def close(self) -> None:
-        """Stop the loop. Requests still pending resolve as failures ("dispatcher closed")."""
+        """Stop the loop. Requests still pending resolve as failures ("dispatcher closed").
+
+        Its log line counts those apart (``unfinished``): no record is written for them and their shards send
+        them again, so they are not the run's failures.
+        """
         if not self._thread.stop():
             return
         stats = self._final_stats
         if stats is not None:
             logger.info(
-                "dispatcher closed completed=%d failed=%d retries=%d output_tokens=%d tokens_per_s=%.1f "
-                "requests_per_s=%.1f",
+                "dispatcher closed completed=%d failed=%d unfinished=%d retries=%d output_tokens=%d "
+                "tokens_per_s=%.1f requests_per_s=%.1f",
                 stats.completed,
-                stats.failed,
+                stats.failed - self._unfinished_at_close,
+                self._unfinished_at_close,
                 stats.retries,
                 stats.output_tokens,
                 stats.tokens_per_s,
@@ -288,6 +295,7 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(health_task, *tasks, *self._health.probes, return_exceptions=True)
             reason = "dispatcher closed before the request finished"
+            failed_before_close = self._counters.failed
             for job in jobs:
                 if job.timer is not None:
                     job.timer.cancel()
@@ -295,6 +303,7 @@ class Dispatcher:
             self._admission.fail_backlog(reason, "dispatcher_closed")
             self._admission.clear()
             self._health.close()
+            self._unfinished_at_close = self._counters.failed - failed_before_close
             self._final_stats = snapshot(self._table.servers, self._admission, self._counters)
 
     def _start(self, job: Job, server: ServerState) -> None:

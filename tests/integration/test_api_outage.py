@@ -1,10 +1,14 @@
-"""Prefect's API is not on the generation path: with the API frozen mid-generation, answers keep coming.
+"""Prefect's API is not on the generation path: with the API frozen 60 s mid-generation, answers keep coming.
 
-A real `datagen run` (with its own temporary Prefect API server) sends to a fault-injecting OpenAI-compatible
-server that answers at a steady rate. Mid-generation the API server is frozen (SIGSTOP: every API call hangs,
-worse than a refused connection) for :data:`OUTAGE_S`, then thawed. The answer rate during the outage stays
-within 20% of the rate just before it (the old scheduler updated the progress artifact itself and started no
-shard while Prefect's client waited), and the run still ends Completed, every request answered once.
+The issue's figure: the Prefect API down for :data:`OUTAGE_S` (60 s) mid-generation, throughput within 20% of a
+run without the outage. A real `datagen run` (with its own temporary Prefect API server) sends to a
+fault-injecting OpenAI-compatible server whose fixed answer time caps the rate (:data:`IN_FLIGHT` answers per
+:data:`ANSWER_S`), so a run's rate is steady: the run's own rate in the :data:`BASELINE_S` before the outage is
+the rate without it (one run, not two). The API server is then frozen (SIGSTOP: every API call hangs, worse than
+a refused connection) for 60 s and thawed. The answer rate during the outage stays within 20% of the rate
+before it (the old scheduler updated the progress artifact itself and started no shard while Prefect's client
+waited: 703 answers in such a minute instead of ~5,700), generation outlasts the outage (so the whole minute is
+measured), and the run still ends Completed, every request answered exactly once.
 """
 
 from __future__ import annotations
@@ -24,14 +28,17 @@ from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_db import seed_prefect_home
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = 800
 SHARD_SIZE = 10
 IN_FLIGHT = 4
 ANSWER_S = 0.1
 RUNNING_SHARDS = 3
-BASELINE_S = 5.0
-OUTAGE_S = 12.0
-RUN_TIMEOUT_S = 300
+# Answers before the baseline starts: generation under way at its steady rate.
+WARMUP_ANSWERS = 50
+BASELINE_S = 10.0
+OUTAGE_S = 60.0
+# Enough prompts that generation at the capped rate outlasts the baseline and the outage (by ~10 s).
+PROMPTS = WARMUP_ANSWERS + int(IN_FLIGHT / ANSWER_S * (BASELINE_S + OUTAGE_S + 10.0))
+RUN_TIMEOUT_S = 400
 API_SERVER_ARGV = b"prefect.server.api.server:create_app"
 
 
@@ -113,7 +120,7 @@ def test_generation_goes_on_at_full_speed_while_the_prefect_api_is_frozen(
         api: int | None = None
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S
-            while len(server.chat_requests()) < 50:  # generation under way, at its steady rate
+            while len(server.chat_requests()) < WARMUP_ANSWERS:
                 assert run.poll() is None and time.monotonic() < deadline, (tmp_path / "run.err").read_text()
                 time.sleep(0.05)
             time.sleep(BASELINE_S)
@@ -134,8 +141,10 @@ def test_generation_goes_on_at_full_speed_while_the_prefect_api_is_frozen(
                 run.wait()
         baseline = _answered_between(server, frozen - BASELINE_S, frozen) / BASELINE_S
         during = _answered_between(server, frozen, thawed) / (thawed - frozen)
+        after = _answered_between(server, thawed, float("inf"))
         keys = [request.body["messages"][-1]["content"] for request in server.chat_requests() if request.body]
     err = (tmp_path / "run.err").read_text()
     assert code == 0, err[-3000:]
+    assert after > 0, "generation ended before the API came back: the outage was not measured whole"
     assert during >= 0.8 * baseline, f"{during:.1f} answers/s while the API was away, {baseline:.1f} before"
     assert len(keys) == len(set(keys)) == PROMPTS, "every request exactly once"

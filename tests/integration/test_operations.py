@@ -10,6 +10,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
 * a cancelled run stops its servers;
+* a run cancelled after its API was away (Prefect's runner has stopped watching for cancels) still stops:
+  Cancelled, its server gone, training handed back, the GPU lock free, nothing stored changed;
 * the server asks for its auth string (the whole module runs with it on): a request without it gets 401;
 * the UI served on a non-default port hands the browser the API URL it was given (``PREFECT_UI_API_URL``);
 * a run cannot choose the command, environment or folder the worker starts it with: the server refuses those job
@@ -44,6 +46,7 @@ import yaml
 
 from datagen.app.codeversion import code_version
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
+from datagen.host.gpu_lock import gpu_lock_name, is_held, lock_path
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_stack import PrefectStack, basic_auth_header, copy_checkout, free_port
 from tests.support.workers import worker_port
@@ -53,6 +56,12 @@ POOL = "gpu-box"
 WATCH_TIMEOUT_S = 480
 # Per request, so a run's generation lasts a few seconds: long enough for an overlap to show.
 FAKE_SERVER_DELAY_S = 0.4
+# What Prefect's runner logs when it stops watching its runs for a cancel (prefect/_internal/observers.py).
+OBSERVER_GAVE_UP = "Cancellation polling task failed"
+# Enough prompts that one CPU server answering one at a time is still generating minutes later.
+PROMPTS_FOR_A_LONG_RUN = 2000
+# datagen's watch: a poll (5 s), the runner's grace (30 s), then the run's own stop (servers, hand-back).
+CANCEL_AFTER_OUTAGE_BUDGET_S = 90.0
 
 
 class Stack:
@@ -565,6 +574,75 @@ def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None
         time.sleep(0.5)
     assert not any(_live(pid) for pid in pids), f"servers still running after the cancel: {pids}"
     assert len(_wait_for_file(tmp_path / "restarts.txt").split()) == 1, "training was not restarted"
+
+
+def _stored(root: Path) -> dict[str, str]:
+    """Every file under ``root`` and the sha256 of its bytes."""
+    return {
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        for path in root.rglob("*")
+        if path.is_file()
+    }
+
+
+def _worker_logs(stack: Stack) -> str:
+    return "".join(
+        (stack.prefect.home / f"worker-{index}.log").read_text(errors="replace") for index in (1, 2)
+    )
+
+
+def test_a_run_cancelled_after_the_api_was_away_still_stops(stack: Stack, tmp_path: Path) -> None:
+    # A run generating slowly on one CPU server (one request at a time, long answers), for several minutes.
+    prompts = tmp_path / "prompts.jsonl"
+    _write_prompts(prompts, "outage", PROMPTS_FOR_A_LONG_RUN)
+    config = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
+    config["fleet"].update({"cpu_servers": 1, "base_port": worker_port(30320), "max_inflight_per_server": 1})
+    config["sampling"]["max_tokens"] = 512
+    config["datasets"] = [{"name": "questions", "format": "openai_messages", "path": str(prompts)}]
+    config["output"] = str(tmp_path / "out")
+    config["training"] = _restart_marking(tmp_path / "restarts.txt")
+    name = _write_config(stack, "ci-cancel-after-outage", config)
+    failed_before = _worker_logs(stack).count(OBSERVER_GAVE_UP)
+
+    flow_run_id = stack.start("expand/expand-manual", config=name, run_id="cancel-after-outage")
+    pidfile = stack.state_dir / "fleets" / flow_run_id / "servers.json"
+    deadline = time.monotonic() + WATCH_TIMEOUT_S
+    pids: list[int] = []
+    while time.monotonic() < deadline and not pids:
+        if pidfile.exists():
+            pids = [server["pid"] for server in json.loads(pidfile.read_text())["servers"]]
+            pids = [pid for pid in pids if _live(pid)]
+        time.sleep(0.5)
+    assert pids, "the run never started its server"
+
+    # The API goes away until Prefect's runner has given up watching the run for a cancel, then comes back.
+    stack.prefect.stop_server()
+    away = time.monotonic()
+    while _worker_logs(stack).count(OBSERVER_GAVE_UP) == failed_before and time.monotonic() - away < 120:
+        time.sleep(1)
+    assert _worker_logs(stack).count(OBSERVER_GAVE_UP) > failed_before, (
+        "Prefect's cancellation watch never gave up"
+    )
+    stack.prefect.start()
+    away_s = time.monotonic() - away
+    assert stack.flow_run(flow_run_id)["state_type"] == "RUNNING", "the run did not outlive the outage"
+    assert all(_live(pid) for pid in pids), "the servers did not outlive the outage"
+    stored = _stored(tmp_path / "out")
+
+    stack.cancel(flow_run_id)
+    cancelled_at = time.monotonic()
+    state = stack.prefect.wait_final(flow_run_id, CANCEL_AFTER_OUTAGE_BUDGET_S)
+    cancel_s = time.monotonic() - cancelled_at
+    assert state == "CANCELLED", f"{state} {cancel_s:.0f} s after the cancel (API away {away_s:.0f} s)"
+    assert cancel_s < CANCEL_AFTER_OUTAGE_BUDGET_S
+    assert not any(_live(pid) for pid in pids), f"servers still running after the cancel: {pids}"
+    assert len(_wait_for_file(tmp_path / "restarts.txt").split()) == 1, "training was not restarted once"
+    assert not is_held(lock_path(os.environ["DATAGEN_LOCK_DIR"], gpu_lock_name())), (
+        "the GPU lock is still held"
+    )
+    after = _stored(tmp_path / "out")
+    assert {key: after.get(key) for key in stored} == stored, "a stored object changed or vanished"
+    assert "not stopped by a runner" in stack.prefect.flow_run_logs(flow_run_id)
 
 
 def test_the_api_refuses_a_request_without_the_auth_string(stack: Stack) -> None:

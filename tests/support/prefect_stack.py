@@ -263,6 +263,15 @@ class PrefectStack:
         self.stop()
         raise RuntimeError(f"prefect server did not start on port {self.port}:\n{tail}")
 
+    def stop_server(self) -> None:
+        """Stop the server alone (its process group), as a restart or a crash does: the API is away.
+
+        The workers and their flow runs go on; :meth:`start` brings the server back on the same port and database.
+        """
+        if self.server is not None:
+            stop_group(self.server)
+            self.server = None
+
     def create_work_queue(self, pool: str, name: str) -> None:
         """Create work queue ``name`` in ``pool`` through the API (what `prefect work-queue create` sends)."""
         response = self.api.post(f"/work_pools/{pool}/queues", json={"name": name})
