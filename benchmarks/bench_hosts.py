@@ -6,7 +6,7 @@ run), the runs alternate ABBA (datagen, ideal, ideal, datagen per round), so a m
 quieter favours neither. Clients:
 
 * ``datagen``: what a multi-host run's parent does: one :class:`~datagen.generation.dispatcher.Dispatcher`,
-  hosts joined through :class:`~datagen.generation.hosts.HostWatch` from their published fleets, one request
+  hosts joined through :class:`~datagen.generation.multihost.HostWatch` from their published fleets, one request
   stream per shard (``submit_stream``), fed as the backlog runs low, like the flow's shard tasks;
 * ``ideal``: benchmarks/clients.py's ideal client over every host's servers (every request known upfront,
   ``slots`` in flight on every server, least-loaded by construction, no records);
@@ -48,9 +48,9 @@ sys.path.insert(0, str(REPO))
 from datagen.config import GenerationConfig  # noqa: E402
 from datagen.generation.dispatch_state import GenerationResult  # noqa: E402
 from datagen.generation.dispatcher import Dispatcher  # noqa: E402
-from datagen.generation.hosts import HostWatch  # noqa: E402
-from datagen.generation.wire import GenerationRequest  # noqa: E402
-from datagen.output.hosts import HostFleet  # noqa: E402
+from datagen.generation.multihost import HostWatch  # noqa: E402
+from datagen.generation.openai_chat import GenerationRequest  # noqa: E402
+from datagen.output.multihost import HostFleet  # noqa: E402
 from datagen.records import CompletionRecord, Message, PromptRecord, SamplingParams  # noqa: E402
 
 try:  # run as `python benchmarks/bench_hosts.py` (benchmarks/ is on the path) or imported as a module

@@ -33,7 +33,7 @@ import orjson
 
 from datagen.config import GenerationConfig, RunConfig
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.wire import GenerationRequest
+from datagen.generation.openai_chat import GenerationRequest
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan, plan_servers
 from datagen.host.probe import probe_environment

@@ -37,13 +37,16 @@ from prefect.states import Completed
 from pydantic import BaseModel
 
 import datagen.engines
-from datagen.app.request import (
+from datagen.app.run_request import (
     HostRequest,
+    ResolvedRun,
     RunRequest,
     SamplingChoice,
     configs_folder,
+    operator_run,
     parse_run_request,
-    resolve_request,
+    resolve_run,
+    with_run_id,
 )
 from datagen.config import RunConfig, is_valid_slug
 from datagen.dataset.report import GenerationWindow, RunReport, RunSummary, record_generation_window
@@ -61,7 +64,7 @@ from datagen.generation.shard import latest_shard_summary
 from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
-from datagen.output.runs import make_run_id, open_store
+from datagen.output.runs import make_run_id
 from datagen.output.store import Store
 from datagen.progress import GenerationProgress
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
@@ -69,7 +72,7 @@ from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.cancellation import run_cancellable
-from tasks.credentials import load_s3_credentials
+from tasks.context import RunContext, open_run_store
 from tasks.data import (
     CorpusIds,
     ShardProgress,
@@ -130,7 +133,11 @@ def box_configs() -> Path:
 
 
 def _run_id_of(parameters: dict[str, Any]) -> str | None:
-    """The run id a flow run's parameters give, if any, for its name (never reads the box's configs)."""
+    """The run id a flow run's parameters give, if any, for its name (never reads the box's configs).
+
+    The operator's flow receives its config resolved, run id included; a deployment's run gives its
+    ``run_id`` parameter, else takes the flow run's own (:func:`_generated_run_id`), as its body does.
+    """
     run_id = parameters.get("run_id")
     config = parameters.get("config")
     if not run_id and isinstance(config, RunConfig | dict):  # the operator's flow: a whole config
@@ -217,14 +224,9 @@ def _prepared_outcomes(
 
 
 def _record_generation_window(
-    store: Store,
-    layout: RunLayout,
-    attempt_id: str,
-    wall_s: float,
-    servers: int,
-    finished: bool,
-    hosts: HostsOutcome | None = None,
+    context: RunContext, wall_s: float, servers: int, finished: bool, hosts: HostsOutcome | None = None
 ) -> None:
+    attempt_id = context.attempt_id
     window = GenerationWindow(
         attempt_id=attempt_id,
         wall_s=wall_s,
@@ -234,7 +236,7 @@ def _record_generation_window(
         lost_hosts=dict(hosts.lost) if hosts else {},
     )
     try:
-        record_generation_window(store, layout, window)
+        record_generation_window(context.store, context.layout, window)
     except Exception as error:  # never mask why generation ended
         get_run_logger().warning("generation time not recorded attempt=%s error=%s", attempt_id, error)
 
@@ -392,11 +394,9 @@ class _GenerationProgress:
 
 
 def _generate_all(
-    config: RunConfig,
-    run: Any,
+    context: RunContext,
     prepared_futures: list[PrefectFuture[PreparedDataset]],
     dispatcher: Dispatcher,
-    store: Store,
     retry_failed: bool = False,
     started: float | None = None,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException]]:
@@ -409,6 +409,7 @@ def _generate_all(
     generation started (the report's wall time starts there; default: now).
     """
     logger = get_run_logger()
+    config, run = context.config, context.run
     pending: deque[PromptShardRef] = deque()
     waiting_prepare = list(prepared_futures)
     prepared: list[PreparedDataset] = []
@@ -459,13 +460,7 @@ def _generate_all(
         ):
             shard = pending.popleft()
             future = generate_shard.submit(
-                config,
-                run,
-                shard,
-                dispatcher,
-                shard_progress,
-                credentials=store.credentials,
-                retry_failed=retry_failed,
+                context, shard, dispatcher, shard_progress, retry_failed=retry_failed
             )
             running[future] = shard
             future.add_done_callback(finished.put)
@@ -509,12 +504,9 @@ def _generate_all(
 
 
 def _generate_on_hosts(
-    config: RunConfig,
-    run: Any,
+    context: RunContext,
     prepared_futures: list[PrefectFuture[PreparedDataset]],
-    attempt_id: str,
     flow_run_id: str,
-    store: Store,
     hosts_request: HostRequest | None,
     retry_failed: bool = False,
 ) -> tuple[list[PreparedDataset], list[ShardSummary], list[BaseException], int, float]:
@@ -529,7 +521,7 @@ def _generate_on_hosts(
         nonlocal wall_s, finished
         started = time.monotonic()
         try:
-            result = _generate_all(config, run, prepared_futures, dispatcher, store, retry_failed, started)
+            result = _generate_all(context, prepared_futures, dispatcher, retry_failed, started)
             finished = True
             return result
         finally:
@@ -538,15 +530,11 @@ def _generate_on_hosts(
     try:
         parent = flow_run_id if flow_run_id != "local" else None
         assert hosts_request is not None, "refused before the run opened"
-        prepared, summaries, errors = run_on_hosts(
-            config, hosts_request, run.layout, attempt_id, parent, generate, outcome, store.credentials
-        )
+        prepared, summaries, errors = run_on_hosts(context, hosts_request, parent, generate, outcome)
     finally:
         # Recorded once the hosts are released, so a box lost at the very end of generation is named too.
         if wall_s is not None:
-            _record_generation_window(
-                store, run.layout, attempt_id, wall_s, outcome.servers, finished, outcome
-            )
+            _record_generation_window(context, wall_s, outcome.servers, finished, outcome)
     if outcome.lost:
         get_run_logger().warning(
             "hosts lost during the run: %s",
@@ -563,7 +551,7 @@ class CheckedFlow(Flow[..., R]):
     """A flow whose run parameters pass ``check`` before Prefect validates them against the signature.
 
     A deployment's flow run gets its parameters from whoever started it. ``check`` (a request model of
-    :mod:`datagen.app.request`) refuses a value that is no run choice (a run id that climbs, a config the box
+    :mod:`datagen.app.run_request`) refuses a value that is no run choice (a run id that climbs, a config the box
     lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
     A parameter the signature lacks (``config_path``, ``training``...) the server refuses at create-flow-run
     (``datagen deploy`` closes the deployments' parameter schemas), and Prefect on a worker for a run that
@@ -632,19 +620,17 @@ def _expand(
         "output": output,
         "sampling": sampling,
         "datasets": datasets,
+        "retry_failed": retry_failed,
     }
 
     def body() -> RunSummary:
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), RunRequest)
-        resolved = resolve_request(request, box_configs())
-        resolved = resolved.model_copy(update={"run_id": resolved.run_id or _generated_run_id()})
+        run = resolve_run(request, box_configs(), _generated_run_id())
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
-            summary = _run(
-                resolved, flow_run_id, gpu_lock, HostRequest.of(request, resolved), bool(request.retry_failed)
-            )
+            summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
 
     with forward_thread_logs(flow_run_id), explain_failure():
@@ -664,7 +650,7 @@ def _expand_config(
     """The flow with a whole config, any field: for the box's operator (``datagen run --config``) only.
 
     Args:
-        config: The run's whole configuration, as the operator wrote it.
+        config: The run's whole configuration, as the operator wrote it, resolved (its run id fixed).
         config_name: Its name when it is one of the checkout's configs (a multi-host run's hosts read it).
         retry_failed: Send the run's retryable failures again.
 
@@ -676,12 +662,9 @@ def _expand_config(
 
     def body() -> RunSummary:
         verify_code_version(__file__)
-        resolved = config.model_copy(update={"run_id": config.run_id or _generated_run_id()})
-        hosts = None
-        if config_name is not None:
-            hosts = HostRequest(config=config_name, run_id=resolved.run_id, output=resolved.output)
+        run = operator_run(config, config_name, retry_failed)
         with contextlib.ExitStack() as gpu_lock:
-            summary = _run(resolved, flow_run_id, gpu_lock, hosts, retry_failed)
+            summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
 
     with forward_thread_logs(flow_run_id), explain_failure():
@@ -703,30 +686,24 @@ def run_with_config(
 ) -> RunSummary:
     """Run the `expand` flow in this process with a whole config (the CLI and the tests, on the box).
 
+    A config without a run id gets a new one here, before the flow run starts: its name and body read it.
+
     Raises:
         RunCancelled: The run was cancelled through the Prefect API (it ended Cancelled, servers stopped).
     """
     try:
-        return operator_flow()(config=config, config_name=config_name, retry_failed=retry_failed)
+        return operator_flow()(config=with_run_id(config), config_name=config_name, retry_failed=retry_failed)
     except CancelledRun as cancelled:
         raise RunCancelled(str(cancelled)) from cancelled
 
 
-def _run(
-    config: RunConfig,
-    flow_run_id: str,
-    gpu_lock: contextlib.ExitStack,
-    hosts_request: HostRequest | None,
-    retry_failed: bool = False,
-) -> RunSummary:
-    """The run itself, once its config is resolved; ``gpu_lock`` holds this host's GPUs from the halt on.
-
-    ``hosts_request`` is what a multi-host run's host parts are sent (None: the config is no box config by
-    name, so hosts cannot resolve it, and a multi-host run is refused).
-    """
+def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
+    """The run itself, once its entry point resolved it; ``gpu_lock`` holds this host's GPUs from the halt on."""
+    config, hosts_request, retry_failed = resolved.config, resolved.hosts, resolved.retry_failed
     logger = get_run_logger()
-    # The Prefect block's S3 credentials (None: the AWS chain), passed to every store and S3-reading task.
-    credentials = load_s3_credentials()
+    # The run's store, opened once with the Prefect block's S3 credentials (None: the AWS chain); every task
+    # reaches S3 through it (its run context).
+    store = open_run_store(config)
     attempt_id = time.strftime("%Y%m%d-%H%M%S") + "-" + flow_run_id[:8]
     state_dir = fleet_state_dir(flow_run_id)
 
@@ -738,10 +715,10 @@ def _run(
             "from its own checkout by name): move it into configs/ and pass that file to --config"
         )
     logger.info("stage=preflight run_id=%s", config.run_id)
-    preflight_report = preflight(config, credentials=credentials)
-    run = open_run(config, credentials=credentials)
+    preflight_report = preflight(config, store)
+    run = open_run(config, store)
     layout = run.layout
-    store = open_store(config, credentials)
+    context = RunContext(config, store, run, attempt_id)
     if read_manifest(store, layout) is not None:
         if retry_failed:
             raise ConfigError(
@@ -751,29 +728,25 @@ def _run(
         logger.info("run run_id=%s is already complete: nothing to do", run.run_id)
         report = RunReport.model_validate(store.read_json(layout.report_json))
         return _summary_from_report(report, store, layout, complete=True)
-    write_attempt_record(config, run, attempt_id, "preflight", preflight_report, credentials=credentials)
-    series_entry = open_series_entry(config, run, credentials=credentials) if config.series else None
+    write_attempt_record(context, "preflight", preflight_report)
+    series_entry = open_series_entry(context) if config.series else None
 
     logger.info("stage=prepare-prompts datasets=%d", len(config.datasets))
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     corpus = CorpusIds()
     # Every dataset is read and normalised at once in worker processes; each prepare task then waits for
     # (and dedupes against) the datasets before it, in config order.
-    with prompt_scans(config, run, credentials) as scans:
+    with prompt_scans(context) as scans:
         for dataset in config.datasets:
             earlier: Any = list(prepared_futures)
-            prepared_futures.append(
-                prepare_prompts.submit(
-                    config, run, dataset.name, earlier, corpus, scans, credentials=credentials
-                )
-            )
+            prepared_futures.append(prepare_prompts.submit(context, dataset.name, earlier, corpus, scans))
         # Every dataset is prepared before training is halted: one that yields too few prompts refuses the
         # run while training still runs, and the shards written here are the ones the run generates from.
-        check_prompts(config, run, *_prepared_outcomes(config, prepared_futures))
+        check_prompts(context, *_prepared_outcomes(config, prepared_futures))
     if series_entry is not None:
         # Recorded before any GPU work: a later run of the series never takes these prompts again.
         taken = [future.result() for future in prepared_futures]
-        write_ledger(config, run, series_entry, taken, credentials=credentials)
+        write_ledger(context, series_entry, taken)
 
     held_back: list[TrainingEnvironmentChangedError] = []
     done = run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures])
@@ -789,18 +762,18 @@ def _run(
         servers, generation_wall_s = 0, 0.0
         errors: list[BaseException] = []
     elif config.hosts:
-        # Several boxes: each host part halts its training and serves (flows/host.py); this flow holds no
+        # Several boxes: each host part halts its training and serves (flows/host_part.py); this flow holds no
         # GPU lock and halts nothing itself, it only sends the requests.
         logger.info("stage=generate hosts=%d", len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
-            config, run, prepared_futures, attempt_id, flow_run_id, store, hosts_request, retry_failed
+            context, prepared_futures, flow_run_id, hosts_request, retry_failed
         )
     else:
         logger.info("stage=gpu-lock")
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
 
         def record(name: str, value: BaseModel) -> str:
-            return write_attempt_record(config, run, attempt_id, name, value, credentials=credentials)
+            return write_attempt_record(context, name, value)
 
         with serve_on_this_box(config, gpus, run.run_id, state_dir, record) as serving:
             servers = len(serving.plan.servers)
@@ -820,13 +793,13 @@ def _run(
                 finished = False
                 try:
                     prepared, shard_summaries, errors = _generate_all(
-                        config, run, prepared_futures, dispatcher, store, retry_failed, generation_started
+                        context, prepared_futures, dispatcher, retry_failed, generation_started
                     )
                     finished = True
                 finally:
                     # Recorded even when interrupted: the report's throughput counts every attempt's time.
                     generation_wall_s = time.monotonic() - generation_started
-                    _record_generation_window(store, layout, attempt_id, generation_wall_s, servers, finished)
+                    _record_generation_window(context, generation_wall_s, servers, finished)
         held_back = serving.held_back
     unfixable = [error for error in errors if isinstance(error, UnfixableStorageError)]
     if unfixable:
@@ -840,29 +813,22 @@ def _run(
         ) from errors[0]
     # A run that mostly failed publishes nothing: a 0-row version would read as done (everything stays stored).
     check_failed_share(store, shard_summaries, config.generation.max_failed_share)
-    merge_config = config
+    merge_context = context
     if series_entry is not None:
         # The series' last version is the base (fixed in series.json when the run opened).
-        merge_config = config.model_copy(
-            update={
-                "tokenize": config.tokenize.model_copy(update={"base_version": series_entry.base_version})
-            }
+        merge_context = context.with_config(
+            config.model_copy(
+                update={
+                    "tokenize": config.tokenize.model_copy(update={"base_version": series_entry.base_version})
+                }
+            )
         )
     logger.info("stage=merge-and-tokenize")
-    tokenize_summary = merge_and_tokenize(merge_config, run, shard_summaries, credentials=credentials)
+    tokenize_summary = merge_and_tokenize(merge_context, shard_summaries)
     logger.info("stage=report")
-    report = write_report(
-        config,
-        run,
-        prepared,
-        shard_summaries,
-        tokenize_summary,
-        servers,
-        generation_wall_s,
-        credentials=credentials,
-    )
+    report = write_report(context, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s)
     logger.info("stage=manifest")
-    finalize_manifest(config, run, report, credentials=credentials)
+    finalize_manifest(context, report)
     summary = _summary_from_report(report, store, layout, complete=False)
     logger.info(
         "run complete run_id=%s completions=%d failures=%d tokenized_rows=%d url=%s",
@@ -881,6 +847,6 @@ def _run(
 if __name__ == "__main__":
     import sys
 
-    from datagen.config import load_run_config
+    from datagen.app.run_request import resolve_config_file
 
-    run_with_config(load_run_config(sys.argv[1]))
+    run_with_config(resolve_config_file(Path(sys.argv[1])))

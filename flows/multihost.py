@@ -24,12 +24,13 @@ from typing import TypeVar
 from prefect import get_run_logger
 
 import datagen.engines
-from datagen.app.request import HostRequest
+from datagen.app.run_request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightError
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.hosts import HostVouches, HostWatch
-from datagen.output.hosts import (
+from datagen.generation.multihost import HostVouches, HostWatch
+from datagen.output.layout import RunLayout
+from datagen.output.multihost import (
     HostFleet,
     HostPreflight,
     HostsGo,
@@ -38,12 +39,10 @@ from datagen.output.hosts import (
     read_latest_host_fleet,
     write_host_object,
 )
-from datagen.output.layout import RunLayout
-from datagen.output.runs import open_store
-from datagen.output.s3_client import S3Credentials
 from datagen.output.store import Store
 from datagen.settings import server_api_key
-from tasks.hosts import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
+from tasks.context import RunContext
+from tasks.multihost import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
 
 T = TypeVar("T")
 # After the release, how long the parent waits to see every host part end (to log how each ended).
@@ -60,31 +59,28 @@ class HostsOutcome:
 
 
 def run_on_hosts(
-    config: RunConfig,
+    context: RunContext,
     request: HostRequest,
-    layout: RunLayout,
-    attempt_id: str,
     parent_flow_run_id: str | None,
     generate: Callable[[Dispatcher], T],
     outcome: HostsOutcome,
-    credentials: S3Credentials | None = None,
 ) -> T:
-    """Run ``generate`` with one dispatcher over the servers of every host of ``config.hosts``.
+    """Run ``generate`` with one dispatcher over the servers of every host of the run's ``config.hosts``.
 
     ``outcome`` is filled as hosts join and leave, also when generation raises. The hosts and the parent meet
-    in the run's store, reached with ``credentials`` (None: the standard AWS chain). Each host part is sent
-    ``request`` (the config's name and the run's choices) and resolves the config from its own checkout.
+    in the run's store (the context's), under this attempt's folder. Each host part is sent ``request`` (the
+    config's name and the run's choices) and resolves the config from its own checkout.
 
     Raises:
         PreflightError: A host is misconfigured or its own checks failed; nothing was halted on any host.
         HostsUnavailableError: No host's servers came up.
     """
+    config, store, layout, attempt_id = context.config, context.store, context.layout, context.attempt_id
     check_hosts(config)
     assert config.run_id is not None
     # Held until every host part has stopped: a parent killed outright lets it lapse, and the hosts stop.
     with hold_parent_lease(config.run_id, config.multi_host.parent_lease_s):
         logger = get_run_logger()
-        store = open_store(config, credentials)
         poll_s = config.multi_host.poll_interval_s
         started = start_host_parts(config, request, attempt_id, parent_flow_run_id)
         release = "generation over"

@@ -31,8 +31,11 @@ def stage_cache_key(stage: str, *parts: object) -> str:
 
 
 def run_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """Cache key of a run-level stage: stage name + run identity (id, incarnation, config hash)."""
-    run = parameters["run"]
+    """Cache key of a run-level stage: stage name + run identity (id, incarnation, config hash).
+
+    The task's run context (:class:`tasks.context.RunContext`, parameter ``context``) gives the identity.
+    """
+    run = parameters["context"].run
     return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash)
 
 

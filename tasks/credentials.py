@@ -4,9 +4,9 @@
 :class:`~datagen.output.s3_client.S3Credentials`; it cannot read Prefect blocks itself. When
 ``DATAGEN_AWS_CREDENTIALS_BLOCK`` names an ``aws-credentials`` block (the block type of the prefect-aws
 package), :func:`load_s3_credentials` reads the block's document from the Prefect API (so prefect-aws need not
-be installed on the worker). The flow calls it once, at its start, and passes the result to every store it
-opens and to every task that touches S3 (keyword ``credentials``: no task's cache key reads it, and its
-secrets are ``SecretStr``). There is no process-wide default: a store opened without them uses the AWS chain.
+be installed on the worker). The flow calls it once, at its start, through :func:`tasks.context.open_run_store`:
+the credentials go into the run's store, which tasks receive in their run context (their secrets are
+``SecretStr``). There is no process-wide default: a store opened without them uses the AWS chain.
 """
 
 from __future__ import annotations

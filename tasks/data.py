@@ -13,19 +13,18 @@ from prefect.context import TaskRunContext
 
 import datagen.dataset.merge
 import datagen.generation.shard
-import datagen.output.runs
 import datagen.prompts.datasets.corpus
 import datagen.prompts.ledger
 import datagen.prompts.prepare
 from datagen.config import RunConfig
 from datagen.generation.dispatcher import Dispatcher
 from datagen.output.runs import RunHandle
-from datagen.output.s3_client import S3Credentials
 from datagen.output.store import Store
 from datagen.prompts.parallel import DatasetScans
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings
 from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
+from tasks.context import RunContext
 
 
 class CorpusIds:
@@ -39,14 +38,14 @@ class CorpusIds:
         self._lock = threading.Lock()
         self._ids: frozenset[str] | None = None
 
-    def get(self, config: RunConfig, run: RunHandle, store: Store) -> frozenset[str]:
+    def get(self, context: RunContext) -> frozenset[str]:
         """The existing corpus's prompt ids plus those earlier runs of the run's series took.
 
-        ``store`` is the run's store: s3:// corpus sources are read with its credentials.
+        s3:// corpus sources are read with the run's store's credentials.
         """
         with self._lock:
             if self._ids is None:
-                self._ids = _load_corpus_ids(config, run, store)
+                self._ids = _load_corpus_ids(context.config, context.run, context.store)
             return self._ids
 
 
@@ -94,12 +93,12 @@ class ShardProgress:
 
 
 def _dataset_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    run: RunHandle = parameters["run"]
+    run: RunHandle = parameters["context"].run
     return stage_cache_key("prepare", run.run_id, run.incarnation, run.config_hash, parameters["dataset"])
 
 
 def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    run: RunHandle = parameters["run"]
+    run: RunHandle = parameters["context"].run
     shard: PromptShardRef = parameters["shard"]
     # A retry of failures runs again in every flow run that asks for one (storage says what is left to do).
     retry = [str(context.task_run.flow_run_id)] if parameters.get("retry_failed") else []
@@ -109,13 +108,12 @@ def _shard_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
 
 
 @contextlib.contextmanager
-def prompt_scans(
-    config: RunConfig, run: RunHandle, credentials: S3Credentials | None
-) -> Iterator[DatasetScans]:
+def prompt_scans(context: RunContext) -> Iterator[DatasetScans]:
     """Scan every dataset not prepared yet in worker processes (spools under the state dir) while in use."""
     work_dir = Path(get_settings().state_dir).expanduser() / "prompt-scans"
-    store = datagen.output.runs.open_store(config, credentials)
-    with datagen.prompts.prepare.start_dataset_scans(store, run.layout, config, work_dir) as scans:
+    with datagen.prompts.prepare.start_dataset_scans(
+        context.store, context.layout, context.config, work_dir
+    ) as scans:
         yield scans
 
 
@@ -126,23 +124,20 @@ def prompt_scans(
     **TRANSIENT_RETRIES,
 )
 def prepare_prompts(
-    config: RunConfig,
-    run: RunHandle,
+    context: RunContext,
     dataset: str,
     earlier: list[PreparedDataset],
     corpus: CorpusIds,
     scans: DatasetScans | None = None,
-    *,
-    credentials: S3Credentials | None = None,
 ) -> PreparedDataset:
     """Read, normalise, filter and dedupe one dataset (against the datasets before it) into prompt shards.
 
     The datasets before it also decide its quota when ``mix.rebalance`` moves their shortfalls on; ``corpus``
     holds the ids no dataset of the run may take (shared by the run's prepare tasks). ``scans`` (from
-    :func:`prompt_scans`) has read and normalised it already, in a worker process. ``credentials`` reach the
-    store and the s3:// inputs (None: the standard AWS chain).
+    :func:`prompt_scans`) has read and normalised it already, in a worker process. The store's credentials
+    reach the s3:// inputs too.
     """
-    store = datagen.output.runs.open_store(config, credentials)
+    config, run, store = context.config, context.run, context.store
     if store.exists(run.layout.prompts_summary(dataset)):
         # Prepared by an earlier attempt: the core returns the summary without reading anything.
         prepared = datagen.prompts.prepare.prepare_prompts(store, run.layout, config, dataset)
@@ -156,7 +151,7 @@ def prepare_prompts(
             config,
             dataset,
             exclude_prompt_ids=exclude,
-            corpus_ids=corpus.get(config, run, store),
+            corpus_ids=corpus.get(context),
             earlier=earlier,
             held_by_category=_series_held(config, run, store),
             scans=scans,
@@ -179,13 +174,11 @@ def prepare_prompts(
     **TRANSIENT_RETRIES,
 )
 def generate_shard(
-    config: RunConfig,
-    run: RunHandle,
+    context: RunContext,
     shard: PromptShardRef,
     dispatcher: Dispatcher,
     progress: ShardProgress,
     *,
-    credentials: S3Credentials | None = None,
     retry_failed: bool = False,
 ) -> ShardSummary:
     """Generate every request of one prompt shard through the shared dispatcher; resumable, write-once.
@@ -193,13 +186,14 @@ def generate_shard(
     Its answered count goes to ``progress``, the scheduler's view of the running shards. With
     ``retry_failed``, a done shard's retryable failures are sent again (a new retry round).
     """
+    run_id = context.run_id
     summary = datagen.generation.shard.generate_shard(
-        datagen.output.runs.open_store(config, credentials),
-        run.layout,
-        config,
+        context.store,
+        context.layout,
+        context.config,
         shard,
         dispatcher,
-        progress=lambda done, total: progress.update(run.run_id, shard.dataset, shard.shard_index, done),
+        progress=lambda done, total: progress.update(run_id, shard.dataset, shard.shard_index, done),
         held=progress.held,
         retry_failed=retry_failed,
     )
@@ -218,17 +212,13 @@ def generate_shard(
 
 @task(
     name="merge-and-tokenize",
-    task_run_name="merge-and-tokenize-{run.run_id}",
+    task_run_name="merge-and-tokenize-{context.run_id}",
     cache_key_fn=run_cache_key,
     **TRANSIENT_RETRIES,
 )
-def merge_and_tokenize(
-    config: RunConfig, run: RunHandle, shards: list[ShardSummary], *, credentials: S3Credentials | None = None
-) -> dict[str, Any]:
+def merge_and_tokenize(context: RunContext, shards: list[ShardSummary]) -> dict[str, Any]:
     """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""
-    summary = datagen.dataset.merge.merge_and_tokenize(
-        datagen.output.runs.open_store(config, credentials), run.layout, config
-    )
+    summary = datagen.dataset.merge.merge_and_tokenize(context.store, context.layout, context.config)
     data: dict[str, Any] = summary.model_dump(mode="json")
     get_run_logger().info(
         "tokenized rows=%s loss_tokens=%s dataset_version=%s",

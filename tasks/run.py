@@ -21,15 +21,19 @@ from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import RunManifest
 from datagen.output.runs import RunHandle
-from datagen.output.s3_client import S3Credentials
+from datagen.output.store import Store
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
+from tasks.context import RunContext
 
 
 @task(name="preflight", task_run_name="preflight-{config.run_id}", cache_policy=NO_CACHE)
-def preflight(config: RunConfig, *, credentials: S3Credentials | None = None) -> PreflightReport:
-    """Check everything that needs no GPU before training is stopped; fail with every problem listed."""
-    report = datagen.app.preflight.run_preflight(config, credentials=credentials)
+def preflight(config: RunConfig, store: Store) -> PreflightReport:
+    """Check everything that needs no GPU before training is stopped; fail with every problem listed.
+
+    The output and s3:// datasets are checked with the run's store's credentials.
+    """
+    report = datagen.app.preflight.run_preflight(config, credentials=store.credentials)
     create_markdown_artifact(
         report.to_markdown(), key="preflight", description="Checks run before halting training"
     )
@@ -37,12 +41,10 @@ def preflight(config: RunConfig, *, credentials: S3Credentials | None = None) ->
     return report
 
 
-@task(name="check-prompts", task_run_name="check-prompts-{run.run_id}", cache_policy=NO_CACHE)
-def check_prompts(
-    config: RunConfig, run: RunHandle, prepared: list[PreparedDataset], unprepared: dict[str, str]
-) -> Check:
+@task(name="check-prompts", task_run_name="check-prompts-{context.run_id}", cache_policy=NO_CACHE)
+def check_prompts(context: RunContext, prepared: list[PreparedDataset], unprepared: dict[str, str]) -> Check:
     """Refuse the run, before training is halted, when a dataset yields fewer prompts than its minimum."""
-    check = datagen.app.preflight.check_prompts(config, prepared, unprepared)
+    check = datagen.app.preflight.check_prompts(context.config, prepared, unprepared)
     get_run_logger().info("prompts checked %s", check.detail)
     return check
 
@@ -53,9 +55,9 @@ def check_prompts(
     cache_policy=NO_CACHE,
     **TRANSIENT_RETRIES,
 )
-def open_run(config: RunConfig, *, credentials: S3Credentials | None = None) -> RunHandle:
+def open_run(config: RunConfig, store: Store) -> RunHandle:
     """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
-    run = datagen.output.runs.open_run(datagen.output.runs.open_store(config, credentials), config)
+    run = datagen.output.runs.open_run(store, config)
     get_run_logger().info(
         "run run_id=%s resumed=%s config_hash=%s output=%s",
         run.run_id,
@@ -67,34 +69,23 @@ def open_run(config: RunConfig, *, credentials: S3Credentials | None = None) -> 
 
 
 @task(name="write-attempt-record", task_run_name="record-{name}", cache_policy=NO_CACHE)
-def write_attempt_record(
-    config: RunConfig,
-    run: RunHandle,
-    attempt_id: str,
-    name: str,
-    value: Any,
-    *,
-    credentials: S3Credentials | None = None,
-) -> str:
+def write_attempt_record(context: RunContext, name: str, value: Any) -> str:
     """Store one record of this flow attempt (training, env, plan) under attempts/<attempt_id>/."""
-    key = run.layout.attempt_object(attempt_id, f"{name}.json")
-    return datagen.output.runs.open_store(config, credentials).write_json(key, value).url
+    key = context.layout.attempt_object(context.attempt_id, f"{name}.json")
+    return context.store.write_json(key, value).url
 
 
-@task(name="report", task_run_name="report-{run.run_id}", cache_policy=NO_CACHE)
+@task(name="report", task_run_name="report-{context.run_id}", cache_policy=NO_CACHE)
 def write_report(
-    config: RunConfig,
-    run: RunHandle,
+    context: RunContext,
     prepared: list[PreparedDataset],
     shards: list[ShardSummary],
     tokenize_summary: dict[str, Any],
     servers: int,
     generation_wall_s: float,
-    *,
-    credentials: S3Credentials | None = None,
 ) -> RunReport:
     """Build the report, store it (JSON + markdown) once, and publish it as table and markdown artifacts."""
-    store = datagen.output.runs.open_store(config, credentials)
+    config, run, store = context.config, context.run, context.store
     layout: RunLayout = run.layout
     rows_by_dataset: dict[str, int] = dict(tokenize_summary.get("rows_by_dataset") or {})
     # Every attempt's generation time (this one's was recorded as it ended): a resumed run's completions
@@ -132,13 +123,12 @@ def write_report(
     return report
 
 
-@task(name="manifest", task_run_name="manifest-{run.run_id}", cache_policy=NO_CACHE)
-def finalize_manifest(
-    config: RunConfig, run: RunHandle, report: RunReport, *, credentials: S3Credentials | None = None
-) -> RunManifest:
+@task(name="manifest", task_run_name="manifest-{context.run_id}", cache_policy=NO_CACHE)
+def finalize_manifest(context: RunContext, report: RunReport) -> RunManifest:
     """Write manifest.json last: every object of the run with size and checksum."""
+    run = context.run
     manifest = datagen.output.manifest.write_manifest(
-        datagen.output.runs.open_store(config, credentials),
+        context.store,
         run.layout,
         config_hash=run.config_hash,
         counts=report.totals.model_dump(),

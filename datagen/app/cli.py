@@ -1,8 +1,8 @@
 """The `datagen` command line: a thin typer app that calls the same flow the deployments run.
 
 The flow is not imported here (the core never imports ``flows``): the console script's entry module,
-``flows/cli_entry.py``, calls :func:`main` with a loader of the `expand` flow, which reaches the commands
-that run it as the typer context's ``obj``. Heavy modules (Prefect, torch, transformers) are imported
+``flows/cli_entry.py``, calls :func:`main` with the starter of the `expand` flow (:data:`StartFlow`), which
+reaches the commands that run it as the typer context's ``obj``. Heavy modules (Prefect, torch, transformers) are imported
 inside the commands, so ``datagen --help`` answers at once.
 """
 
@@ -20,7 +20,7 @@ from datagen.app.terminal import EXIT_REFUSED as EXIT_CONFIG_ERROR
 from datagen.app.terminal import EXIT_RUN_FAILED
 
 if TYPE_CHECKING:
-    from datagen.app.runner import FlowLoader
+    from datagen.app.terminal import StartFlow
 
 app = typer.Typer(
     name="datagen",
@@ -39,16 +39,16 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _flow_loader(ctx: typer.Context) -> FlowLoader:
-    """The loader of the `expand` flow that :func:`main` was given."""
+def _flow_starter(ctx: typer.Context) -> StartFlow:
+    """The starter of the `expand` flow that :func:`main` was given."""
     if ctx.obj is None:
         _fail(
             "this command runs the `expand` flow, which only the `datagen` console script (or "
             "`python -m flows.cli_entry`) passes in",
             EXIT_CONFIG_ERROR,
         )
-    loader: FlowLoader = ctx.obj
-    return loader
+    start_flow: StartFlow = ctx.obj
+    return start_flow
 
 
 @app.command()
@@ -75,39 +75,30 @@ def run(
     """
     from datagen.app.preflight import check_output_reachable
     from datagen.app.pullstep import default_checkout
-    from datagen.app.request import box_config_name
-    from datagen.app.runner import prepare_flow_run, print_summary
+    from datagen.app.run_request import box_config_name, resolve_config_file
     from datagen.app.terminal import (
         INTERRUPT_SIGNALS,
         exit_code_for_signal,
         exit_now_if_threads_linger,
+        print_summary,
         run_in_terminal,
         run_log_path,
     )
-    from datagen.config import check_run_id_option, load_run_config
-    from datagen.engines import exact_tokens_enabled
     from datagen.errors import ConfigError, PreflightError
-    from datagen.output.runs import make_run_id
-    from datagen.prompts.mix import validate_mix
     from datagen.settings import get_settings
 
-    load_flow = _flow_loader(ctx)
+    start_flow = _flow_starter(ctx)
     try:
-        check_run_id_option(run_id)
-        loaded = load_run_config(config, overrides={"run_id": run_id, "output": output})
-        validate_mix(loaded)
-        exact_tokens_enabled(loaded)
+        resolved = resolve_config_file(config, run_id=run_id, output=output)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:
         # Before Prefect starts (seconds): an S3 endpoint that does not answer at all is refused at once.
-        check_output_reachable(loaded)
+        check_output_reachable(resolved)
     except PreflightError as error:
         _fail(f"datagen: {error}", EXIT_CONFIG_ERROR)
-    # The run id is fixed here, so an interrupted or failed run can say how to resume it.
-    loaded = loaded.model_copy(update={"run_id": loaded.run_id or make_run_id()})
-    assert loaded.run_id is not None
-    resume = f"datagen run --config {config} --run-id {loaded.run_id}"
+    assert resolved.run_id is not None
+    resume = f"datagen run --config {config} --run-id {resolved.run_id}"
     if output:
         resume += f" --output {output}"
     # A config of the checkout's configs/ is passed with its name: a multi-host run's hosts resolve it by it.
@@ -115,10 +106,10 @@ def run(
     if retry_failed:
         resume += " --retry-failed"
     code, summary = run_in_terminal(
-        lambda: prepare_flow_run(load_flow, loaded, name, retry_failed),
-        run_id=loaded.run_id,
+        lambda: start_flow(resolved, name, retry_failed),
+        run_id=resolved.run_id,
         resume_command=resume,
-        log_path=run_log_path(get_settings().state_dir, loaded.run_id),
+        log_path=run_log_path(get_settings().state_dir, resolved.run_id),
     )
     if code in {exit_code_for_signal(signum) for signum in INTERRUPT_SIGNALS}:
         exit_now_if_threads_linger(code)
@@ -327,7 +318,7 @@ def demo(
     """Run the local demo: tiny model, stand-in trainer, 2 CPU servers, bundled sample prompts."""
     from datagen.app.demo import run_demo
 
-    sys.exit(run_demo(run_id, _flow_loader(ctx)))
+    sys.exit(run_demo(run_id, _flow_starter(ctx)))
 
 
 @corpus_app.command("adopt")
@@ -549,11 +540,12 @@ def gpu_lock() -> None:
     typer.echo(f"lock file: {path}")
 
 
-def main(load_flow: FlowLoader) -> None:
+def main(start_flow: StartFlow) -> None:
     """Run the command line (called by the console script's entry module, ``flows/cli_entry.py``).
 
     Args:
-        load_flow: Imports and returns the `expand` flow; called only by the commands that run it.
+        start_flow: Imports Prefect and the `expand` flow and returns a run of it; called only by the
+            commands that run it.
 
     """
-    app(obj=load_flow)
+    app(obj=start_flow)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from datagen.app.runner import FlowLoader
+    from datagen.app.terminal import StartFlow
 
 DEMO_CONFIG = Path("configs/demo.yaml")
 DEMO_HOME = Path("runs/_demo")
@@ -69,20 +69,20 @@ def _stop_if_running(process: subprocess.Popen[bytes]) -> None:
             process.wait()
 
 
-def run_demo(run_id: str, load_flow: FlowLoader) -> int:
+def run_demo(run_id: str, start_flow: StartFlow) -> int:
     """Run the demo and print where everything landed.
 
     Args:
         run_id: The run id; running again with the same id resumes (and regenerates nothing).
-        load_flow: Imports and returns the `expand` flow (see :mod:`datagen.app.runner`).
+        start_flow: Imports the `expand` flow and returns a run of it (see :data:`datagen.app.terminal.StartFlow`).
 
     Returns:
         The process exit code.
     """
-    from datagen.app.runner import prepare_flow_run, print_summary
-    from datagen.app.terminal import run_in_terminal, run_log_path
+    from datagen.app.run_request import resolve_config_file
+    from datagen.app.terminal import print_summary, run_in_terminal, run_log_path
     from datagen.app.tinymodel import build_tiny_model
-    from datagen.config import check_run_id_option, load_run_config
+    from datagen.config import check_run_id_option
     from datagen.errors import ConfigError
     from datagen.settings import get_settings
 
@@ -99,7 +99,7 @@ def run_demo(run_id: str, load_flow: FlowLoader) -> int:
         print(f"building the tiny model in {MODEL_DIR} ...")
         build_tiny_model(MODEL_DIR)
     try:
-        config = load_run_config(DEMO_CONFIG, overrides={"run_id": run_id})
+        config = resolve_config_file(DEMO_CONFIG, run_id=run_id)
     except ConfigError as error:
         print(error, file=sys.stderr)
         return 2
@@ -107,7 +107,7 @@ def run_demo(run_id: str, load_flow: FlowLoader) -> int:
     print(f"stand-in trainer running pid={trainer.pid} (the flow halts it before taking the 'GPUs')")
     try:
         code, summary = run_in_terminal(
-            lambda: prepare_flow_run(load_flow, config),
+            lambda: start_flow(config, None, False),
             run_id=run_id,
             resume_command=f"datagen demo --run-id {run_id}",
             log_path=run_log_path(get_settings().state_dir, run_id),

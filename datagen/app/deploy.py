@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from datagen.app.codeversion import checkout_root, code_version
-from datagen.app.request import CONFIGS_FOLDER, config_names
+from datagen.app.run_request import CONFIGS_FOLDER, config_names
 from datagen.errors import ConfigError
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"

@@ -431,7 +431,7 @@ def _check_external_servers(config: RunConfig, store: Store) -> str:
 
     from datagen.engines import exact_tokens_enabled
     from datagen.errors import ConfigError
-    from datagen.generation.generate_api import GENERATE_PATH
+    from datagen.generation.sglang_generate import GENERATE_PATH
 
     try:
         exact_tokens = exact_tokens_enabled(config)

@@ -29,7 +29,9 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+import typer
 
 from datagen.errors import (
     ConfigError,
@@ -39,6 +41,19 @@ from datagen.errors import (
     RunInterrupted,
     TrainingEnvironmentChangedError,
 )
+
+if TYPE_CHECKING:
+    from datagen.config import RunConfig
+    from datagen.dataset.report import RunSummary
+
+StartFlow = Callable[["RunConfig", "str | None", bool], Callable[[], "RunSummary"]]
+"""How the command line reaches the `expand` flow (the console script, ``flows/cli_entry.py``, passes it in).
+
+Called with the resolved config (:func:`datagen.app.run_request.resolve_config_file`), its name when it is one of
+the checkout's configs (a multi-host run's hosts resolve it by it) and ``retry_failed``: imports Prefect and
+the flow, which configures Prefect's logging, and returns the run, so :func:`run_in_terminal` sets up its log
+file in between. The core never imports Prefect, and ``datagen --help`` stays fast.
+"""
 
 # The errors that refuse a run before anything was halted or started (exit 2): their message is the whole story.
 REFUSALS: tuple[type[DatagenError], ...] = (PreflightError, ConfigError)
@@ -271,3 +286,22 @@ def exit_now_if_threads_linger(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def print_summary(summary: RunSummary) -> None:
+    """Print where a run landed, for the terminal."""
+    lines = [
+        f"run {summary.run_id}: "
+        + ("already complete, nothing regenerated" if summary.already_complete else "done"),
+        f"  output        {summary.run_url}",
+        f"  prompts       {summary.prompts}",
+        f"  completions   {summary.completions} of {summary.requests} requests ({summary.failures} failures)",
+        f"  training rows {summary.tokenized_rows}",
+        f"  throughput    {summary.output_tokens_per_s:.1f} output tok/s",
+        f"  dataset       {summary.dataset_version}",
+        f"  report        {summary.report_url}",
+        f"  manifest      {summary.manifest_url}",
+    ]
+    if summary.training:
+        lines += ["  to train on it:", *[f"    {line}" for line in summary.training]]
+    typer.echo("\n".join(lines))

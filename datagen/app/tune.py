@@ -27,7 +27,7 @@ import httpx
 from datagen.engines import engine_class
 from datagen.engines.tune_result import TunePoint, TuneResult
 from datagen.errors import ConfigError
-from datagen.generation.wire import CHAT_COMPLETIONS_PATH
+from datagen.generation.openai_chat import CHAT_COMPLETIONS_PATH
 
 logger = logging.getLogger(__name__)
 

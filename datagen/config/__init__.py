@@ -7,7 +7,7 @@ error that names the key, never a silently ignored setting. Secrets never live h
 
 One module per stage, named after it: :mod:`model` (the target model), :mod:`fleet` (servers and engines),
 :mod:`prompts` (datasets, the mix, the existing corpus), :mod:`generation`, :mod:`training` (the job to halt),
-:mod:`merge` (``tokenize:``), :mod:`hosts` (several boxes); :mod:`run` holds :class:`RunConfig` and the checks
+:mod:`merge` (``tokenize:``), :mod:`multihost` (several boxes); :mod:`run` holds :class:`RunConfig` and the checks
 across sections, :mod:`loader` reading a file or parsed data, :mod:`ui_json` the Prefect UI's JSON mode, and
 :mod:`base` what every model shares. Every name is importable from ``datagen.config`` as before.
 """
@@ -26,7 +26,6 @@ from datagen.config.base import (
 )
 from datagen.config.fleet import EngineKind, FleetConfig, RouterPolicy, SGLangOptions
 from datagen.config.generation import GenerationConfig
-from datagen.config.hosts import HOST_DEPLOYMENT, HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.loader import (
     config_folder,
     format_validation_error,
@@ -36,6 +35,7 @@ from datagen.config.loader import (
 )
 from datagen.config.merge import TokenizeConfig
 from datagen.config.model import ModelConfig
+from datagen.config.multihost import HOST_DEPLOYMENT, HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.prompts import (
     SHARE_SUM_TOLERANCE,
     UNCATEGORISED,

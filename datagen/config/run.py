@@ -11,9 +11,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from datagen.config.base import CONFIG_SCHEMA_VERSION, Slug, StrictModel
 from datagen.config.fleet import FleetConfig
 from datagen.config.generation import GenerationConfig
-from datagen.config.hosts import HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.merge import TokenizeConfig
 from datagen.config.model import ModelConfig
+from datagen.config.multihost import HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.prompts import SHARE_SUM_TOLERANCE, DatasetConfig, ExistingCorpusConfig, MixConfig
 from datagen.config.training import TrainingJobConfig
 from datagen.errors import ConfigError

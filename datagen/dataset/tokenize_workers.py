@@ -44,13 +44,10 @@ DROP_TEMPLATE = "template_mismatch"
 BATCH_COMPLETIONS = 256
 # Shards in flight per worker: one being tokenized, one queued, so no worker waits on the parent.
 IN_FLIGHT_PER_WORKER = 2
-# Unless tokenize.workers says otherwise, completions under this many bytes are tokenized in this process.
-# A worker costs about 1 CPU-second before its first row (spawn, imports, rebuilding the Qwen3 tokenizer from
-# its 11 MB serialized form; 0.35-0.45 s for the tiny test tokenizer), and this process tokenizes about
-# 4 MB of completions per CPU-second (varied prose, tools, code; 10-13 MB/s for repetitive text). Workers
-# save wall time only once the work exceeds start cost x throughput x W/(W-1): 8-22 MB on two cores, 4.5-12.5
-# MB on many. 16 MiB is where they stop losing time on two cores, while a run below it pays at most ~2 s
-# more on a large host; every worker started for less burns its start-up CPU for nothing.
+# Unless tokenize.workers says otherwise, completions under this many bytes are tokenized in this process:
+# workers save wall time only once the work outweighs their start-up (spawn, imports, the tokenizer rebuilt),
+# and every worker started for less burns that CPU for nothing (figures: docs/performance.md, "Thresholds in
+# the code").
 IN_PROCESS_BELOW_BYTES = 16 << 20
 
 

@@ -164,7 +164,7 @@ def render_prompt(
     """A prompt as the server sees it: the chat template with the generation prompt appended.
 
     The one prompt render: training rows (:class:`RowTokenizer`) and exact-token requests
-    (:mod:`datagen.generation.generate_api`) both use it, so the ids sent to ``/generate`` are the ids of the
+    (:mod:`datagen.generation.sglang_generate`) both use it, so the ids sent to ``/generate`` are the ids of the
     training row's prompt.
 
     Args:

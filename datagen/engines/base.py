@@ -327,7 +327,7 @@ def gpu_env(slot: ServerSlot) -> dict[str, str]:
     if slot.device == "cpu":
         # OpenMP threads that finished their share of a step sleep instead of spinning for the next one: CPU
         # servers share the box with each other and with datagen itself, and a spinning thread burns a core
-        # they need (benchmarks/bench_cpu_wait_policy.py, 2 cores: 0.82x the CPU per request, 0.93x the wall time).
+        # they need (benchmarks/bench_cpu_wait_policy.py; docs/performance.md, "Thresholds in the code").
         env = {"CUDA_VISIBLE_DEVICES": "", "OMP_WAIT_POLICY": "PASSIVE"}
         if slot.cpu_threads is not None:
             threads = str(slot.cpu_threads)

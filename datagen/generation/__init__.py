@@ -4,8 +4,8 @@ Owns the one dispatcher per flow process (:mod:`dispatcher`, wiring its parts: a
 :mod:`dispatch_admission`, one try in :mod:`dispatch_attempt`, the retry policy in :mod:`retry`, the server
 table and health in :mod:`dispatch_health`, counters in :mod:`dispatch_stats`, its thread in
 :mod:`dispatch_loop`) and its state and stats (:mod:`dispatch_state`),
-the OpenAI chat-completions wire format (:mod:`wire`), SGLang's ``/generate`` format for exact tokens
-(:mod:`generate_api`) and one shard's generation with its checkpoints and done marker (:mod:`shard`).
+the OpenAI chat-completions wire format (:mod:`openai_chat`), SGLang's ``/generate`` format for exact tokens
+(:mod:`sglang_generate`) and one shard's generation with its checkpoints and done marker (:mod:`shard`).
 
 May import: the shared top level (config, settings, errors, records), :mod:`datagen.engines` and
 :mod:`datagen.output`.
@@ -19,8 +19,8 @@ __all__ = [
     "dispatch_state",
     "dispatch_stats",
     "dispatcher",
-    "generate_api",
+    "openai_chat",
     "retry",
+    "sglang_generate",
     "shard",
-    "wire",
 ]

@@ -16,12 +16,6 @@ import orjson
 
 from datagen.errors import is_transient_http_status
 from datagen.generation.dispatch_state import Final, Job, Outcome, ServerState, Success, Transient
-from datagen.generation.generate_api import (
-    GENERATE_PATH,
-    build_request_payload,
-    generate_field_names,
-    parse_generate_completion,
-)
 from datagen.generation.http import (
     ConnectFailedError,
     ConnectionBrokenError,
@@ -30,13 +24,19 @@ from datagen.generation.http import (
     MalformedResponseError,
     ResponseTimeoutError,
 )
-from datagen.generation.wire import (
+from datagen.generation.openai_chat import (
     CHAT_COMPLETIONS_PATH,
     BadToolArgumentsError,
     UnusableResponseError,
     build_chat_payload,
     excerpt,
     parse_chat_completion,
+)
+from datagen.generation.sglang_generate import (
+    GENERATE_PATH,
+    build_request_payload,
+    generate_field_names,
+    parse_generate_completion,
 )
 from datagen.records import CompletionRecord, FailureRecord, utc_now
 

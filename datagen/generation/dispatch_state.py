@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict
 
 from datagen.generation.http import HttpPool
-from datagen.generation.wire import GenerationRequest
+from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord
 
 GenerationResult = CompletionRecord | FailureRecord

@@ -54,9 +54,9 @@ from datagen.generation.dispatch_state import (
     Success,
 )
 from datagen.generation.dispatch_stats import Counters, snapshot
-from datagen.generation.generate_api import require_prompt_tokens
+from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.retry import GiveUp, RetryPolicy
-from datagen.generation.wire import GenerationRequest
+from datagen.generation.sglang_generate import require_prompt_tokens
 
 logger = logging.getLogger(__name__)
 

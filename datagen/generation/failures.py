@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from datagen.errors import TooManyFailuresError
-from datagen.generation.generate_api import UNRENDERABLE_PROMPT
+from datagen.generation.sglang_generate import UNRENDERABLE_PROMPT
 from datagen.output.store import Store
 from datagen.records import FailureRecord, ShardSummary
 

@@ -62,8 +62,8 @@ from datagen.errors import (
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import is_retryable
-from datagen.generation.generate_api import attach_prompt_tokens, prompt_encoder
-from datagen.generation.wire import GenerationRequest
+from datagen.generation.openai_chat import GenerationRequest
+from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import (

@@ -180,8 +180,8 @@ def _shared_data_loader() -> Any:
     """One botocore data loader for every client this process makes.
 
     Each new botocore session otherwise parses the S3 service model and the endpoint rules (megabytes of JSON)
-    again: ~0.1 s of CPU per client, and a run makes a client per store (a dozen). The loader only caches
-    those read-only files; credentials, region and configuration stay per session, so nothing else is shared.
+    again, for every client a run makes. The loader only caches those read-only files; credentials, region and
+    configuration stay per session, so nothing else is shared.
     """
     from botocore.loaders import create_loader
 

@@ -52,11 +52,9 @@ logger = logging.getLogger(__name__)
 SCAN_DIR_PREFIX = "scan-"
 # A dataset is split over several workers only when each part still has this many bytes of files.
 MIN_PART_BYTES = 4 << 20
-# Local datasets of fewer bytes than this, all together, are scanned in the preparing process. A worker costs
-# 0.4-0.9 CPU-seconds before its first row (interpreter, imports; pyarrow for Parquet) and its events cost a
-# pickle and zlib round trip through its spool, while this process scans 4-9 MB of dataset files per
-# CPU-second. Measured with benchmarks/bench_prepare.py on two cores, workers took 4x as long as one process
-# for 7.5 MB of files and were 1.16x faster for 22 MB: 16 MiB is about where they start to pay.
+# Local datasets of fewer bytes than this, all together, are scanned in the preparing process: a worker's
+# start-up and its spool round trip cost more than they save below it (benchmarks/bench_prepare.py; the
+# figures are in docs/performance.md, "Thresholds in the code").
 MIN_WORKER_BYTES = 16 << 20
 STDERR_TAIL_CHARS = 2000
 

@@ -30,7 +30,7 @@ def test_prefect_yaml_is_accepted_by_prefects_model_and_parameters_are_run_confi
     names = sorted(deployment.name or "" for deployment in model.deployments)
     assert names == ["expand-host", "expand-manual", "expand-nightly"]
     host = next(d for d in model.deployments if d.name == "expand-host")
-    assert host.entrypoint == "flows/host.py:expand_host"
+    assert host.entrypoint == "flows/host_part.py:expand_host"
     for deployment in model.deployments:
         if deployment.name == "expand-host":
             continue

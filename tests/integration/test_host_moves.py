@@ -1,10 +1,10 @@
 """A server a remote host restarted on another port reaches the parent's dispatcher, and only ours gets requests.
 
-The two sides of a multi-host run as `flows/host.py` and `flows/multihost.py` wire them, in one process but with
+The two sides of a multi-host run as `flows/host_part.py` and `flows/multihost.py` wire them, in one process but with
 real parts: the host's :class:`~datagen.host.fleet.Fleet` of launched stand-in servers (real processes on real
-ports) publishing through :class:`~datagen.output.hosts.FleetPublisher` into a real store, and the parent's
+ports) publishing through :class:`~datagen.output.multihost.FleetPublisher` into a real store, and the parent's
 :class:`~datagen.generation.dispatcher.Dispatcher` over them, vouched for and followed by
-:class:`~datagen.generation.hosts.HostWatch` reading that store.
+:class:`~datagen.generation.multihost.HostWatch` reading that store.
 
 Mid-generation one server is SIGKILLed and another program binds its port at once (it answers ``/health`` and
 chat completions for a model of the same name: only the host can tell it is not ours). The host's monitor
@@ -25,11 +25,11 @@ from pathlib import Path
 
 from datagen.config import GenerationConfig
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.hosts import HostVouches, HostWatch
+from datagen.generation.multihost import HostVouches, HostWatch
 from datagen.host.fleet import Fleet
 from datagen.host.ports import port_is_free
-from datagen.output.hosts import FleetPublisher, HostFleet, read_host_fleet, read_host_object
 from datagen.output.layout import RunLayout
+from datagen.output.multihost import FleetPublisher, HostFleet, read_host_fleet, read_host_object
 from datagen.output.store import Store
 from datagen.records import CompletionRecord
 from tests.support.fault_server import FaultServer
@@ -84,7 +84,7 @@ def test_a_server_restarted_on_another_port_of_a_remote_host_gets_the_parents_re
         max_attempts=3, backoff_initial_s=0.01, backoff_max_s=0.05, request_timeout_s=30
     )
     with Fleet(plan, tmp_path / "state", ready_timeout_s=60, stop_grace_s=5) as fleet:
-        # The host part's side (flows/host.py).
+        # The host part's side (flows/host_part.py).
         publisher = FleetPublisher(
             store,
             layout,

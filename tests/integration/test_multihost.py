@@ -403,7 +403,7 @@ def test_a_host_on_an_unknown_work_queue_refuses_the_run_before_any_host_starts(
 
 HOLD_PARENT_LEASE = """
 import sys, time
-from tasks.hosts import hold_parent_lease
+from tasks.multihost import hold_parent_lease
 with hold_parent_lease(sys.argv[1], 60.0):
     print("held", flush=True)
     time.sleep(3600)
@@ -421,7 +421,7 @@ def _kill_a_lease_holder(stack: Stack, run_id: str) -> float:
     )
     from prefect.settings import temporary_settings
 
-    from tasks.hosts import parent_lease_lapsed
+    from tasks.multihost import parent_lease_lapsed
 
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
@@ -434,12 +434,12 @@ def _kill_a_lease_holder(stack: Stack, run_id: str) -> float:
 
 
 def test_a_parent_killed_outright_lets_its_lease_lapse_so_the_hosts_stop_serving(stack: Stack) -> None:
-    # A host part stops serving when parent_lease_lapsed() says so (flows/host.py). Prefect revokes expired
+    # A host part stops serving when parent_lease_lapsed() says so (flows/host_part.py). Prefect revokes expired
     # leases in `prefect server start` (its repossessor, every REPOSSESSOR_LOOP_S here), not in its ephemeral test
     # server.
     from prefect.settings import temporary_settings
 
-    from tasks.hosts import hold_parent_lease, parent_lease_lapsed
+    from tasks.multihost import hold_parent_lease, parent_lease_lapsed
 
     ended = f"ended-parent-{os.getpid()}"
     with temporary_settings(stack.prefect.client_settings()):

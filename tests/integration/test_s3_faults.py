@@ -268,7 +268,8 @@ def test_credentials_and_endpoint_come_from_the_prefect_block_named_in_the_setti
     from prefect.blocks.core import Block
     from pydantic import BaseModel, SecretStr
 
-    from tasks.credentials import load_s3_credentials
+    from datagen.config import RunConfig
+    from tasks.context import open_run_store
 
     class AwsClientParameters(BaseModel):
         endpoint_url: str | None = None
@@ -296,8 +297,17 @@ def test_credentials_and_endpoint_come_from_the_prefect_block_named_in_the_setti
         monkeypatch.setenv("DATAGEN_AWS_CREDENTIALS_BLOCK", block_name)
         get_settings.cache_clear()
         try:
-            installed = load_s3_credentials()
-            Store(f"s3://{bucket}/expansion", credentials=installed).write_text("runs/r/config.json", "{}")
+            # The way the flows open a run's store: every task then writes through it (its run context).
+            config = RunConfig.model_validate(
+                {
+                    "model": {"path": "/models/unused"},
+                    "datasets": [{"name": "d", "format": "metamath", "path": "unused.json"}],
+                    "output": f"s3://{bucket}/expansion",
+                }
+            )
+            store = open_run_store(config)
+            installed = store.credentials
+            store.write_text("runs/r/config.json", "{}")
         finally:
             get_settings.cache_clear()
 

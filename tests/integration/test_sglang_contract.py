@@ -41,14 +41,14 @@ from datagen.engines.sglang_flags import (
     sglang_version,
 )
 from datagen.errors import PlanError
-from datagen.generation.generate_api import build_generate_payload, parse_generate_completion
-from datagen.generation.wire import (
+from datagen.generation.openai_chat import (
     BadToolArgumentsError,
     GenerationRequest,
     PromptTokens,
     build_chat_payload,
     parse_chat_completion,
 )
+from datagen.generation.sglang_generate import build_generate_payload, parse_generate_completion
 from datagen.host.env_report import EnvReport
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan, plan_servers

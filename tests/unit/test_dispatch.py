@@ -14,8 +14,8 @@ from datagen.config import GenerationConfig
 from datagen.generation.dispatch_health import HEALTH_INTERVAL_S
 from datagen.generation.dispatch_state import DispatcherStats, GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.hosts import HostVouches
-from datagen.generation.wire import GenerationRequest
+from datagen.generation.multihost import HostVouches
+from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams
 from tests.support.fault_server import FaultPlan, FaultServer
 

@@ -17,8 +17,8 @@ from datagen.config import GenerationConfig
 from datagen.dataset.tokenizer import load_tokenizer
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.generate_api import PromptEncoder, attach_prompt_tokens
-from datagen.generation.wire import GenerationRequest, PromptTokens
+from datagen.generation.openai_chat import GenerationRequest, PromptTokens
+from datagen.generation.sglang_generate import PromptEncoder, attach_prompt_tokens
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams
 from tests.support.fault_server import FaultServer
 from tests.support.generate_server import GenerateServer

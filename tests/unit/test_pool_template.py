@@ -49,7 +49,7 @@ def test_a_closed_parameter_schema_refuses_a_parameter_the_flow_does_not_have() 
     from prefect.utilities.schema_tools.validation import ValidationError, validate
 
     from flows.expand import expand
-    from flows.host import expand_host
+    from flows.host_part import expand_host
 
     schema = parameter_schema(expand).model_dump_for_openapi()
     assert "additionalProperties" not in schema  # what Prefect's deploy sends: any extra key passes

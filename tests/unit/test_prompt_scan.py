@@ -20,10 +20,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.errors import DatasetError
+from datagen.output.s3_client import S3Credentials
 from datagen.prompts.datasets.sources import PARQUET_BATCH_ROWS, iter_rows
 from datagen.prompts.datasets.tally import SAMPLES_PER_REASON
 from datagen.prompts.parallel import DatasetScans, plan_parts
 from datagen.prompts.scan import (
+    CREDENTIALS_ENV,
     BlockEnd,
     RowRejection,
     ScanEnd,
@@ -220,3 +222,18 @@ def test_a_worker_whose_parent_was_killed_stops_and_ignores_signals_to_its_group
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(parent.pid, signal.SIGKILL)
+
+
+def test_scan_workers_get_the_credentials_in_their_environment_not_on_disk(tmp_path: Path) -> None:
+    secret = "Sup3rSecret/NeverOnDisk"
+    credentials = S3Credentials(access_key_id="AKIATEST", secret_access_key=secret, session_token="token-1")
+    request = ScanRequest(
+        dataset="d", format="sharegpt", path="s3://bucket/d.jsonl", multi_turn="last_turn", seed=1
+    )
+
+    env = DatasetScans([request], tmp_path, 0, credentials=credentials)._worker_env()
+    without = DatasetScans([request], tmp_path, 0)._worker_env()
+
+    assert S3Credentials.model_validate_json(env[CREDENTIALS_ENV]) == credentials
+    assert CREDENTIALS_ENV not in without
+    assert secret not in request.to_json() and secret not in repr(credentials)

@@ -7,8 +7,8 @@ import pytest
 from datagen.config import GenerationConfig
 from datagen.errors import is_transient_http_status
 from datagen.generation.dispatch_state import Job, RequestStream, Transient
+from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.retry import GiveUp, Retry, RetryPolicy
-from datagen.generation.wire import GenerationRequest
 from datagen.output.s3_client import is_transient_status
 from datagen.records import Message, PromptRecord, SamplingParams
 

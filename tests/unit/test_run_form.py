@@ -18,7 +18,7 @@ import yaml
 from prefect.utilities.callables import parameter_schema
 
 from datagen.app.deploy import PREFECT_FILE, _deploy_copy, configs_note, form_schema
-from datagen.app.request import RunRequest, SamplingChoice, config_names
+from datagen.app.run_request import RunRequest, SamplingChoice, config_names
 from flows.expand import _expand, given_run_name
 from tasks.run_names import UI_ADJECTIVES, UI_ANIMAL_MAX_CHARS, UI_ANIMALS
 

@@ -29,7 +29,7 @@ from datagen.errors import ConfigError
 from datagen.output.runs import read_stored_config
 from datagen.output.store import Store
 from flows.expand import expand
-from flows.host import expand_host
+from flows.host_part import expand_host
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO_WORKER = yaml.safe_load((REPO / "configs" / "demo-worker.yaml").read_text())
@@ -179,7 +179,7 @@ def test_protected_prefixes_cannot_be_shrunk_and_output_cannot_reach_the_corpus(
     new = _refused({"config": "demo-worker", "protected_prefixes": [], "output": str(corpus)})
     assert "protected_prefixes: not a run parameter" in new
     # `output` alone is a choice, but only under the config's output roots, never at a protected prefix.
-    from datagen.app.request import RunRequest, resolve_request
+    from datagen.app.run_request import RunRequest, resolve_request
     from flows.expand import box_configs
 
     with pytest.raises(ConfigError, match="output: not under an output root this box allows"):

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from datagen.app.request import (
+from datagen.app.run_request import (
     HostPartRequest,
     HostRequest,
     RunRequest,

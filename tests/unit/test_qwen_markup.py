@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from datagen.generation.markup import (
+from datagen.generation.openai_chat import BadToolArgumentsError
+from datagen.generation.qwen_markup import (
     opens_reasoning,
     split_reasoning,
     split_tool_calls,
     strip_end_of_text,
 )
-from datagen.generation.wire import BadToolArgumentsError
 from datagen.records import FunctionCall, ToolCall
 
 TOOLS = [

@@ -1,8 +1,8 @@
 """The Prefect side of a multi-host run: check the hosts' work queues, start one host part per box, watch them.
 
-Each box runs the `expand-host` deployment (flows/host.py) on its own worker, which polls only that box's work
+Each box runs the `expand-host` deployment (flows/host_part.py) on its own worker, which polls only that box's work
 queue; the parent starts one flow run per host with Prefect's ``run_deployment`` (a subflow run in the UI)
-and never waits on it: the hosts and the parent meet in the run's store (:mod:`datagen.output.hosts`).
+and never waits on it: the hosts and the parent meet in the run's store (:mod:`datagen.output.multihost`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
 
-from datagen.app.request import HostRequest
+from datagen.app.run_request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import DatagenError, PreflightError
 from tasks.runtime import ensure_limit

@@ -12,8 +12,9 @@ import pytest
 from datagen.config import GenerationConfig, RunConfig, parse_run_config
 from datagen.errors import ConfigError, OutputExistsError
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.hosts import HostWatch
-from datagen.output.hosts import (
+from datagen.generation.multihost import HostWatch
+from datagen.output.layout import RunLayout
+from datagen.output.multihost import (
     FleetPublisher,
     HostFleet,
     HostsGo,
@@ -22,7 +23,6 @@ from datagen.output.hosts import (
     wait_for_host_object,
     write_host_object,
 )
-from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from tests.support.fault_server import FaultServer
 from tests.support.prefect_stack import free_port

@@ -4,7 +4,7 @@ The prompt is rendered with the target's chat template here, by the function the
 training row's prompt with (:func:`datagen.dataset.tokenizer.render_prompt`), and sent as ``input_ids`` with
 ``sampling_params``; the answer's ``output_ids`` are kept verbatim with its finish reason and token counts, so
 tokenization uses them without re-tokenizing text (zero drift). Reasoning and tool calls are split from the
-raw text for the record (:mod:`datagen.generation.markup`); ``/generate`` applies no chat template and no
+raw text for the record (:mod:`datagen.generation.qwen_markup`); ``/generate`` applies no chat template and no
 reasoning or tool-call parser.
 
 Prompts are rendered in the shard task's thread before its requests reach the dispatcher
@@ -21,18 +21,18 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, Valid
 
 from datagen.dataset.tokenizer import TokenizerSpec, render_prompt, shared_spec
 from datagen.errors import TokenizeError
-from datagen.generation.markup import (
-    opens_reasoning,
-    split_reasoning,
-    split_tool_calls,
-    strip_end_of_text,
-)
-from datagen.generation.wire import (
+from datagen.generation.openai_chat import (
     GenerationRequest,
     PromptTokens,
     UnusableResponseError,
     excerpt,
     optional_sampling_fields,
+)
+from datagen.generation.qwen_markup import (
+    opens_reasoning,
+    split_reasoning,
+    split_tool_calls,
+    strip_end_of_text,
 )
 from datagen.records import AssistantCompletion, FailureRecord, FinishReason, PromptRecord, TokenUsage
 
@@ -209,7 +209,7 @@ def require_prompt_tokens(requests: Iterable[GenerationRequest]) -> None:
         if request.prompt_tokens is None:
             raise ValueError(
                 f"request {request.key} has no prompt_tokens: in exact-token mode requests are submitted with "
-                "their rendered prompt ids (datagen.generation.generate_api.attach_prompt_tokens)"
+                "their rendered prompt ids (datagen.generation.sglang_generate.attach_prompt_tokens)"
             )
 
 

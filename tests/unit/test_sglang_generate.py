@@ -10,7 +10,13 @@ import pytest
 from datagen.config import SamplingParams
 from datagen.dataset.tokenize import TokenizedRow, tokenize_completion
 from datagen.dataset.tokenizer import load_tokenizer
-from datagen.generation.generate_api import (
+from datagen.generation.openai_chat import (
+    BadToolArgumentsError,
+    GenerationRequest,
+    PromptTokens,
+    UnusableResponseError,
+)
+from datagen.generation.sglang_generate import (
     UNRENDERABLE_PROMPT,
     PromptEncoder,
     attach_prompt_tokens,
@@ -19,12 +25,6 @@ from datagen.generation.generate_api import (
     parse_generate_completion,
     parse_generate_response,
     render_prompt_ids,
-)
-from datagen.generation.wire import (
-    BadToolArgumentsError,
-    GenerationRequest,
-    PromptTokens,
-    UnusableResponseError,
 )
 from datagen.records import (
     AssistantCompletion,

@@ -2,7 +2,7 @@
 
 A multi-host run keeps a single :class:`~datagen.generation.dispatcher.Dispatcher` in the parent flow
 process; each host's servers are added as the host publishes them (``fleet.json``, see
-:mod:`datagen.output.hosts`) and removed when the host is lost. The dispatcher does the rest, as on one box:
+:mod:`datagen.output.multihost`) and removed when the host is lost. The dispatcher does the rest, as on one box:
 continuous admission over all servers, least-outstanding routing, exactly one record per request.
 
 A host is lost when its host flow run ends before the parent released it (crashed, failed, cancelled), or
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from datagen.generation.dispatcher import Dispatcher
-from datagen.output.hosts import HostFleet, read_host_fleet
 from datagen.output.layout import RunLayout
+from datagen.output.multihost import HostFleet, read_host_fleet
 from datagen.output.store import Store
 
 logger = logging.getLogger(__name__)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import posixpath
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 from uuid import UUID
@@ -27,14 +28,18 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from datagen.config import (
     RunConfig,
     Slug,
+    check_run_id_option,
     config_folder,
     is_valid_slug,
+    load_run_config,
     parse_run_config,
     resolve_relative_paths,
 )
+from datagen.engines import exact_tokens_enabled
 from datagen.errors import ConfigError
-from datagen.output.runs import read_stored_config
+from datagen.output.runs import make_run_id, read_stored_config
 from datagen.output.store import Store
+from datagen.prompts.mix import validate_mix
 
 # The folder of a checkout that holds the configs a run may pick by name.
 CONFIGS_FOLDER: Final = "configs"
@@ -410,6 +415,95 @@ def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -
     return _parse_box_config(data, request.config)
 
 
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run's config, resolved once by its entry point, and what the flow body needs beside it.
+
+    Both entry points end here: a deployment's run from its :class:`RunRequest` (:func:`resolve_run`), the
+    box's operator from a whole config (:func:`operator_run`). The flow body never resolves anything again.
+
+    Attributes:
+        config: The run's config; its ``run_id`` is set.
+        hosts: What a multi-host run's host parts are sent (each box resolves the same config by its name);
+            None when the config is no box config by name, so hosts could not resolve it.
+        retry_failed: Send the run's retryable failures again.
+    """
+
+    config: RunConfig
+    hosts: HostRequest | None = None
+    retry_failed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.config.run_id is None:
+            raise ValueError("a resolved run has its run id: fix it with with_run_id first")
+
+    @property
+    def run_id(self) -> str:
+        """The run's id."""
+        assert self.config.run_id is not None
+        return self.config.run_id
+
+
+def with_run_id(config: RunConfig, generated: str | None = None) -> RunConfig:
+    """``config`` with its run id fixed: its own, else ``generated``, else a new one (:func:`make_run_id`)."""
+    if config.run_id is not None:
+        return config
+    return config.model_copy(update={"run_id": generated or make_run_id()})
+
+
+def resolve_run(request: RunRequest, folder: Path, generated_run_id: str) -> ResolvedRun:
+    """A deployment's run: the box config ``request`` names, its choices applied, its run id fixed.
+
+    Args:
+        request: The validated run parameters.
+        folder: The box's configs folder.
+        generated_run_id: The run id when neither the request nor the config gives one (the flow run's own).
+
+    Raises:
+        ConfigError: As :func:`resolve_request`.
+    """
+    config = with_run_id(resolve_request(request, folder), generated_run_id)
+    return ResolvedRun(
+        config=config, hosts=HostRequest.of(request, config), retry_failed=bool(request.retry_failed)
+    )
+
+
+def resolve_config_file(path: Path, *, run_id: str | None = None, output: str | None = None) -> RunConfig:
+    """The box operator's run config (``datagen run --config``): the file, the options on top, its run id fixed.
+
+    Fixed here, before any flow starts, so an interrupted or failed run can say how to resume it.
+
+    Args:
+        path: The config file.
+        run_id: ``--run-id``; a new run id when None and the file sets none.
+        output: ``--output``, replacing the file's output root.
+
+    Raises:
+        ConfigError: A bad ``--run-id``, an invalid file (one line per field), a mix whose caps cannot hold, or
+            exact tokens on an engine without ``/generate``.
+    """
+    check_run_id_option(run_id)
+    config = load_run_config(path, overrides={"run_id": run_id, "output": output})
+    validate_mix(config)
+    exact_tokens_enabled(config)
+    return with_run_id(config)
+
+
+def operator_run(config: RunConfig, config_name: str | None, retry_failed: bool = False) -> ResolvedRun:
+    """The box operator's run of a whole config whose run id is fixed (:func:`resolve_config_file`).
+
+    Args:
+        config: The run's config.
+        config_name: Its name when it is one of the checkout's configs: a multi-host run's hosts resolve it
+            by that name (None: it is not, and a multi-host run is refused).
+        retry_failed: Send the run's retryable failures again.
+    """
+    hosts = None
+    if config_name is not None and config.run_id is not None:
+        hosts = HostRequest(config=config_name, run_id=config.run_id, output=config.output)
+    return ResolvedRun(config=config, hosts=hosts, retry_failed=retry_failed)
+
+
 def box_config_name(path: Path, checkout: Path) -> str | None:
     """The name a run would pick ``path`` by, when it is one of ``checkout``'s configs; else None."""
     folder = configs_folder(checkout).resolve()
@@ -423,13 +517,18 @@ __all__ = [
     "CONFIGS_FOLDER",
     "HostPartRequest",
     "HostRequest",
+    "ResolvedRun",
     "RunRequest",
     "SamplingChoice",
     "box_config_name",
     "check_output_choice",
     "config_names",
     "configs_folder",
+    "operator_run",
     "parse_run_request",
     "read_box_config",
+    "resolve_config_file",
     "resolve_request",
+    "resolve_run",
+    "with_run_id",
 ]

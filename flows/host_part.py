@@ -1,7 +1,7 @@
 """The `expand-host` flow: one box's part of a multi-host run, on that box's own Prefect worker.
 
 The parent `expand` flow starts one run of this flow per host (``run_deployment``, one work queue per box)
-and talks to it through the run's store (:mod:`datagen.output.hosts`)::
+and talks to it through the run's store (:mod:`datagen.output.multihost`)::
 
     host preflight -> preflight.json ... wait for go.json (every host passed)
       -> [host GPU lock] halt-training -> probe-environment -> plan-servers -> start-fleet -> fleet.json
@@ -25,10 +25,11 @@ from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
 import datagen.app.preflight
-from datagen.app.request import HostPartRequest, SamplingChoice, parse_run_request, resolve_request
+from datagen.app.run_request import HostPartRequest, SamplingChoice, parse_run_request, resolve_request
 from datagen.config import RunConfig, is_valid_slug
 from datagen.errors import PreflightError
-from datagen.output.hosts import (
+from datagen.output.layout import RunLayout
+from datagen.output.multihost import (
     FleetPublisher,
     HostFleet,
     HostPreflight,
@@ -37,14 +38,12 @@ from datagen.output.hosts import (
     wait_for_host_object,
     write_host_object,
 )
-from datagen.output.layout import RunLayout
-from datagen.output.runs import open_store
 from datagen.output.store import Store
 from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.cancellation import run_cancellable
-from tasks.credentials import load_s3_credentials
-from tasks.hosts import flow_run_ended, parent_lease_lapsed
+from tasks.context import open_run_store
+from tasks.multihost import flow_run_ended, parent_lease_lapsed
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
 
@@ -137,16 +136,15 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
     logger = get_run_logger()
     assert config.run_id is not None, "the parent resolves the run id before starting host parts"
     local = config.for_host(host)
-    # The Prefect block's S3 credentials (None: the AWS chain): this box meets the parent in the run's store.
-    credentials = load_s3_credentials()
-    store = open_store(config, credentials)
+    # With the Prefect block's S3 credentials (None: the AWS chain): this box meets the parent in the run's store.
+    store = open_run_store(config)
     layout = RunLayout(config.run_id)
     poll_s = config.multi_host.poll_interval_s
     hostname = socket.gethostname()
 
     problems: list[str] = []
     try:
-        datagen.app.preflight.run_host_preflight(local, credentials)
+        datagen.app.preflight.run_host_preflight(local, store.credentials)
     except PreflightError as error:
         problems = error.problems
     write_host_object(

@@ -10,7 +10,7 @@ from datagen.config.base import Slug, StrictModel
 from datagen.config.training import TrainingJobConfig
 from datagen.config.ui_json import UI_MAPPING, UNWRAP_UI_JSON
 
-# The deployment of the host part of a multi-host run (flows/host.py), as deployments/prefect.yaml names it.
+# The deployment of the host part of a multi-host run (flows/host_part.py), as deployments/prefect.yaml names it.
 HOST_DEPLOYMENT: Final = "expand-host/expand-host"
 # Fleet keys a host may not change: the run's engine and served model decide the requests every server gets,
 # and the run's one dispatcher is the router over every host's servers (see docs/architecture.md).
@@ -44,7 +44,7 @@ class MultiHostConfig(StrictModel):
     """How the parent flow drives the hosts of a multi-host run (no effect without `hosts`)."""
 
     deployment: str = Field(
-        default=HOST_DEPLOYMENT, description="`flow/deployment` of the host part (flows/host.py)."
+        default=HOST_DEPLOYMENT, description="`flow/deployment` of the host part (flows/host_part.py)."
     )
     ready_timeout_s: float = Field(
         default=1800.0,

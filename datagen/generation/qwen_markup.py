@@ -16,7 +16,7 @@ import logging
 import re
 from typing import Any, Final
 
-from datagen.generation.wire import BadToolArgumentsError, excerpt
+from datagen.generation.openai_chat import BadToolArgumentsError, excerpt
 from datagen.literals import parse_loose
 from datagen.records import FunctionCall, ToolCall
 
