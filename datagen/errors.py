@@ -305,4 +305,12 @@ class TooManyFailuresError(DatagenError, RuntimeError):
     """More requests failed than ``generation.max_failed_share`` allows (or a whole dataset failed).
 
     Nothing is published; every result stays stored, so the run resumes or retries its failures.
+
+    Attributes:
+        retryable: Failures ``--retry-failed`` would send again: when there are any, the one resume command
+            is the run's with ``--retry-failed`` (a plain resume would end the same way).
     """
+
+    def __init__(self, message: str, *, retryable: int = 0, **context: Any) -> None:
+        super().__init__(message, retryable=retryable, **context)
+        self.retryable = retryable

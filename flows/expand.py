@@ -91,6 +91,7 @@ from tasks.run import (
 )
 from tasks.run_names import is_generated_run_name
 from tasks.runtime import (
+    DeploymentResume,
     explain_failure,
     forward_thread_logs,
     hand_back_if_gpus_free,
@@ -623,17 +624,20 @@ def _expand(
         "retry_failed": retry_failed,
     }
 
+    resume = DeploymentResume()
+
     def body() -> RunSummary:
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), RunRequest)
         run = resolve_run(request, box_configs(), _generated_run_id())
+        resume.config, resume.run_id = request.config, run.run_id
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
         with contextlib.ExitStack() as gpu_lock:
             summary = _run(run, flow_run_id, gpu_lock)
         return _completed(summary)
 
-    with forward_thread_logs(flow_run_id), explain_failure():
+    with forward_thread_logs(flow_run_id), explain_failure(resume):
         return cast(RunSummary, run_cancellable(body))
 
 
@@ -806,8 +810,8 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
         raise unfixable[0]  # its own line names the fault and where; the terminal adds the resume command
     if errors:
         raise ShardsFailedError(
-            f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored. "
-            f"Run again with run_id={run.run_id} to resume: finished requests are not generated again.",
+            f"{len(errors)} shard(s) failed (first: {errors[0]!r}); everything else is stored and a resume "
+            "does not generate finished requests again",
             run_id=run.run_id,
             failed_shards=len(errors),
         ) from errors[0]

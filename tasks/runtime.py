@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,7 +20,12 @@ from prefect.runtime import flow_run as runtime_flow_run
 from datagen.app.codeversion import check_code_version
 from datagen.app.deploy import pool_template, refused_job_variables
 from datagen.app.terminal import REFUSALS, RUN_FAILED_LOG_PREFIX
-from datagen.errors import DatagenError, JobVariablesError, TrainingEnvironmentChangedError
+from datagen.errors import (
+    DatagenError,
+    JobVariablesError,
+    TooManyFailuresError,
+    TrainingEnvironmentChangedError,
+)
 from datagen.host.gpu_lock import (
     GpuLockHolder,
     HostGpuLock,
@@ -226,21 +231,49 @@ def refusal_tracebacks_at_debug() -> None:
             logger.addFilter(_RefusalTracebacksAtDebug(logger))
 
 
+class DeploymentResume:
+    """How a deployed run that failed resumes: the same deployment with its config and run id.
+
+    The flow fills in ``config`` and ``run_id`` once the run's parameters are resolved; before that (a refused
+    request) there is nothing to resume. The terminal says the same for ``datagen run`` in its own words.
+    """
+
+    def __init__(self) -> None:
+        self.config: str | None = None
+        self.run_id: str | None = None
+
+    def __call__(self, error: Exception) -> str | None:
+        """The one resume instruction after ``error``; None for a refusal or before the run id is known."""
+        if self.config is None or self.run_id is None or isinstance(error, REFUSALS):
+            return None
+        retry = isinstance(error, TooManyFailuresError) and error.retryable
+        return f"run the deployment again with config={self.config} run_id={self.run_id}" + (
+            " retry_failed=true" if retry else ""
+        )
+
+
 @contextlib.contextmanager
-def explain_failure() -> Iterator[None]:
-    """Log why the run failed, and get that line to the API before the run turns Failed.
+def explain_failure(resume: Callable[[Exception], str | None] | None = None) -> Iterator[None]:
+    """Log why the run failed, and how to resume it, and get that line to the API before the run turns Failed.
 
     ``prefect deployment run --watch`` prints the run's logs only until a few seconds after its final state,
     and Prefect ships logs in batches: without the flush the reason can arrive after the watch has stopped.
     A refusal's reason is that one line: Prefect's tracebacks of it are logged at DEBUG only
     (:func:`refusal_tracebacks_at_debug`).
+
+    Args:
+        resume: The resume instruction for an error (:class:`DeploymentResume`); None where another part
+            says it (``datagen run``'s terminal line).
     """
     refusal_tracebacks_at_debug()
     try:
         yield
     except Exception as error:
         kind = "" if isinstance(error, DatagenError) else f"{type(error).__name__}: "
-        get_run_logger().error("%s%s%s", RUN_FAILED_LOG_PREFIX, kind, error)
+        hint = resume(error) if resume is not None else None
+        get_run_logger().error(
+            "%s%s%s%s", RUN_FAILED_LOG_PREFIX, kind, error, f"; resume: {hint}" if hint else ""
+        )
         with contextlib.suppress(Exception):
             APILogHandler().flush()
         raise

@@ -17,7 +17,7 @@ import typer
 
 # Exit codes of every command come from one table (2: bad input, nothing started; 1: failed).
 from datagen.app.terminal import EXIT_REFUSED as EXIT_CONFIG_ERROR
-from datagen.app.terminal import EXIT_RUN_FAILED
+from datagen.app.terminal import EXIT_RUN_FAILED, RETRY_FAILED_FLAG
 
 if TYPE_CHECKING:
     from datagen.app.terminal import StartFlow
@@ -62,7 +62,7 @@ def run(
     retry_failed: Annotated[
         bool,
         typer.Option(
-            "--retry-failed",
+            RETRY_FAILED_FLAG,
             help="With --run-id of a run that ended: send again its failed requests whose reason was not the "
             "prompt's own (server errors, resets, timeouts, a wrong model or server).",
         ),
@@ -104,7 +104,7 @@ def run(
     # A config of the checkout's configs/ is passed with its name: a multi-host run's hosts resolve it by it.
     name = box_config_name(config, default_checkout())
     if retry_failed:
-        resume += " --retry-failed"
+        resume += f" {RETRY_FAILED_FLAG}"
     code, summary = run_in_terminal(
         lambda: start_flow(resolved, name, retry_failed),
         run_id=resolved.run_id,

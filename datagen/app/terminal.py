@@ -39,6 +39,7 @@ from datagen.errors import (
     PreflightError,
     RunCancelled,
     RunInterrupted,
+    TooManyFailuresError,
     TrainingEnvironmentChangedError,
 )
 
@@ -57,6 +58,8 @@ file in between. The core never imports Prefect, and ``datagen --help`` stays fa
 
 # The errors that refuse a run before anything was halted or started (exit 2): their message is the whole story.
 REFUSALS: tuple[type[DatagenError], ...] = (PreflightError, ConfigError)
+# `datagen run`'s option that sends a run's retryable failures again.
+RETRY_FAILED_FLAG = "--retry-failed"
 
 EXIT_DONE = 0
 EXIT_RUN_FAILED = 1
@@ -192,6 +195,21 @@ def _echo_error(message: str) -> None:
     print(message, file=sys.stderr)
 
 
+def resume_for(error: BaseException, resume_command: str) -> str:
+    """The one command that resumes after ``error``: with ``--retry-failed`` when only that gets further.
+
+    A run ended by its failed share (:class:`TooManyFailuresError`) whose failures are worth sending again
+    would end the same way on a plain resume: its failures are final until they are sent again on purpose.
+    """
+    if (
+        isinstance(error, TooManyFailuresError)
+        and error.retryable
+        and RETRY_FAILED_FLAG not in resume_command
+    ):
+        return f"{resume_command} {RETRY_FAILED_FLAG}"
+    return resume_command
+
+
 def run_in_terminal(
     load_run: Callable[[], Callable[[], T]],
     *,
@@ -240,7 +258,8 @@ def run_in_terminal(
         except DatagenError as error:
             _FILE_ONLY.error("run failed", exc_info=True)
             _echo_error(
-                f"datagen: run {run_id} failed: {error}; resume with: {resume_command} (full log: {log_path})"
+                f"datagen: run {run_id} failed: {error}; resume with: {resume_for(error, resume_command)} "
+                f"(full log: {log_path})"
             )
             return EXIT_RUN_FAILED, None
         except Exception as error:

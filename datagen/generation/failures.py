@@ -102,8 +102,8 @@ def check_failed_share(store: Store, summaries: Sequence[ShardSummary], max_fail
     )
     again = retryable_failures(store, summaries)
     fix = (
-        "Fix the servers or the model they serve, then run again with the same run id and retry_failed "
-        f"(`datagen run ... --retry-failed`) to send the {again} failed requests worth sending again"
+        f"Fix the servers or the model they serve, then send the {again} failed requests worth sending "
+        "again with --retry-failed (a deployment's retry_failed)"
         if again
         else "None of them is worth sending again (their reasons are the prompts' own): read the failures "
         "files of the run and fix the prompts or the sampling in a new run"
@@ -112,6 +112,7 @@ def check_failed_share(store: Store, summaries: Sequence[ShardSummary], max_fail
         f"{why}; most: {error_type} x{count}"
         + (f" ({example})" if example else "")
         + f". No dataset version was published; every result is stored. {fix}",
+        retryable=again,
         failures=failures,
         requests=requests,
         error_type=error_type,

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from datagen.errors import TooManyFailuresError
+from datagen.errors import PreflightError, ShardsFailedError, TooManyFailuresError
 from datagen.generation.failures import check_failed_share, is_retryable
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import FailureRecord, ShardSummary
+from tasks.runtime import DeploymentResume
 
 LAYOUT = RunLayout("failures")
 
@@ -82,6 +83,7 @@ def test_a_run_within_the_failed_share_publishes_one_past_it_fails_naming_the_do
     assert message.startswith("4 of 200 requests failed (2.0% > generation.max_failed_share 1.0%)")
     assert "most: http_400 x3 (HTTP 400: Server is pinned to 'other')" in message
     assert "--retry-failed" in message and "the 4 failed requests" in message
+    assert refused.value.retryable == 4
 
 
 def test_a_dataset_without_one_answer_fails_the_run_whatever_the_share(tmp_path: Path) -> None:
@@ -96,3 +98,19 @@ def test_a_dataset_without_one_answer_fails_the_run_whatever_the_share(tmp_path:
         check_failed_share(store, shards, 0.01)
     assert str(refused.value).startswith("every request of dataset(s) tiny failed")
     assert "None of them is worth sending again" in str(refused.value)
+
+
+def test_a_failed_deployed_run_names_its_one_resume_once_its_run_id_is_known() -> None:
+    resume = DeploymentResume()
+    assert (
+        resume(ShardsFailedError("2 shard(s) failed", run_id="r-1", failed_shards=2)) is None
+    )  # not resolved
+    resume.config, resume.run_id = "nightly", "r-1"
+    assert resume(ShardsFailedError("2 shard(s) failed", run_id="r-1", failed_shards=2)) == (
+        "run the deployment again with config=nightly run_id=r-1"
+    )
+    assert resume(TooManyFailuresError("12 of 12 failed", retryable=12)) == (
+        "run the deployment again with config=nightly run_id=r-1 retry_failed=true"
+    )
+    assert resume(TooManyFailuresError("every request of tiny failed", retryable=0)).endswith("run_id=r-1")
+    assert resume(PreflightError(["dataset 'junk' yields 0 prompt(s)"])) is None  # a refusal resumes nothing

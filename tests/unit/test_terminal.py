@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from datagen.app.terminal import EXIT_REFUSED, EXIT_RUN_FAILED, run_in_terminal, terminal_logging
-from datagen.errors import DatagenError, PreflightError
+from datagen.errors import DatagenError, PreflightError, TooManyFailuresError
 
 RESUME = "datagen run --config run.yaml --run-id r-1"
 # A signalled run must stop at once; a generous bound for a loaded 2-core box.
@@ -53,6 +53,20 @@ def test_a_failed_run_exits_1_saying_how_to_resume_and_where_the_traceback_is(
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert "run r-1 failed: 3 shard(s) failed" in line and RESUME in line and "r-1.log" in line
     assert "Traceback" in (tmp_path / "logs" / "r-1.log").read_text()
+
+
+@pytest.mark.parametrize(("retryable", "resume"), [(12, f"{RESUME} --retry-failed"), (0, RESUME)])
+def test_a_run_ended_by_its_failures_names_the_one_resume_that_gets_further(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], retryable: int, resume: str
+) -> None:
+    def fail() -> None:
+        raise TooManyFailuresError("12 of 12 requests failed", retryable=retryable)
+
+    assert _run(tmp_path, fail) == (EXIT_RUN_FAILED, None)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    # A plain resume of a run whose failures are worth sending again would end the same way.
+    assert f"resume with: {resume} (full log:" in line, line
+    assert line.count("resume with") == 1 and line.count("--retry-failed") == (1 if retryable else 0), line
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
