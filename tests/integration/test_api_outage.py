@@ -14,7 +14,6 @@ measured), and the run still ends Completed, every request answered exactly once
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -22,10 +21,9 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_db import seed_prefect_home
+from tests.support.run_configs import external_run_config, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 SHARD_SIZE = 10
@@ -64,44 +62,24 @@ def _answered_between(server: FaultServer, start: float, end: float) -> int:
 def test_generation_goes_on_at_full_speed_while_the_prefect_api_is_frozen(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"messages": [{"role": "user", "content": f"Outage question {i:04d}?"}]}) + "\n"
-            for i in range(PROMPTS)
-        )
-    )
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Outage question")
     with FaultServer(FaultPlan(base_delay_s=ANSWER_S)) as server:
-        config = tmp_path / "run.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "model": {"path": str(tiny_model_dir)},
-                    "fleet": {
-                        "engine": "external",
-                        "external_urls": [server.url],
-                        "max_inflight_per_server": IN_FLIGHT,
-                    },
-                    "sampling": {"temperature": 0.7, "max_tokens": 8},
-                    "datasets": [
-                        {
-                            "name": "outage",
-                            "format": "openai_messages",
-                            "path": str(prompts),
-                            "shard_size": SHARD_SIZE,
-                        }
-                    ],
-                    "output": str(tmp_path / "out"),
-                    "protected_prefixes": [str(tmp_path / "train")],
-                    # Few shards at once: new ones must keep starting for the fleet to stay busy.
-                    "generation": {
-                        "checkpoint_interval_s": 0.5,
-                        "backoff_initial_s": 0.05,
-                        "max_concurrent_shards": RUNNING_SHARDS,
-                    },
-                    "training": {"kind": "none"},
-                }
-            )
+        config = external_run_config(
+            tmp_path / "run.yaml",
+            server_url=server.url,
+            model_dir=tiny_model_dir,
+            prompts=prompts,
+            dataset="outage",
+            shard_size=SHARD_SIZE,
+            in_flight=IN_FLIGHT,
+            output=str(tmp_path / "out"),
+            protected=str(tmp_path / "train"),
+            # Few shards at once: new ones must keep starting for the fleet to stay busy.
+            generation={
+                "checkpoint_interval_s": 0.5,
+                "backoff_initial_s": 0.05,
+                "max_concurrent_shards": RUNNING_SHARDS,
+            },
         )
         env = {
             **os.environ,

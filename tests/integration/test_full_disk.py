@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_db import seed_prefect_home
+from tests.support.run_configs import external_run_config, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 200
@@ -70,47 +70,27 @@ def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_th
 ) -> None:
     if not _namespaces_allowed():
         pytest.skip("unprivileged user and mount namespaces are not allowed here (unshare -Urm)")
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"messages": [{"role": "user", "content": f"Disk question {i:03d}?"}]}) + "\n"
-            for i in range(PROMPTS)
-        )
-    )
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Disk question")
     out, logs = tmp_path / "out", tmp_path / "logs"
     out.mkdir()
     logs.mkdir()
     with FaultServer(FaultPlan(base_delay_s=0.1)) as server:
-        config = tmp_path / "run.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "model": {"path": str(tiny_model_dir)},
-                    "fleet": {
-                        "engine": "external",
-                        "external_urls": [server.url],
-                        "max_inflight_per_server": IN_FLIGHT,
-                    },
-                    "sampling": {"temperature": 0.7, "max_tokens": 8},
-                    "datasets": [
-                        {
-                            "name": "disk",
-                            "format": "openai_messages",
-                            "path": str(prompts),
-                            "shard_size": SHARD_SIZE,
-                        }
-                    ],
-                    "output": str(out),
-                    "protected_prefixes": [str(tmp_path / "train")],
-                    "generation": {
-                        "checkpoint_every": CHECKPOINT_EVERY,
-                        "checkpoint_interval_s": 0.2,
-                        "backoff_initial_s": 0.05,
-                        "max_concurrent_shards": RUNNING_SHARDS,
-                    },
-                    "training": {"kind": "none"},
-                }
-            )
+        config = external_run_config(
+            tmp_path / "run.yaml",
+            server_url=server.url,
+            model_dir=tiny_model_dir,
+            prompts=prompts,
+            dataset="disk",
+            shard_size=SHARD_SIZE,
+            in_flight=IN_FLIGHT,
+            output=str(out),
+            protected=str(tmp_path / "train"),
+            generation={
+                "checkpoint_every": CHECKPOINT_EVERY,
+                "checkpoint_interval_s": 0.2,
+                "backoff_initial_s": 0.05,
+                "max_concurrent_shards": RUNNING_SHARDS,
+            },
         )
         env = {
             **os.environ,

@@ -16,9 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import yaml
-
 from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.run_configs import external_run_config, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 12
@@ -26,26 +25,18 @@ CLI_TIMEOUT_S = 300
 
 
 def _config(tmp_path: Path, url: str, model_dir: Path) -> Path:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"messages": [{"role": "user", "content": f"Honest question {index:03d}?"}]}) + "\n"
-            for index in range(PROMPTS)
-        )
+    return external_run_config(
+        tmp_path / "run.yaml",
+        server_url=url,
+        model_dir=model_dir,
+        prompts=write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Honest question"),
+        dataset="honest",
+        shard_size=6,
+        in_flight=4,
+        output=str(tmp_path / "out"),
+        protected=str(tmp_path / "train"),
+        generation={"checkpoint_interval_s": 0.2, "backoff_initial_s": 0.05},
     )
-    config = {
-        "model": {"path": str(model_dir)},
-        "fleet": {"engine": "external", "external_urls": [url], "max_inflight_per_server": 4},
-        "sampling": {"temperature": 0.7, "max_tokens": 8},
-        "datasets": [{"name": "honest", "format": "openai_messages", "path": str(prompts), "shard_size": 6}],
-        "output": str(tmp_path / "out"),
-        "protected_prefixes": [str(tmp_path / "train")],
-        "generation": {"checkpoint_interval_s": 0.2, "backoff_initial_s": 0.05},
-        "training": {"kind": "none"},
-    }
-    path = tmp_path / "run.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
 
 
 def _run(config: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:

@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from datagen.output.s3_client import make_s3_client
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_db import seed_prefect_home
+from tests.support.run_configs import external_run_config, write_prompts
 from tests.support.tcp_outage import TcpOutage
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,44 +77,24 @@ def test_a_90_s_s3_outage_mid_run_is_ridden_out_and_costs_at_most_what_was_in_fl
     client = make_s3_client(endpoint_url=s3_endpoint, region="us-east-1")
     client.create_bucket(Bucket=bucket)
     client.put_object(Bucket=bucket, Key="train/existing.jsonl", Body=b'{"kept": true}\n')
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text(
-        "".join(
-            json.dumps({"messages": [{"role": "user", "content": f"S3 outage question {i:03d}?"}]}) + "\n"
-            for i in range(PROMPTS)
-        )
-    )
+    prompts = write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "S3 outage question")
     with TcpOutage(s3_endpoint) as relay, FaultServer(FaultPlan(base_delay_s=0.05)) as server:
-        config = tmp_path / "run.yaml"
-        config.write_text(
-            yaml.safe_dump(
-                {
-                    "model": {"path": str(tiny_model_dir)},
-                    "fleet": {
-                        "engine": "external",
-                        "external_urls": [server.url],
-                        "max_inflight_per_server": IN_FLIGHT,
-                    },
-                    "sampling": {"temperature": 0.7, "max_tokens": 8},
-                    "datasets": [
-                        {
-                            "name": "outage",
-                            "format": "openai_messages",
-                            "path": str(prompts),
-                            "shard_size": SHARD_SIZE,
-                        }
-                    ],
-                    "output": f"s3://{bucket}/out",
-                    "protected_prefixes": [f"s3://{bucket}/train"],
-                    "generation": {
-                        "checkpoint_every": CHECKPOINT_EVERY,
-                        "checkpoint_interval_s": 0.2,
-                        "backoff_initial_s": 0.05,
-                        "max_concurrent_shards": RUNNING_SHARDS,
-                    },
-                    "training": {"kind": "none"},
-                }
-            )
+        config = external_run_config(
+            tmp_path / "run.yaml",
+            server_url=server.url,
+            model_dir=tiny_model_dir,
+            prompts=prompts,
+            dataset="outage",
+            shard_size=SHARD_SIZE,
+            in_flight=IN_FLIGHT,
+            output=f"s3://{bucket}/out",
+            protected=f"s3://{bucket}/train",
+            generation={
+                "checkpoint_every": CHECKPOINT_EVERY,
+                "checkpoint_interval_s": 0.2,
+                "backoff_initial_s": 0.05,
+                "max_concurrent_shards": RUNNING_SHARDS,
+            },
         )
         env = {
             **os.environ,
