@@ -160,12 +160,24 @@ class TrainingHaltError(DatagenError, RuntimeError):
     """The training job could not be stopped as configured."""
 
 
-class TrainingEnvironmentChangedError(DatagenError, RuntimeError):
+class TrainingNotRestartedError(DatagenError, RuntimeError):
+    """The run's data is complete, but training was not restarted (the halt record is kept for a later run)."""
+
+
+class TrainingEnvironmentChangedError(TrainingNotRestartedError):
     """Training was not restarted: its environment changed since the halt (the halt record is kept)."""
 
     def __init__(self, message: str, *, changes: list[str]) -> None:
         super().__init__(message)
         self.changes = changes
+
+
+class TrainingStillRunningError(TrainingNotRestartedError):
+    """Training was not restarted: a process of the halted job, or the job itself, still runs."""
+
+    def __init__(self, message: str, *, pids: list[int]) -> None:
+        super().__init__(message)
+        self.pids = pids
 
 
 class ProbeError(DatagenError, RuntimeError):

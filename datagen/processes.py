@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import suppress
 from pathlib import Path
 
@@ -119,17 +119,24 @@ def group_members(pgid: int) -> Iterator[int]:
 
 def descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (workers of a launcher such as torchrun), sorted."""
+    return descendants_of([pid])
+
+
+def descendants_of(pids: Iterable[int]) -> list[int]:
+    """Every live descendant of any of ``pids``, sorted (one pass over ``/proc``)."""
     children: dict[int, list[int]] = {}
     for child in _pids():
         fields = _stat_fields(child)
         if fields is not None:
             children.setdefault(int(fields[_PARENT]), []).append(child)
-    found: list[int] = []
-    stack = [pid]
+    roots = set(pids)
+    found: set[int] = set()
+    stack = list(roots)
     while stack:
         for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
+            if child not in found and child not in roots:
+                found.add(child)
+                stack.append(child)
     return sorted(found)
 
 

@@ -54,7 +54,7 @@ from datagen.errors import (
     ConfigError,
     RunCancelled,
     ShardsFailedError,
-    TrainingEnvironmentChangedError,
+    TrainingNotRestartedError,
     UnfixableStorageError,
 )
 from datagen.generation.dispatch_state import DispatcherStats
@@ -197,6 +197,7 @@ def _summary_from_report(report: RunReport, store: Store, layout: RunLayout, com
         manifest_url=store.url(layout.manifest),
         dataset_version_url=report.tokenize.get("dataset_version_url"),
         training=report.training,
+        training_job=report.training_job,
     )
 
 
@@ -752,7 +753,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
         taken = [future.result() for future in prepared_futures]
         write_ledger(context, series_entry, taken)
 
-    held_back: list[TrainingEnvironmentChangedError] = []
+    held_back: list[TrainingNotRestartedError] = []
     done = run.resumed and _all_shards_done(store, layout, [future.result() for future in prepared_futures])
     if done:
         prepared = [future.result() for future in prepared_futures]

@@ -16,7 +16,7 @@ from prefect import get_run_logger
 from pydantic import BaseModel
 
 from datagen.config import RunConfig
-from datagen.errors import TrainingEnvironmentChangedError
+from datagen.errors import TrainingNotRestartedError
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan
 from datagen.settings import get_settings, server_api_key
@@ -43,14 +43,14 @@ def fleet_state_dir(flow_run_id: str) -> Path:
 class Serving:
     """The box's servers, up: their plan, their owner, and the URLs requests go to.
 
-    ``held_back`` is filled on the way out when training was not restarted because its environment changed
-    since the halt: the caller finishes the run (merge, report) and then raises it.
+    ``held_back`` is filled on the way out when training was not restarted (its environment changed since the
+    halt, or its job still runs): the caller finishes the run (merge, report) and then raises it.
     """
 
     plan: ServerPlan
     fleet: Fleet
     urls: list[str]
-    held_back: list[TrainingEnvironmentChangedError] = field(default_factory=list)
+    held_back: list[TrainingNotRestartedError] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -107,7 +107,7 @@ def serve_on_this_box(
         # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
         try:
             restarted = hand_back_gpus(gpus.halt_record)
-        except TrainingEnvironmentChangedError as held_back:
+        except TrainingNotRestartedError as held_back:
             # The data is not at stake: the run finishes, then ends with this (the halt record stays).
             logger.error("%s", held_back)
             restarted = None

@@ -95,6 +95,7 @@ def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | 
             adopted.training,
             flow_runs=flow_runs,
             signalled_before_s=signal_time_s if signal_time_s is not None else 0.0,
+            earlier_target=adopted.target(),
         )
     else:
         halted = HaltedTraining(training=training, run_id=run_id)
@@ -105,11 +106,15 @@ def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | 
         def recording_signal(target: JobTarget) -> Iterator[None]:
             nonlocal halted
             before = halted
-            environment = (
-                datagen.host.trainer_env.read_process_environment(target.pids[0]) if target.pids else None
-            )
+            # Every Python process of the job: a launcher (a shell) may be none, its workers are the trainer.
+            environments = datagen.host.trainer_env.read_job_environments(target.pids)
             halted = halted.model_copy(
-                update={"pids": target.pids, "signalling_at_s": time.time(), "environment": environment}
+                update={
+                    "pids": target.pids,
+                    "start_ticks": target.start_ticks,
+                    "signalling_at_s": time.time(),
+                    "environments": environments,
+                }
             )
             record_halt(halt_record, halted)
             try:
@@ -127,6 +132,11 @@ def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | 
             training, flow_runs=flow_runs, recording_signal=recording_signal
         )
     record_halt(halt_record, halted.model_copy(update={"done": True}))
+    if record.stopped and training.restart_after_run and not halted.environments:
+        record.notes.append(
+            f"no Python process of the job could be read (pids {record.pids}): its environment is not recorded, "
+            "so the restart after the run is not checked against it"
+        )
     if record.already_gone and record.kind != "none" and adopted is None:
         logger.warning(
             "training was not running: nothing halted kind=%s target=%s (if training holds the GPUs, fix "

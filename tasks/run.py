@@ -18,6 +18,7 @@ from datagen.app.preflight import Check, PreflightReport
 from datagen.config import RunConfig
 from datagen.dataset.report import RunReport
 from datagen.errors import OutputExistsError
+from datagen.host.training import HaltRecord, RestartRecord
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import RunManifest
 from datagen.output.runs import RunHandle
@@ -68,11 +69,28 @@ def open_run(config: RunConfig, store: Store) -> RunHandle:
     return run
 
 
+# The attempt records of the training job's halt and restart (written by flows/serving.py through
+# write_attempt_record).
+TRAINING_RECORD = "training.json"
+TRAINING_RESTART_RECORD = "training-restart.json"
+
+
 @task(name="write-attempt-record", task_run_name="record-{name}", cache_policy=NO_CACHE)
 def write_attempt_record(context: RunContext, name: str, value: Any) -> str:
     """Store one record of this flow attempt (training, env, plan) under attempts/<attempt_id>/."""
     key = context.layout.attempt_object(context.attempt_id, f"{name}.json")
     return context.store.write_json(key, value).url
+
+
+def _training_notes_over_attempts(store: Store, layout: RunLayout) -> list[str]:
+    """The notes of every attempt's halt (``training.json``) and restart (``training-restart.json``), once each."""
+    notes: list[str] = []
+    for key in store.list(layout.attempts_prefix):
+        if key.endswith(f"/{TRAINING_RECORD}"):
+            notes += HaltRecord.model_validate(store.read_json(key)).notes
+        elif key.endswith(f"/{TRAINING_RESTART_RECORD}"):
+            notes += RestartRecord.model_validate(store.read_json(key)).notes
+    return list(dict.fromkeys(notes))
 
 
 @task(name="report", task_run_name="report-{context.run_id}", cache_policy=NO_CACHE)
@@ -92,6 +110,7 @@ def write_report(
     # come from all of them.
     wall_s, attempts = datagen.dataset.report.generation_time_over_attempts(store, layout)
     hosts, lost_hosts = datagen.dataset.report.hosts_over_attempts(store, layout)
+    training_job = _training_notes_over_attempts(store, layout)
     report = datagen.dataset.report.build_report(
         run_id=run.run_id,
         config=config,
@@ -105,6 +124,7 @@ def write_report(
         mix_by_category=datagen.prompts.mix.mix_table(config, prepared, rows_by_dataset),
         hosts=hosts,
         lost_hosts=lost_hosts,
+        training_job=training_job,
     )
     try:
         store.write_json(layout.report_json, report)

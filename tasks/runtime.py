@@ -24,7 +24,7 @@ from datagen.errors import (
     DatagenError,
     JobVariablesError,
     TooManyFailuresError,
-    TrainingEnvironmentChangedError,
+    TrainingNotRestartedError,
 )
 from datagen.host.gpu_lock import (
     GpuLockHolder,
@@ -149,7 +149,7 @@ def hand_back_if_gpus_free() -> RestartRecord | None:
         return None
     try:
         return hand_back_gpus(halt_record_path(path))
-    except TrainingEnvironmentChangedError as held_back:
+    except TrainingNotRestartedError as held_back:
         logging.getLogger(__name__).error("%s", held_back)
         return None
     finally:

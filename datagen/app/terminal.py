@@ -7,7 +7,8 @@ The exit codes (README and docs/operations.md list them too):
 1     the run failed after it started, or was cancelled through the Prefect API; everything finished is stored,
       rerun with ``--run-id``
 2     bad configuration or a preflight refusal: nothing was halted or started
-3     the run is complete, but training was not restarted: its environment changed since the halt
+3     the run is complete, but training was not restarted: its environment changed since the halt, or its
+      job still runs
 130   interrupted by SIGINT (Ctrl-C); servers stopped, resumable with ``--run-id``
 143   interrupted by SIGTERM; servers stopped, resumable with ``--run-id``
 ====  =========================================================================================
@@ -40,7 +41,7 @@ from datagen.errors import (
     RunCancelled,
     RunInterrupted,
     TooManyFailuresError,
-    TrainingEnvironmentChangedError,
+    TrainingNotRestartedError,
 )
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ def run_in_terminal(
                 f"so far is stored. Resume with: {resume_command}"
             )
             return EXIT_RUN_FAILED, None
-        except TrainingEnvironmentChangedError as held_back:
+        except TrainingNotRestartedError as held_back:
             logging.getLogger(__name__).info("training held back", exc_info=True)
             _echo_error(f"datagen: run {run_id} is complete and stored, but {held_back}")
             return EXIT_TRAINING_HELD_BACK, None
@@ -323,4 +324,6 @@ def print_summary(summary: RunSummary) -> None:
     ]
     if summary.training:
         lines += ["  to train on it:", *[f"    {line}" for line in summary.training]]
+    # Last, where the eye lands: what the halt or the restart of training could not do or check.
+    lines += [f"  training job  {note}" for note in summary.training_job]
     typer.echo("\n".join(lines))

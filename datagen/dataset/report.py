@@ -123,6 +123,10 @@ class RunReport(BaseModel):
         default_factory=list,
         description="The commands that train SpecForge and speculators on this run's dataset version.",
     )
+    training_job: list[str] = Field(
+        default_factory=list,
+        description="What the halts and restarts of the training job could not do or check, over every attempt.",
+    )
 
     def table_rows(self) -> list[dict[str, Any]]:
         """One flat row per dataset plus a total row, for a table artifact."""
@@ -193,6 +197,9 @@ class RunReport(BaseModel):
         if dropped:
             lines += ["", "## Completions not tokenized, by reason", ""]
             lines += [f"- {reason}: {count}" for reason, count in sorted(dropped.items())]
+        if self.training_job:
+            lines += ["", "## Training job", ""]
+            lines += [f"- {note}" for note in self.training_job]
         if self.training:
             block = [wrapped for line in self.training for wrapped in command_block_lines(line)]
             lines += ["", "## Training on this version", "", "```bash", *block, "```"]
@@ -252,6 +259,7 @@ def build_report(
     generation_attempts: int = 1,
     hosts: Sequence[str] = (),
     lost_hosts: Mapping[str, str] | None = None,
+    training_job: Sequence[str] = (),
 ) -> RunReport:
     """Assemble the report from the stages' summaries.
 
@@ -270,6 +278,7 @@ def build_report(
             prompts stage, the report only shows it.
         hosts: Multi-host runs: the hosts that served (any attempt).
         lost_hosts: Multi-host runs: hosts lost mid-run -> why.
+        training_job: What the training job's halts and restarts could not do or check (their notes).
     """
     by_name = {
         dataset.name: DatasetReport(dataset=dataset.name, category=dataset.category)
@@ -322,6 +331,7 @@ def build_report(
         hosts=list(hosts),
         lost_hosts=dict(lost_hosts or {}),
         training=training,
+        training_job=list(training_job),
     )
 
 
@@ -400,6 +410,9 @@ class RunSummary(BaseModel):
     dataset_version_url: str | None = None
     training: list[str] = Field(
         default_factory=list, description="The trainers' commands on the dataset version (from the report)."
+    )
+    training_job: list[str] = Field(
+        default_factory=list, description="What the halt and restart of training could not do or check."
     )
 
     def locations(self) -> RunLocations:

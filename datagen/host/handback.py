@@ -26,15 +26,17 @@ import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from datagen.config import TrainingJobConfig
-from datagen.errors import TrainingEnvironmentChangedError
+from datagen.errors import TrainingEnvironmentChangedError, TrainingHaltError, TrainingStillRunningError
 from datagen.host.gpu_lock import SHARED_FILE_MODE
 from datagen.host.trainer_env import TrainerEnvironment, environment_changes, read_environment
 from datagen.host.training import RestartRecord, restart_training
-from datagen.processes import is_running
+from datagen.host.training_jobs import JobTarget, job_for, live_pids
+from datagen.processes import read_command_line
 from datagen.records import Record
 
 logger = logging.getLogger(__name__)
@@ -57,15 +59,42 @@ class HaltedTraining(Record):
     run_id: str | None = Field(default=None, description="The run that halted (or adopted) training.")
     signalled: bool = Field(default=False, description="The stop signal or cancel went out.")
     done: bool = Field(default=False, description="The halt finished: the job is gone (or was never there).")
-    pids: list[int] = Field(default_factory=list, description="The job's processes that were signalled.")
+    pids: list[int] = Field(
+        default_factory=list, description="Every process of the job when it was signalled (main pid first)."
+    )
+    start_ticks: dict[int, int] = Field(
+        default_factory=dict, description="Each of those processes' start time: a reused pid is not the job."
+    )
     signalled_at_s: float | None = Field(default=None, description="Epoch time the stop signal went out.")
     signalling_at_s: float | None = Field(
         default=None, description="Epoch time the stop signal was about to go out (it may have, unrecorded)."
     )
-    environment: TrainerEnvironment | None = Field(
-        default=None, description="What the trainer ran with when it was halted (compared before a restart)."
+    environments: list[TrainerEnvironment] = Field(
+        default_factory=list,
+        description="Each environment the job's Python processes ran in when it was halted (compared before a "
+        "restart); empty when none could be read.",
     )
     recorded_at: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_environment_of_older_records(cls, data: Any) -> Any:
+        """Records written before a job's several environments were kept hold one, as ``environment``."""
+        if isinstance(data, dict) and "environment" in data:
+            data = dict(data)
+            single = data.pop("environment")
+            data.setdefault("environments", [single] if single is not None else [])
+        return data
+
+    def target(self) -> JobTarget:
+        """The job's processes as they were when it was signalled (what must be gone before a restart)."""
+        return JobTarget(
+            description=f"training halted by run {self.run_id}",
+            running=True,
+            pids=self.pids,
+            stop_pids=self.pids[:1],
+            start_ticks=self.start_ticks,
+        )
 
     @property
     def may_have_signalled(self) -> bool:
@@ -140,9 +169,9 @@ def adopt_halt(path: Path, run_id: str | None) -> HaltedTraining | None:
     return adopted
 
 
-def _wait_gone(pids: list[int], timeout_s: float) -> bool:
+def _wait_gone(target: JobTarget, timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
-    while any(is_running(pid) for pid in pids):
+    while live_pids(target):
         if time.monotonic() >= deadline:
             return False
         time.sleep(POLL_S)
@@ -164,6 +193,8 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
         TrainingEnvironmentChangedError: The trainer's environment changed since the halt (and
             ``training.allow_env_change`` is off): nothing is restarted and the record is kept, so a later run
             hands the GPUs back once the environment is rolled back.
+        TrainingStillRunningError: A process of the halted job, or the job found again, still runs: a
+            second trainer never starts beside it; the record is kept for a later run.
     """
     halt = read_halt(path)
     if halt is None:
@@ -173,15 +204,17 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         return None
-    if not halt.done and not _wait_gone(halt.pids, STOPPING_JOB_WAIT_S):
+    if not halt.done and not _wait_gone(halt.target(), STOPPING_JOB_WAIT_S):
         logger.warning(
             "training is still stopping pids=%s: not restarted now; the next run on this host adopts the "
             "halt and restarts it at its end (or restart it by hand once it has exited)",
             halt.pids,
         )
         return None
+    unchecked: str | None = None
     if halt.training.restart_after_run:
-        _refuse_a_changed_environment(halt)
+        _refuse_a_live_job(halt)
+        unchecked = _refuse_a_changed_environment(halt)
     claimed = path.with_name(path.name + CLAIMED_SUFFIX)
     try:
         path.rename(claimed)
@@ -192,23 +225,70 @@ def hand_back_gpus(path: Path) -> RestartRecord | None:
     )
     if restarted is None:
         logger.info("training restart is off (training.restart_after_run): the GPUs stay idle")
-    else:
-        logger.info("training restarted pid=%d argv=%s", restarted.pid, restarted.argv)
+        return None
+    if unchecked is not None:
+        restarted = restarted.model_copy(update={"environment_checked": False, "notes": [unchecked]})
+        logger.warning("%s", unchecked)
+    logger.info("training restarted pid=%d argv=%s", restarted.pid, restarted.argv)
     return restarted
 
 
-def _refuse_a_changed_environment(halt: HaltedTraining) -> None:
-    """Raise when the trainer's environment differs from the one recorded at the halt (unless allowed)."""
-    before = halt.environment
-    if before is None:
+# Job kinds whose processes the hand-back can look for again on this box.
+_FINDABLE_KINDS = frozenset({"pidfile", "cmdline", "systemd"})
+
+
+def _refuse_a_live_job(halt: HaltedTraining) -> None:
+    """Raise while any process of the halted job, or the job found again, still runs."""
+    live = live_pids(halt.target())
+    found = ""
+    if halt.training.kind in _FINDABLE_KINDS:
+        handle = job_for(halt.training)
+        assert handle is not None
+        try:
+            again = handle.find()
+        except TrainingHaltError as error:
+            raise TrainingStillRunningError(
+                f"training was not restarted: could not check that its job is gone ({error})", pids=live
+            ) from error
+        if again.running:
+            found = again.description
+            live += [pid for pid in live_pids(again) if pid not in live]
+    if not live and not found:
         return
-    changes = environment_changes(before, read_environment(before.interpreter))
+    described = ", ".join(f"pid {pid} ({(read_command_line(pid) or '?')[:80]})" for pid in live)
+    raise TrainingStillRunningError(
+        f"training was not restarted: its job still runs ({described or found}), and a second trainer never "
+        "starts beside it. Stop it (or let it finish); the next datagen run on this box then restarts "
+        "training once",
+        pids=live,
+    )
+
+
+def _refuse_a_changed_environment(halt: HaltedTraining) -> str | None:
+    """Raise when an environment of the job differs from the one recorded at the halt (unless allowed).
+
+    Returns:
+        Why the restart could not be checked (no environment was recorded at the halt); None when it was.
+    """
+    if not halt.environments:
+        return (
+            "training's environment was not checked before its restart: no Python process of the job could be "
+            f"read at the halt (pids {halt.pids})"
+        )
+    changes = [
+        change
+        for before in halt.environments
+        for change in environment_changes(before, read_environment(before.interpreter))
+    ]
     if not changes:
-        logger.info("training's environment is unchanged since the halt interpreter=%s", before.interpreter)
-        return
+        logger.info(
+            "training's environment is unchanged since the halt interpreters=%s",
+            [before.interpreter for before in halt.environments],
+        )
+        return None
     if halt.training.allow_env_change:
         logger.warning("training restarts in a changed environment (training.allow_env_change): %s", changes)
-        return
+        return None
     raise TrainingEnvironmentChangedError(
         f"training was not restarted: its environment changed since the halt ({'; '.join(changes)}). Roll it "
         f"back (then the next datagen run on this box restarts training), or set training.allow_env_change: "

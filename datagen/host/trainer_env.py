@@ -157,13 +157,42 @@ def read_environment(interpreter: str, extra_env: dict[str, str] | None = None) 
     )
 
 
-def read_process_environment(pid: int) -> TrainerEnvironment | None:
-    """The environment of the running process ``pid`` (None when it is not a Python process we can read)."""
+def _python_of(pid: int) -> tuple[str, dict[str, str]] | None:
+    """The Python interpreter running ``pid`` and the variables that change its imports; None if not Python."""
     interpreter = process_interpreter(pid)
     if interpreter is None or "python" not in Path(interpreter).name:
         return None
     inherited = {key: value for key, value in _environ(pid).items() if key in {"PYTHONPATH", "PYTHONHOME"}}
-    return read_environment(interpreter, inherited)
+    return interpreter, inherited
+
+
+def read_process_environment(pid: int) -> TrainerEnvironment | None:
+    """The environment of the running process ``pid`` (None when it is not a Python process we can read)."""
+    python = _python_of(pid)
+    return read_environment(*python) if python is not None else None
+
+
+def read_job_environments(pids: list[int]) -> list[TrainerEnvironment]:
+    """Each distinct environment the job's Python processes run in, read once per interpreter.
+
+    A job started by a launcher (a shell, torchrun) runs its Python in the launcher's descendants: the
+    launcher alone may be no Python at all, or another one than its workers'.
+    """
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    found: list[TrainerEnvironment] = []
+    for pid in pids:
+        python = _python_of(pid)
+        if python is None:
+            continue
+        interpreter, inherited = python
+        key = (interpreter, tuple(sorted(inherited.items())))
+        if key in seen:
+            continue
+        seen.add(key)
+        environment = read_environment(interpreter, inherited)
+        if environment is not None and environment not in found:
+            found.append(environment)
+    return found
 
 
 def driver_version() -> str | None:

@@ -41,12 +41,22 @@ from datagen.host.training_jobs import (
     JobTarget,
     TrainingJob,
     job_for,
+    joined_target,
+    live_pids,
     read_pidfile,
+    signal_processes,
+    with_new_descendants,
 )
+from datagen.processes import read_command_line
 
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
+# How long a launcher that is still running gets to pass the stop on to its workers (torchrun, accelerate)
+# before the halt signals them itself; a launcher that exited (a shell) left them with nobody to forward it.
+LAUNCHER_FORWARD_GRACE_S = 10.0
+# How much of a process's command line a message quotes.
+COMMAND_QUOTE_CHARS = 120
 # A SIGKILLed process is gone within moments; this only bounds the wait.
 KILL_WAIT_S = 10.0
 # The driver frees a dead process's GPU memory shortly after exit; wait this long before reporting it held.
@@ -103,6 +113,10 @@ class RestartRecord(BaseModel):
     pid: int
     log_path: str
     started_at: str
+    environment_checked: bool = Field(
+        default=True, description="False when no environment of the job was recorded to compare with."
+    )
+    notes: list[str] = Field(default_factory=list, description="What the restart could not check.")
 
 
 class GpuQueries:
@@ -124,11 +138,15 @@ class GpuQueries:
 
 
 def _halt_record(cfg: TrainingJobConfig, target: JobTarget, **outcome: Any) -> HaltRecord:
-    """What was found (and done) about the training job: its target, newest checkpoint, and ``outcome``."""
+    """What was found (and done) about the training job: its target, newest checkpoint, and ``outcome``.
+
+    Built once every process of the job is gone, so the newest checkpoint is the one its last process wrote.
+    """
+    main = target.stop_pids or target.pids
     return HaltRecord(
         kind=cfg.kind,
         target=target.description,
-        pid=target.pids[0] if target.pids else None,
+        pid=main[0] if main else None,
         pids=target.pids,
         flow_run_ids=target.ids,
         last_checkpoint=newest_checkpoint(cfg.checkpoint_glob),
@@ -144,6 +162,7 @@ def halt_training(
     gpu: GpuQueries | None = None,
     signalled_before_s: float | None = None,
     recording_signal: Callable[[JobTarget], AbstractContextManager[object]] | None = None,
+    earlier_target: JobTarget | None = None,
 ) -> HaltRecord:
     """Stop the training job gracefully and report what happened.
 
@@ -157,6 +176,8 @@ def halt_training(
             (and escalates after the timeout, if configured).
         recording_signal: Entered with the target right before the stop signal goes out and left right after
             (to record both: a crash between the two must never lead to a second signal).
+        earlier_target: The job as the earlier run (``signalled_before_s``) found it: its processes that
+            still run are waited for too (a shell launcher's workers outlive the pid in the pidfile).
 
     Returns:
         The record. ``already_gone`` when the job no longer runs (a second call after a successful halt
@@ -172,6 +193,8 @@ def halt_training(
         return HaltRecord(kind="none")
     queries = gpu or GpuQueries()
     target = handle.find()
+    if earlier_target is not None:
+        target = joined_target(target, earlier_target)
     if not target.running:
         record = _halt_record(
             cfg,
@@ -206,30 +229,36 @@ def halt_training(
             signum.name,
             cfg.stop_timeout_s,
         )
-    exited, marker = _wait_stopped(handle, target, cfg, signalled_at)
+    # An adopted halt never signals again: the earlier run may have reached the workers already.
+    exited, marker, target = _wait_stopped(
+        handle, target, cfg, signalled_at, signum, signal_descendants=signalled_before_s is None
+    )
     escalated = False
     if not exited:
         if not cfg.escalate:
             raise TrainingHaltError(
                 f"training ({target.description}) did not exit within {cfg.stop_timeout_s:.0f}s after "
-                f"{signum.name} and still holds its GPUs. Check the trainer's log; stop it by hand, raise "
-                "training.stop_timeout_s, or set training.escalate: true to SIGKILL it after the timeout "
-                "(its last checkpoint is kept).",
+                f"{signum.name}: {_still_running(target)} and holds what it held. Check the trainer's log; stop "
+                "it by hand, raise training.stop_timeout_s, or set training.escalate: true to SIGKILL it after "
+                "the timeout (its last checkpoint is kept).",
                 target=target.description,
+                pids=live_pids(target),
             )
         logger.warning(
-            "training ignored %s for %.0fs, killing it target=%s",
+            "training ignored %s for %.0fs, killing it target=%s still_running=%s",
             signum.name,
             cfg.stop_timeout_s,
             target.description,
+            live_pids(target),
         )
         escalated = True
         handle.force_stop(target)
         if not _wait(lambda: not handle.is_running(target), KILL_WAIT_S):
             raise TrainingHaltError(
                 f"training ({target.description}) survived SIGKILL for {KILL_WAIT_S:.0f}s (uninterruptible "
-                "I/O?); check the host before taking its GPUs",
+                f"I/O?): {_still_running(target)}; check the host before taking its GPUs",
                 target=target.description,
+                pids=live_pids(target),
             )
     notes: list[str] = []
     if cfg.checkpoint_marker and marker is None:
@@ -265,13 +294,45 @@ def halt_training(
 
 
 def _wait_stopped(
-    handle: TrainingJob, target: JobTarget, cfg: TrainingJobConfig, signalled_at: float
-) -> tuple[bool, str | None]:
-    """Wait for the exit (and the marker, when configured) under ``stop_timeout_s``: (exited, marker)."""
-    deadline = time.monotonic() + cfg.stop_timeout_s
+    handle: TrainingJob,
+    target: JobTarget,
+    cfg: TrainingJobConfig,
+    signalled_at: float,
+    signum: signal.Signals,
+    *,
+    signal_descendants: bool,
+) -> tuple[bool, str | None, JobTarget]:
+    """Wait until every process of the job is gone (and the marker, when configured), under ``stop_timeout_s``.
+
+    The stop went to the job's main process(es) first. Once they are gone, or after
+    :data:`LAUNCHER_FORWARD_GRACE_S`, the descendants still running get the same signal (when
+    ``signal_descendants``): a launcher that does not forward it, or is gone, leaves them nobody else.
+    Descendants started meanwhile count as part of the job.
+
+    Returns:
+        (exited, marker, the job with every process seen).
+    """
+    started = time.monotonic()
+    deadline = started + cfg.stop_timeout_s
     exited_at: float | None = None
     marker: str | None = None
+    descendants_signalled = not signal_descendants
     while True:
+        target = with_new_descendants(target)
+        if not descendants_signalled:
+            live = live_pids(target)
+            if time.monotonic() - started >= LAUNCHER_FORWARD_GRACE_S or not set(live) & set(
+                target.stop_pids
+            ):
+                descendants_signalled = True
+                left = [pid for pid in live if pid not in target.stop_pids]
+                if left:
+                    logger.info(
+                        "signalling the job's processes its launcher left running pids=%s signal=%s",
+                        left,
+                        signum.name,
+                    )
+                    signal_processes(left, signum, target.description)
         running = handle.is_running(target)
         if cfg.checkpoint_marker and marker is None:
             marker = find_marker(cfg.checkpoint_marker, since_epoch_s=signalled_at)
@@ -279,10 +340,22 @@ def _wait_stopped(
         if not running:
             exited_at = exited_at if exited_at is not None else now
             if not cfg.checkpoint_marker or marker is not None or now - exited_at >= MARKER_AFTER_EXIT_WAIT_S:
-                return True, marker
+                return True, marker, target
         elif now >= deadline:
-            return False, marker
+            return False, marker, target
         time.sleep(POLL_INTERVAL_S)
+
+
+def _still_running(target: JobTarget) -> str:
+    """The job's processes still running, each with its command line, for a message."""
+    live = live_pids(target)
+    if not live:
+        return "it still runs"
+    described = []
+    for pid in live:
+        command = (read_command_line(pid) or "?")[:COMMAND_QUOTE_CHARS]
+        described.append(f"pid {pid} ({command})")
+    return f"{', '.join(described)} would not stop"
 
 
 def _wait(predicate: Callable[[], bool], timeout_s: float) -> bool:

@@ -3,6 +3,12 @@
 A handle finds the job (:class:`JobTarget`), asks it to stop, tells whether it still runs, and kills it
 when escalation is allowed. :func:`datagen.host.training.halt_training` drives any handle the same way.
 
+A job is a process tree: the process the stop is addressed to (a pidfile's pid, a unit's main pid, each matched
+process) and every descendant found when the job was located or while it stops. A launcher may forward the
+stop (torchrun, accelerate) or not (a shell running ``python train.py &``): the job runs while any of its
+processes does (:func:`live_pids`), and each process is known by its start time, so a reused pid is never
+taken for the job.
+
 - :class:`PidfileJob`: the pid in a file the trainer writes.
 - :class:`CmdlineJob`: processes that hold GPU memory (``nvidia-smi --query-compute-apps``) *and* whose
   command line matches a regex, so a matching editor or shell is never signalled.
@@ -45,8 +51,71 @@ class JobTarget(BaseModel):
 
     description: str = Field(description="What was found, for the record and logs, e.g. 'pid 42 from x.pid'.")
     running: bool
-    pids: list[int] = Field(default_factory=list, description="Processes of the job (those that hold GPUs).")
+    pids: list[int] = Field(
+        default_factory=list,
+        description="Every process of the job: those the stop goes to first, then their descendants.",
+    )
+    stop_pids: list[int] = Field(
+        default_factory=list,
+        description="The processes the graceful stop is addressed to (a main pid, or every matched process).",
+    )
+    start_ticks: dict[int, int] = Field(
+        default_factory=dict, description="Each process's start time (clock ticks since boot): its identity."
+    )
     ids: list[str] = Field(default_factory=list, description="Non-process ids (Prefect flow run ids).")
+
+
+def _same_process(target: JobTarget, pid: int) -> bool:
+    """Whether ``pid`` still runs and is the process found (not a later one that reuses its number)."""
+    if not processes.is_running(pid):
+        return False
+    known = target.start_ticks.get(pid)
+    return known is None or processes.start_ticks(pid) == known
+
+
+def process_tree(description: str, stop_pids: list[int]) -> JobTarget:
+    """The job made of ``stop_pids`` and every live descendant of them, each with its start time."""
+    pids = list(dict.fromkeys(stop_pids))
+    pids += [child for child in processes.descendants_of(stop_pids) if child not in pids]
+    ticks = {pid: tick for pid in pids if (tick := processes.start_ticks(pid)) is not None}
+    target = JobTarget(
+        description=description, running=True, pids=pids, stop_pids=list(stop_pids), start_ticks=ticks
+    )
+    target.running = bool(live_pids(target))
+    return target
+
+
+def live_pids(target: JobTarget) -> list[int]:
+    """The job's processes that still run (in the order found: the stopped-first ones lead)."""
+    return [pid for pid in target.pids if _same_process(target, pid)]
+
+
+def joined_target(found: JobTarget, earlier: JobTarget) -> JobTarget:
+    """The job as found now, plus the processes of the job as an earlier run found it that still run."""
+    extra = [pid for pid in live_pids(earlier) if pid not in found.pids]
+    if not extra:
+        return found
+    return found.model_copy(
+        update={
+            "running": True,
+            "pids": [*found.pids, *extra],
+            "start_ticks": {
+                **{pid: earlier.start_ticks[pid] for pid in extra if pid in earlier.start_ticks},
+                **found.start_ticks,
+            },
+        }
+    )
+
+
+def with_new_descendants(target: JobTarget) -> JobTarget:
+    """``target`` with the descendants its live processes started since it was found (a checkpoint writer)."""
+    new = [child for child in processes.descendants_of(live_pids(target)) if child not in target.pids]
+    if not new:
+        return target
+    ticks = {pid: tick for pid in new if (tick := processes.start_ticks(pid)) is not None}
+    return target.model_copy(
+        update={"pids": [*target.pids, *new], "start_ticks": {**target.start_ticks, **ticks}}
+    )
 
 
 @runtime_checkable
@@ -95,7 +164,13 @@ class FlowRunControl(Protocol):
 # --- signalling ---------------------------------------------------------------------------------
 
 
-def _signal_pids(pids: list[int], signum: signal.Signals, what: str) -> None:
+def signal_processes(pids: list[int], signum: signal.Signals, what: str) -> None:
+    """Send ``signum`` to each of ``pids`` (those already gone are skipped).
+
+    Raises:
+        TrainingHaltError: Not allowed to signal one of them; the message says how to fix it.
+
+    """
     for pid in pids:
         try:
             os.kill(pid, signum)
@@ -152,8 +227,8 @@ class PidfileJob:
             return JobTarget(description=f"no pidfile at {self.pidfile}", running=False)
         description = f"pid {pid} from {self.pidfile}"
         if not processes.is_running(pid) or self._reused(pid):
-            return JobTarget(description=description, running=False, pids=[pid])
-        return JobTarget(description=description, running=True, pids=[pid, *processes.descendants(pid)])
+            return JobTarget(description=description, running=False, pids=[pid], stop_pids=[pid])
+        return process_tree(description, [pid])
 
     def _reused(self, pid: int) -> bool:
         started = processes.start_epoch_s(pid)
@@ -164,18 +239,21 @@ class PidfileJob:
         return started is not None and started > written + PID_REUSE_SLACK_S
 
     def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
-        """Signal the main pid only: the trainer forwards the stop to its workers itself."""
-        _signal_pids(target.pids[:1], signum, str(self.pidfile))
+        """Signal the main pid first, so a launcher that forwards the stop does its work.
+
+        The halt signals the descendants still running once it is gone (or after a grace).
+        """
+        signal_processes(
+            [pid for pid in target.stop_pids if _same_process(target, pid)], signum, str(self.pidfile)
+        )
 
     def is_running(self, target: JobTarget) -> bool:
-        """Whether the main pid still runs."""
-        return bool(target.pids) and processes.is_running(target.pids[0])
+        """Whether any process of the job still runs."""
+        return bool(live_pids(target))
 
     def force_stop(self, target: JobTarget) -> None:
-        """SIGKILL the main pid and every descendant found when the job was located."""
-        _signal_pids(
-            [pid for pid in target.pids if processes.is_running(pid)], signal.SIGKILL, str(self.pidfile)
-        )
+        """SIGKILL every process of the job still running."""
+        signal_processes(live_pids(target), signal.SIGKILL, str(self.pidfile))
 
     def default_restart_argv(self) -> list[str] | None:
         """A pidfile says nothing about how the job was started."""
@@ -225,20 +303,22 @@ class CmdlineJob:
             if cmdline is not None and self.pattern.search(cmdline) and processes.is_running(pid):
                 matched.append(pid)
         description = f"GPU processes matching /{self.pattern.pattern}/: {matched or 'none'}"
-        return JobTarget(description=description, running=bool(matched), pids=matched)
+        if not matched:
+            return JobTarget(description=description, running=False)
+        return process_tree(description, matched)
 
     def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
-        """Signal every matched process."""
-        _signal_pids(target.pids, signum, f"matching /{self.pattern.pattern}/")
+        """Signal every matched process (their descendants once they are gone: see the module docstring)."""
+        live = [pid for pid in target.stop_pids if _same_process(target, pid)]
+        signal_processes(live, signum, f"matching /{self.pattern.pattern}/")
 
     def is_running(self, target: JobTarget) -> bool:
-        """Whether any matched process still runs."""
-        return any(processes.is_running(pid) for pid in target.pids)
+        """Whether any process of the job still runs."""
+        return bool(live_pids(target))
 
     def force_stop(self, target: JobTarget) -> None:
-        """SIGKILL every matched process still running."""
-        live = [pid for pid in target.pids if processes.is_running(pid)]
-        _signal_pids(live, signal.SIGKILL, f"matching /{self.pattern.pattern}/")
+        """SIGKILL every process of the job still running."""
+        signal_processes(live_pids(target), signal.SIGKILL, f"matching /{self.pattern.pattern}/")
 
     def default_restart_argv(self) -> list[str] | None:
         """Matched processes say nothing about how to start them again."""
@@ -347,25 +427,25 @@ class SystemdJob:
                 f"systemd unit {self.unit} does not exist: fix training.systemd_unit",
                 unit=self.unit,
             )
-        pids = [status.main_pid] if status.main_pid else []
-        pids += [child for pid in pids for child in processes.descendants(pid)]
-        return JobTarget(
-            description=f"systemd unit {self.unit} ({status.active_state}, main pid {status.main_pid})",
-            running=status.running,
-            pids=pids,
-        )
+        description = f"systemd unit {self.unit} ({status.active_state}, main pid {status.main_pid})"
+        if status.main_pid is None:
+            return JobTarget(description=description, running=status.running)
+        target = process_tree(description, [status.main_pid])
+        target.running = status.running or target.running
+        return target
 
     def request_stop(self, target: JobTarget, signum: signal.Signals) -> None:
         """``systemctl stop --no-block`` or ``systemctl kill --signal``."""
         self._run(systemctl_stop_argv(self.unit, self.mode, signum, self.systemctl))
 
     def is_running(self, target: JobTarget) -> bool:
-        """Whether the unit is still active (or deactivating)."""
-        return self.status().running
+        """Whether the unit is still active (or deactivating), or any process found in it still runs."""
+        return bool(live_pids(target)) or self.status().running
 
     def force_stop(self, target: JobTarget) -> None:
-        """SIGKILL every process of the unit."""
+        """SIGKILL every process of the unit, and those found in it that left it."""
         self._run(systemctl_kill_argv(self.unit, self.systemctl))
+        signal_processes(live_pids(target), signal.SIGKILL, f"unit {self.unit}")
 
     def default_restart_argv(self) -> list[str] | None:
         """``systemctl start <unit>``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 from pathlib import Path
@@ -103,3 +104,65 @@ def test_a_job_still_stopping_is_neither_started_beside_itself_nor_signalled_aga
         stopping.wait()
     assert hand_back_gpus(record) is not None
     assert _wait_for(marker).split() == ["up"]
+
+
+def test_a_done_halt_whose_job_still_runs_restarts_nothing_and_keeps_its_record(tmp_path: Path) -> None:
+    from datagen.errors import TrainingStillRunningError
+    from datagen.processes import start_ticks
+
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "gpus.training-halted.json"
+    orphan = subprocess.Popen(["sleep", "30"])  # a worker of the halted job that outlived its launcher
+    try:
+        ticks = start_ticks(orphan.pid)
+        assert ticks is not None
+        halt = HaltedTraining(
+            training=_training(marker),
+            run_id="r1",
+            signalled=True,
+            done=True,
+            pids=[orphan.pid],
+            start_ticks={orphan.pid: ticks},
+        )
+        record_halt(record, halt)
+        with pytest.raises(TrainingStillRunningError, match=f"pid {orphan.pid} \\(sleep 30\\)") as raised:
+            hand_back_gpus(record)
+        assert raised.value.pids == [orphan.pid]
+        assert read_halt(record) == halt and not marker.exists()
+    finally:
+        orphan.kill()
+        orphan.wait()
+    restarted = hand_back_gpus(record)  # gone now: restarted once, unchecked (no environment was recorded)
+    assert restarted is not None and not restarted.environment_checked
+    assert "was not checked" in restarted.notes[0]
+    assert _wait_for(marker).split() == ["up"]
+
+
+def test_a_reused_pid_is_not_the_halted_job(tmp_path: Path) -> None:
+    marker = tmp_path / "restarted.txt"
+    record = tmp_path / "gpus.training-halted.json"
+    stranger = subprocess.Popen(["sleep", "30"])  # took the number of a job process that exited
+    try:
+        halt = HaltedTraining(
+            training=_training(marker),
+            run_id="r1",
+            signalled=True,
+            done=True,
+            pids=[stranger.pid],
+            start_ticks={stranger.pid: 1},
+        )
+        record_halt(record, halt)
+        assert hand_back_gpus(record) is not None
+        assert _wait_for(marker).split() == ["up"]
+    finally:
+        stranger.kill()
+        stranger.wait()
+
+
+def test_a_halt_record_of_one_environment_still_reads(tmp_path: Path) -> None:
+    record = tmp_path / "gpus.training-halted.json"
+    environment = {"interpreter": "/venv/bin/python", "prefix": "/venv"}
+    legacy = {"training": {"kind": "none"}, "done": True, "environment": environment}
+    record.write_text(json.dumps(legacy))
+    halt = read_halt(record)
+    assert halt is not None and [item.interpreter for item in halt.environments] == ["/venv/bin/python"]
