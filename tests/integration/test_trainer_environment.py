@@ -9,7 +9,6 @@ test "upgrades" torch in the trainer's venv, as installing the serving stack the
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,9 +22,17 @@ import yaml
 from datagen.errors import DatagenError
 from datagen.host.trainer_env import environment_changes, read_environment, read_process_environment
 from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.standin_trainers import (
+    REPO,
+    alive,
+    install_torch,
+    kill,
+    make_trainer_venv,
+    trainer_argv,
+    trainers,
+    wait_pid,
+)
 
-REPO = Path(__file__).resolve().parents[2]
-STANDIN = REPO / "datagen" / "host" / "standin_trainer.py"
 EXIT_TRAINING_HELD_BACK = 3
 CLI_TIMEOUT_S = 300
 # Long enough that the test swaps torch while the run still generates (after the halt, before the hand-back).
@@ -33,83 +40,22 @@ FAKE_SERVER_DELAY_S = 0.5
 PROMPTS = 12
 
 
-def _make_trainer_venv(root: Path, torch_build: str) -> Path:
-    venv = root / "trainer-venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-    _install_torch(venv, torch_build)
-    return venv
-
-
-def _site(venv: Path) -> Path:
-    return next((venv / "lib").glob("python3*/site-packages"))
-
-
-def _install_torch(venv: Path, build: str) -> None:
-    """Lay out torch ``2.11.0+<build>`` as pip would (metadata and version.py), replacing any other build."""
-    site = _site(venv)
-    for old in site.glob("torch-*.dist-info"):
-        for item in old.iterdir():
-            item.unlink()
-        old.rmdir()
-    info = site / f"torch-2.11.0+{build}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: torch\nVersion: 2.11.0+{build}\n")
-    (site / "torch").mkdir(exist_ok=True)
-    cuda = f"{build[2:4]}.{build[4:]}"
-    (site / "torch" / "version.py").write_text(f"__version__ = '2.11.0+{build}'\ncuda = '{cuda}'\n")
-
-
 def _trainer_argv(venv: Path, tmp_path: Path) -> list[str]:
-    return [
-        str(venv / "bin" / "python"),
-        str(STANDIN),
-        "--pidfile",
-        str(tmp_path / "trainer.pid"),
-        "--checkpoint-dir",
-        str(tmp_path / "checkpoints"),
-        "--step-interval-s",
-        "0.05",
-    ]
-
-
-def _wait_pid(pidfile: Path, not_pid: int | None = None, timeout_s: float = 30.0) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            pid = int(pidfile.read_text().strip())
-        except (OSError, ValueError):
-            pid = None
-        if pid is not None and pid != not_pid and Path(f"/proc/{pid}").exists():
-            return pid
-        time.sleep(0.05)
-    raise AssertionError(f"no trainer wrote {pidfile}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _kill(pid: int) -> None:
-    if _alive(pid):
-        os.kill(pid, signal.SIGKILL)
+    return trainer_argv(venv / "bin" / "python", tmp_path / "trainer.pid", tmp_path / "checkpoints")
 
 
 @pytest.fixture()
 def trainer(tmp_path: Path) -> Iterator[tuple[Path, int]]:
     """The stand-in trainer, started from its own venv (torch cu128); (venv, pid)."""
-    venv = _make_trainer_venv(tmp_path, "cu128")
+    venv = make_trainer_venv(tmp_path, "cu128")
     process = subprocess.Popen(_trainer_argv(venv, tmp_path), start_new_session=True)
-    pid = _wait_pid(tmp_path / "trainer.pid")
+    pid = wait_pid(tmp_path / "trainer.pid")
     yield venv, pid
     process.kill()
     process.wait(10)
     with_restarted = tmp_path / "trainer.pid"
     if with_restarted.exists():
-        _kill(int(with_restarted.read_text().strip() or 0) or pid)
+        kill(int(with_restarted.read_text().strip() or 0) or pid)
 
 
 def _config(tmp_path: Path, venv: Path, url: str, run_output: Path) -> Path:
@@ -161,7 +107,7 @@ def test_the_environment_is_read_through_the_trainers_own_interpreter(trainer: t
     assert found.interpreter == str(venv / "bin" / "python") and Path(found.prefix) == venv
     assert found.torch_version == "2.11.0+cu128" and found.torch_cuda == "12.8"
     assert environment_changes(found, read_environment(found.interpreter)) == []
-    _install_torch(venv, "cu130")
+    install_torch(venv, "cu130")
     assert environment_changes(found, read_environment(found.interpreter)) == [
         "torch CUDA build 12.8 -> 13.0",
         "torch 2.11.0+cu128 -> 2.11.0+cu130",
@@ -179,10 +125,10 @@ def test_a_changed_environment_holds_the_restart_back_and_the_next_run_restarts_
         held = _run(config, "env-changed", tmp_path, prefect_api)
         # Halted: torch is "upgraded" in the trainer's venv while the run still generates.
         deadline = time.monotonic() + CLI_TIMEOUT_S
-        while _alive(first_pid):
+        while alive(first_pid):
             assert held.poll() is None and time.monotonic() < deadline, held.communicate()
             time.sleep(0.05)
-        _install_torch(venv, "cu130")
+        install_torch(venv, "cu130")
         out, err = held.communicate(timeout=CLI_TIMEOUT_S)
 
         assert held.returncode == EXIT_TRAINING_HELD_BACK, out + err
@@ -195,35 +141,20 @@ def test_a_changed_environment_holds_the_restart_back_and_the_next_run_restarts_
         assert (tmp_path / "out" / "runs" / "env-changed" / "manifest.json").exists()
 
         # Rolled back: the next run on the box adopts the kept halt and restarts training, once.
-        _install_torch(venv, "cu128")
+        install_torch(venv, "cu128")
         again = _run(config, "env-restored", tmp_path, prefect_api)
         out, err = again.communicate(timeout=CLI_TIMEOUT_S)
         assert again.returncode == 0, out + err
-    restarted = _wait_pid(pidfile, not_pid=first_pid)
+    restarted = wait_pid(pidfile, not_pid=first_pid)
     try:
         assert read_process_environment(restarted) is not None
         time.sleep(1.0)  # a second restart, if any, would have started by now
-        assert _trainers(pidfile) == [restarted]
+        assert trainers(tmp_path / "checkpoints") == [restarted]
         # The halt is handed back (claimed): no later run restarts it again.
         assert list((tmp_path / "locks").glob("*.training-halted.json.handed-back"))
         assert not list((tmp_path / "locks").glob("*.training-halted.json"))
     finally:
-        _kill(restarted)
-
-
-def _trainers(pidfile: Path) -> list[int]:
-    """Live processes whose command line names this test's trainer pidfile."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = proc.joinpath("cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if str(pidfile).encode() in argv and str(STANDIN).encode() in argv and _alive(int(proc.name)):
-            found.append(int(proc.name))
-    return found
+        kill(restarted)
 
 
 def test_preflight_refuses_to_run_from_the_trainers_environment(tmp_path: Path) -> None:

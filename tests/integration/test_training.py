@@ -267,6 +267,41 @@ def test_cmdline_job_stops_only_the_matching_process_that_holds_a_gpu(tmp_path: 
             trainer.process.wait()
 
 
+def test_a_shell_launched_trainer_is_stopped_whole_and_its_gpus_judged_after_its_last_process(
+    tmp_path: Path,
+) -> None:
+    from tests.support.standin_trainers import shell_launcher_argv, trainer_argv, trainers
+
+    pidfile, checkpoints = tmp_path / "train.pid", tmp_path / "checkpoints"
+    trainer = trainer_argv(sys.executable, tmp_path / "own.pid", checkpoints)
+    launcher = subprocess.Popen(shell_launcher_argv(pidfile, trainer), start_new_session=True)
+    try:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while not (pidfile.exists() and trainers(checkpoints)):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        (child,) = trainers(checkpoints)
+        listing = _driver_listing([child])  # the Python child holds the GPU, not the shell
+        config = TrainingJobConfig(
+            kind="pidfile",
+            pidfile=str(pidfile),
+            checkpoint_glob=str(checkpoints / "checkpoint-*.pt"),
+            stop_timeout_s=20,
+        )
+
+        record = halt_training(config, gpu=GpuQueries(compute_apps=listing, gpu_memory=lambda: None))
+
+        assert record.stopped and record.pid == launcher.pid and child in record.pids
+        assert not _alive(child) and trainers(checkpoints) == []
+        assert record.gpu_memory_released is True
+        assert record.last_checkpoint == str(max(checkpoints.glob("checkpoint-*.pt")))
+    finally:
+        launcher.kill()
+        launcher.wait()
+        for pid in trainers(checkpoints):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_cmdline_job_without_nvidia_smi_explains_what_to_use_instead() -> None:
     job = CmdlineJob("trainer", compute_apps=lambda: None)
 
