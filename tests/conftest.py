@@ -97,6 +97,7 @@ SPREAD = {
     "tests/integration/test_failure_behaviour.py",
     "tests/integration/test_chaos.py",
     "tests/integration/test_gpu_lock_crash.py",
+    "tests/integration/test_launched_trainers.py",
 }
 # Modules that share a costly per-worker fixture go to one worker together: the session's two
 # `transformers serve` processes (tests/support/fixtures.py, ~14 s of CPU to start) then start on one worker only.
@@ -118,6 +119,7 @@ HEAVIEST_FIRST = [
     "tests/integration/test_run_states.py",
     "tests/integration/test_failure_behaviour.py",
     "tests/integration/test_api_outage.py",
+    "tests/integration/test_launched_trainers.py",
     "tests/integration/test_honest_end.py",
     "tests/integration/test_full_disk.py",
     "tests/integration/test_fleet.py",
