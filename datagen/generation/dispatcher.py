@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -59,13 +58,6 @@ from datagen.generation.retry import GiveUp, RetryPolicy
 from datagen.generation.sglang_generate import require_prompt_tokens
 
 logger = logging.getLogger(__name__)
-
-# The loop thread gives up the GIL on every socket operation; with Python's default 5 ms switch interval
-# it then waits up to 5 ms behind any busy thread of the flow process (shard tasks writing parts, Prefect's
-# engine) before it may read the next answer: at a thousand requests per second that convoy, not the
-# network, would set the pace (measured: the first wave of a run took seconds to reach the servers).
-# A shorter interval hands the GIL back sooner (process-wide; harmless here).
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class Dispatcher:
@@ -159,8 +151,6 @@ class Dispatcher:
             RuntimeError: Already started or closed.
 
         """
-        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread.start(self._main)
         logger.info(
             "dispatcher started servers=%d model=%s engine=%s max_inflight_per_server=%d admission_limit=%d "

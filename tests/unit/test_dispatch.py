@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -332,6 +333,14 @@ def test_close_resolves_requests_still_in_flight(
     )
     # The close's own line keeps them apart from the run's failures: they are sent again, never recorded.
     assert "dispatcher closed completed=1 failed=0 unfinished=3 " in caplog.text
+
+
+def test_a_dispatcher_leaves_the_interpreters_switch_interval_alone(server: FaultServer) -> None:
+    before = sys.getswitchinterval()
+    with dispatcher_for([server.url]) as dispatcher:
+        assert isinstance(dispatcher.submit(make_request("gil")).result(30), CompletionRecord)
+        assert sys.getswitchinterval() == before
+    assert sys.getswitchinterval() == before
 
 
 def test_submit_before_start_is_refused() -> None:
