@@ -149,6 +149,7 @@ def tune(
     import shlex
 
     from datagen.app.tune import tune_inflight, tune_result_json, tune_setting_by_restart
+    from datagen.engines import engine_class
     from datagen.engines.tune_result import TuneResult
 
     try:
@@ -172,7 +173,7 @@ def tune(
                 best_inflight_per_server=best_point.inflight_per_server,
                 best_output_tokens_per_s=best_point.output_tokens_per_s,
                 curve=[],
-                measured_with="client+/metrics" if engine == "sglang" else "client",
+                measured_with="client+/metrics" if engine_class(engine).metrics_path else "client",
                 setting_flag=vary_flag,
                 best_setting=best,
                 setting_curve=points,

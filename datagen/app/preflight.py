@@ -261,8 +261,10 @@ def _check_datasets(config: RunConfig, store: Store) -> str:
 
 
 def _check_model(config: RunConfig, store: Store) -> str:
+    from datagen.engines import engine_class
+
     model_path = Path(config.model.path)
-    if config.fleet.engine != "external" and not (model_path / "config.json").is_file():
+    if engine_class(config.fleet.engine).launches_processes and not (model_path / "config.json").is_file():
         raise DatagenError(
             f"model directory {model_path} has no config.json; set `model.path` to a local model directory "
             "(download it before the run: GPU hosts may not reach the hub)"
@@ -425,11 +427,12 @@ def _refuse_the_trainers_environment(pids: list[int]) -> None:
 def _check_external_servers(config: RunConfig, store: Store) -> str:
     # External servers must answer now: the fleet's readiness wait (ready_timeout_s, minutes) would only
     # notice after training was halted.
-    if config.fleet.engine != "external":
+    from datagen.engines import engine_class, exact_tokens_enabled
+
+    if engine_class(config.fleet.engine).launches_processes:
         return "no external servers"
     import httpx
 
-    from datagen.engines import exact_tokens_enabled
     from datagen.errors import ConfigError
     from datagen.generation.sglang_generate import GENERATE_PATH
 

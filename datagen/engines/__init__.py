@@ -18,6 +18,7 @@ from typing import get_args
 from datagen.config import EngineKind, RunConfig
 from datagen.engines.base import COMMON_FATAL_LOG_PATTERNS, Engine, EngineRecipe, LaunchCommand, ServerSlot
 from datagen.engines.external import ExternalEngine
+from datagen.engines.router import ROUTER_PACKAGE
 from datagen.engines.sglang import SGLangEngine
 from datagen.engines.transformers import TransformersEngine
 from datagen.errors import ConfigError
@@ -32,6 +33,7 @@ __all__ = [
     "ServerSlot",
     "TransformersEngine",
     "engine_class",
+    "engine_packages",
     "exact_tokens_enabled",
     "get_engine",
 ]
@@ -59,6 +61,12 @@ def engine_class(kind: EngineKind | str) -> type[EngineRecipe]:
     if kind not in ENGINES:
         raise ConfigError(f"unknown engine {kind!r}; use one of: {', '.join(ENGINES)}", kind=kind)
     return ENGINES[kind]
+
+
+def engine_packages() -> tuple[str, ...]:
+    """Every distribution the probe reports for the engines: each engine's in table order, then the router's."""
+    names = [package for recipe in ENGINES.values() for package in recipe.packages]
+    return (*dict.fromkeys(names), ROUTER_PACKAGE)
 
 
 def get_engine(kind: EngineKind | str, accepted_flags: Collection[str] | None = None) -> Engine:

@@ -170,7 +170,11 @@ class Engine(Protocol):
     supports_tensor_parallel: bool
     """Whether one server may span several GPUs."""
     launches_processes: bool
-    """False for engines that attach to servers someone else runs."""
+    """False for engines that attach to servers someone else runs (no model directory or process here)."""
+    launch_flags_vary: bool
+    """Whether the launch flags differ between installs, so the probe records the ones this host's accepts."""
+    packages: tuple[str, ...]
+    """Distributions whose installed versions the probe reports for this engine."""
 
     def check_available(self) -> list[str]:
         """Problems that stop this engine from running here, each with its fix; empty when usable."""
@@ -231,6 +235,8 @@ class EngineRecipe(ABC):
     fatal_log_patterns: tuple[re.Pattern[str], ...] = ()
     supports_tensor_parallel = False
     launches_processes = True
+    launch_flags_vary = False
+    packages: tuple[str, ...] = ()
     configured_cap_note = "fleet.max_inflight_per_server"
     """Why the configured cap stands, shown in the plan's in-flight reason."""
 

@@ -12,6 +12,7 @@ from datagen.config import FleetConfig
 from datagen.engines.base import LaunchCommand, module_importable
 
 ROUTER_MODULE = "sglang_router"
+ROUTER_PACKAGE = "sglang-router"
 ROUTER_INSTALL_HINT = "pip install sglang-router (the `gpu` extra installs it with sglang)"
 
 

@@ -95,6 +95,8 @@ class SGLangEngine(EngineRecipe):
     allows_exact_tokens = True
     fatal_log_patterns = compile_fatal_patterns(*SGLANG_FATAL_LOG_PATTERNS)
     supports_tensor_parallel = True
+    launch_flags_vary = True
+    packages = ("sglang", "flashinfer-python")
 
     def __init__(
         self, mamba_strategy_flag: str | None = MAMBA_FLAG_NEW, accepted_flags: Collection[str] | None = None

@@ -34,6 +34,7 @@ class TransformersEngine(EngineRecipe):
     """
 
     name = "transformers"
+    packages = ("transformers",)
     # `transformers serve` has no Prometheus endpoint: `datagen tune` measures throughput client-side.
     # `transformers serve` answers 422 to top_k and min_p in chat completions.
     unsupported_sampling_fields = frozenset({"top_k", "min_p"})

@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Callable
 
 from datagen.generation.dispatch_state import GenerationResult, Job, RequestStream, ServerState, ServerTable
+from datagen.generation.failures import FailureKind
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +30,7 @@ ADMISSION_MIN_REQUESTS = 256
 # Requests pulled from streams per admission pass, so one huge backlog cannot hold the loop for long.
 ADMIT_BATCH = 512
 
-Fail = Callable[[Job, str, str, int | None], None]
+Fail = Callable[[Job, str, FailureKind, int | None], None]
 
 
 class Admission:
@@ -38,7 +39,7 @@ class Admission:
     Args:
         table: The servers (their slots size the admission limit).
         start: Starts one try of a job on a server (the dispatcher's).
-        fail: Resolves a job as a failure ``fail(job, reason, error_type, status)``.
+        fail: Resolves a job as a failure ``fail(job, reason, kind, status)``.
         fixed_limit: Requests admitted at once; None: ``ADMISSION_SLOTS_FACTOR`` x the fleet's slots.
 
     """
@@ -64,6 +65,8 @@ class Admission:
         self.backlog = 0
         self.backing_off = 0
         self.closing = False
+        # Why admission stopped for good (a storage fault no retry cures); None while it admits.
+        self.stopped: str | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
 
     @property
@@ -77,20 +80,43 @@ class Admission:
         """Register a stream; its requests are admitted as the limit allows."""
         self.streams.append(stream)
         if self.closing:
-            self.fail_backlog("dispatcher closed before the request was sent", "dispatcher_closed")
+            self.fail_backlog("dispatcher closed before the request was sent", FailureKind.DISPATCHER_CLOSED)
+            return
+        if self.stopped is not None:
+            self.fail_backlog(self.stopped, FailureKind.ADMISSION_STOPPED)
             return
         self.backlog += stream.pending
         self.admit()
         self.pump()
 
-    def fail_backlog(self, reason: str, error_type: str) -> None:
+    def fail_backlog(self, reason: str, kind: FailureKind) -> None:
         """Fail every request of every stream that was not admitted yet."""
         while self.streams:
             stream = self.streams.popleft()
             while (request := stream.take()) is not None:
                 self.admitted += 1  # resolving a job gives its admission back
-                self._fail(Job(request, stream), reason, error_type, None)
+                self._fail(Job(request, stream), reason, kind, None)
         self.backlog = 0
+
+    def stop(self, reason: str) -> None:
+        """Send nothing more: every request not in flight ends now, unsent; those in flight finish.
+
+        Queued requests, those waiting out a retry delay, every stream's backlog and any stream registered later
+        resolve as :attr:`FailureKind.ADMISSION_STOPPED` (unfinished: their shards send them again later).
+        """
+        if self.stopped is not None or self.closing:
+            return
+        self.stopped = reason
+        for job in list(self.retry_jobs):
+            if job.timer is not None:
+                job.timer.cancel()
+                job.timer = None
+            self.backing_off -= 1
+            self.retry_jobs.discard(job)
+            self._fail(job, reason, FailureKind.ADMISSION_STOPPED, None)
+        while self.queue:
+            self._fail(self.queue.popleft(), reason, FailureKind.ADMISSION_STOPPED, None)
+        self.fail_backlog(reason, FailureKind.ADMISSION_STOPPED)
 
     def has_waiting(self) -> bool:
         """Whether requests wait for a server (admitted or not)."""
@@ -99,8 +125,8 @@ class Admission:
     def fail_waiting(self, reason: str) -> None:
         """Fail everything waiting, admitted or not: each shard reruns exactly these requests later."""
         while self.queue:
-            self._fail(self.queue.popleft(), reason, "no_live_servers", None)
-        self.fail_backlog(reason, "no_live_servers")
+            self._fail(self.queue.popleft(), reason, FailureKind.NO_LIVE_SERVERS, None)
+        self.fail_backlog(reason, FailureKind.NO_LIVE_SERVERS)
 
     def all_jobs(self) -> list[Job]:
         """Every admitted job: queued, in flight, backing off."""

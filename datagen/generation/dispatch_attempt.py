@@ -16,6 +16,7 @@ import orjson
 
 from datagen.errors import is_transient_http_status
 from datagen.generation.dispatch_state import Final, Job, Outcome, ServerState, Success, Transient
+from datagen.generation.failures import FailureKind, error_type
 from datagen.generation.http import (
     ConnectFailedError,
     ConnectionBrokenError,
@@ -41,6 +42,9 @@ from datagen.generation.sglang_generate import (
 from datagen.records import CompletionRecord, FailureRecord, utc_now
 
 logger = logging.getLogger(__name__)
+
+# Kinds every pending request ends with when the dispatcher stops: one line says so, not one per request.
+QUIET_KINDS = frozenset({FailureKind.DISPATCHER_CLOSED, FailureKind.ADMISSION_STOPPED})
 
 
 class RequestSender:
@@ -122,7 +126,7 @@ class RequestSender:
             if is_transient_http_status(status):
                 return Transient(reason=f"HTTP {status}: {excerpt(_text(raw))}", status=status)
             return Final(
-                reason=f"HTTP {status}: {excerpt(_text(raw))}", error_type=f"http_{status}", status=status
+                reason=f"HTTP {status}: {excerpt(_text(raw))}", kind=FailureKind.HTTP_STATUS, status=status
             )
         try:
             data = orjson.loads(raw)
@@ -137,7 +141,7 @@ class RequestSender:
         except UnusableResponseError as error:
             return Transient(reason=f"HTTP 200 with unusable completion: {error}", status=status)
         except BadToolArgumentsError as error:
-            return Final(reason=str(error), error_type="invalid_tool_arguments", status=status)
+            return Final(reason=str(error), kind=FailureKind.INVALID_TOOL_ARGUMENTS, status=status)
         request = job.request
         # Every field is already a validated object (the request's, or built by parse_chat_completion):
         # validating the whole record again would cost more than the rest of the loop's work per request.
@@ -163,15 +167,16 @@ class RequestSender:
 
 
 def failure_record(
-    job: Job, reason: str, error_type: str, status: int | None, server: str | None = None
+    job: Job, reason: str, kind: FailureKind, status: int | None, server: str | None = None
 ) -> FailureRecord:
-    """The record of a request that failed (logged, except at shutdown: every pending request fails then)."""
+    """The record of a request that failed (logged, except when the dispatcher stops: everything pending ends then)."""
     request = job.request
-    if error_type != "dispatcher_closed":
+    stored = error_type(kind, status)
+    if kind not in QUIET_KINDS:
         logger.warning(
             "request failed key=%s error_type=%s attempts=%d reason=%s",
             request.key,
-            error_type,
+            stored,
             job.attempts,
             reason,
         )
@@ -180,7 +185,7 @@ def failure_record(
         sample_index=request.sample_index,
         dataset=request.dataset,
         reason=reason,
-        error_type=error_type,
+        error_type=stored,
         attempts=job.attempts,
         last_status=status,
         server=server or job.last_server,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict
 
+from datagen.generation.failures import FailureKind
 from datagen.generation.http import HttpPool
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord
@@ -43,7 +44,9 @@ class DispatcherStats(BaseModel):
         backing_off: Requests waiting out a retry delay.
         dispatched: HTTP tries started (first tries and retries).
         completed: Requests resolved with a completion.
-        failed: Requests resolved with a failure record.
+        failed: Requests that failed (their failure is a result: stored, counted in the report).
+        unfinished: Requests that ended unserved (no live server, the dispatcher closed, admission stopped):
+            never stored; their shards send them again.
         retries: Extra tries made after transient errors or server loss.
         output_tokens: Completion tokens reported by the servers.
         tokens_per_s: Output tokens per second while the dispatcher was busy (first request sent to last
@@ -62,6 +65,7 @@ class DispatcherStats(BaseModel):
     dispatched: int = 0
     completed: int
     failed: int
+    unfinished: int = 0
     retries: int
     output_tokens: int
     tokens_per_s: float
@@ -167,10 +171,10 @@ class Success:
 
 @dataclass(frozen=True)
 class Final:
-    """A try whose failure no retry can cure (the request fails)."""
+    """A try whose failure no retry can cure (the request fails with ``kind``)."""
 
     reason: str
-    error_type: str
+    kind: FailureKind
     status: int | None = None
 
 

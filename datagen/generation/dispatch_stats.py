@@ -26,6 +26,7 @@ class Counters:
     dispatched: int = 0
     completed: int = 0
     failed: int = 0
+    unfinished: int = 0
     retries: int = 0
     output_tokens: int = 0
 
@@ -45,7 +46,7 @@ def snapshot(servers: dict[str, ServerState], admission: Admission, counters: Co
         busy = admission.admitted or admission.backlog
         end = time.monotonic() if busy else (counters.last_result_at or time.monotonic())
         elapsed_s = max(end - first, 0.0)
-    resolved = counters.completed + counters.failed
+    resolved = counters.completed + counters.failed + counters.unfinished
     return DispatcherStats(
         servers=[
             ServerStats(
@@ -63,6 +64,7 @@ def snapshot(servers: dict[str, ServerState], admission: Admission, counters: Co
         dispatched=counters.dispatched,
         completed=counters.completed,
         failed=counters.failed,
+        unfinished=counters.unfinished,
         retries=counters.retries,
         output_tokens=counters.output_tokens,
         tokens_per_s=output_tokens_per_s(counters.output_tokens, elapsed_s),

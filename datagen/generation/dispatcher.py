@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -54,18 +53,12 @@ from datagen.generation.dispatch_state import (
     Success,
 )
 from datagen.generation.dispatch_stats import Counters, snapshot
+from datagen.generation.failures import FailureKind, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.retry import GiveUp, RetryPolicy
 from datagen.generation.sglang_generate import require_prompt_tokens
 
 logger = logging.getLogger(__name__)
-
-# The loop thread gives up the GIL on every socket operation; with Python's default 5 ms switch interval
-# it then waits up to 5 ms behind any busy thread of the flow process (shard tasks writing parts, Prefect's
-# engine) before it may read the next answer: at a thousand requests per second that convoy, not the
-# network, would set the pace (measured: the first wave of a run took seconds to reach the servers).
-# A shorter interval hands the GIL back sooner (process-wide; harmless here).
-GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 class Dispatcher:
@@ -142,8 +135,12 @@ class Dispatcher:
         self._thread = LoopThread("Dispatcher", "datagen-dispatcher")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._final_stats: DispatcherStats | None = None
-        # Requests the close itself resolved as failures: nothing records them (their shards send them again).
-        self._unfinished_at_close = 0
+        self._stopped_by: Exception | None = None
+
+    @property
+    def stopped_by(self) -> Exception | None:
+        """The fault that stopped admission for good (:meth:`stop_admission`); None while requests are sent."""
+        return self._stopped_by
 
     @property
     def admission_limit(self) -> int:
@@ -159,8 +156,6 @@ class Dispatcher:
             RuntimeError: Already started or closed.
 
         """
-        if sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
-            sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self._thread.start(self._main)
         logger.info(
             "dispatcher started servers=%d model=%s engine=%s max_inflight_per_server=%d admission_limit=%d "
@@ -177,8 +172,8 @@ class Dispatcher:
     def close(self) -> None:
         """Stop the loop. Requests still pending resolve as failures ("dispatcher closed").
 
-        Its log line counts those apart (``unfinished``): no record is written for them and their shards send
-        them again, so they are not the run's failures.
+        Its log line counts those apart (``unfinished``, with every other request that was never served): no
+        record is written for them and their shards send them again, so they are not the run's failures.
         """
         if not self._thread.stop():
             return
@@ -188,8 +183,8 @@ class Dispatcher:
                 "dispatcher closed completed=%d failed=%d unfinished=%d retries=%d output_tokens=%d "
                 "tokens_per_s=%.1f requests_per_s=%.1f",
                 stats.completed,
-                stats.failed - self._unfinished_at_close,
-                self._unfinished_at_close,
+                stats.failed,
+                stats.unfinished,
                 stats.retries,
                 stats.output_tokens,
                 stats.tokens_per_s,
@@ -247,6 +242,31 @@ class Dispatcher:
         future.add_done_callback(lambda done: stream.cancel() if done.cancelled() else None)
         return future
 
+    def stop_admission(self, cause: Exception) -> None:
+        """Send no request from now on, because every answer from now on would be lost (any thread).
+
+        For a storage fault no retry cures (no space, no permission, the bucket gone): each request sent after
+        it would be answered and then thrown away, so what the run loses is bounded by what was in flight.
+        Requests in flight finish and are delivered; every other request, of every stream, registered now or
+        later, resolves at once as unfinished (:attr:`FailureKind.ADMISSION_STOPPED`). The first cause stays
+        (:attr:`stopped_by`); later calls change nothing.
+
+        Args:
+            cause: The fault, named in the failures' reason and the log.
+
+        """
+        if self._stopped_by is not None:
+            return
+        self._stopped_by = cause
+        self._thread.call_now_or_soon(lambda: self._stop_admission(cause))
+
+    def _stop_admission(self, cause: Exception) -> None:
+        if self._admission.stopped is not None or self._admission.closing:
+            return
+        in_flight = sum(len(server.in_flight) for server in self._table.servers.values())
+        logger.error("admission stopped in_flight=%d cause=%s", in_flight, cause)
+        self._admission.stop(f"not sent: admission stopped by {cause}")
+
     def add_server(self, url: str, max_inflight: int | None = None) -> None:
         """Add a server; it takes requests once its ``/health`` answers 200.
 
@@ -295,15 +315,13 @@ class Dispatcher:
                 task.cancel()
             await asyncio.gather(health_task, *tasks, *self._health.probes, return_exceptions=True)
             reason = "dispatcher closed before the request finished"
-            failed_before_close = self._counters.failed
             for job in jobs:
                 if job.timer is not None:
                     job.timer.cancel()
-                self._fail(job, reason, "dispatcher_closed", None)
-            self._admission.fail_backlog(reason, "dispatcher_closed")
+                self._fail(job, reason, FailureKind.DISPATCHER_CLOSED, None)
+            self._admission.fail_backlog(reason, FailureKind.DISPATCHER_CLOSED)
             self._admission.clear()
             self._health.close()
-            self._unfinished_at_close = self._counters.failed - failed_before_close
             self._final_stats = snapshot(self._table.servers, self._admission, self._counters)
 
     def _start(self, job: Job, server: ServerState) -> None:
@@ -353,7 +371,7 @@ class Dispatcher:
             self._admission.resolve(job, outcome.record)
             return
         if isinstance(outcome, Final):
-            self._fail(job, outcome.reason, outcome.error_type, outcome.status, server.url)
+            self._fail(job, outcome.reason, outcome.kind, outcome.status, server.url)
             return
         if outcome.server_down:
             self._health.mark_down(server, outcome.reason, gone=True)
@@ -361,7 +379,11 @@ class Dispatcher:
             self._health.mark_suspect(server, outcome.reason)
         step = self._retry.after(job, outcome, server.url, len(self._table.servers))
         if isinstance(step, GiveUp):
-            self._fail(job, step.reason, step.error_type, outcome.status, server.url)
+            self._fail(job, step.reason, step.kind, outcome.status, server.url)
+            return
+        stopped = self._admission.stopped
+        if stopped is not None:  # a retry would be sent after the stop
+            self._fail(job, stopped, FailureKind.ADMISSION_STOPPED, outcome.status, server.url)
             return
         self._counters.retries += 1
         logger.warning(
@@ -377,11 +399,16 @@ class Dispatcher:
         self._admission.defer(job, step.delay_s)
 
     def _fail(
-        self, job: Job, reason: str, error_type: str, status: int | None, server: str | None = None
+        self, job: Job, reason: str, kind: FailureKind, status: int | None, server: str | None = None
     ) -> None:
-        self._counters.failed += 1
-        self._counters.last_result_at = time.monotonic()
-        self._admission.resolve(job, failure_record(job, reason, error_type, status, server))
+        record = failure_record(job, reason, kind, status, server)
+        counters = self._counters
+        if is_unfinished(record):
+            counters.unfinished += 1
+        else:
+            counters.failed += 1
+        counters.last_result_at = time.monotonic()
+        self._admission.resolve(job, record)
 
 
 def _set_result(future: Future[GenerationResult], result: GenerationResult) -> None:

@@ -1,29 +1,73 @@
-"""What a run's recorded failures say: whether the run may publish, which failures may be sent again.
+"""Why a request ended without an answer, and what that leads to: the one failure vocabulary and its rules.
 
-A run whose requests mostly failed (a wrong server answering, a model that is not loaded) must not end
+Every failure has a :class:`FailureKind`; ``FailureRecord.error_type`` stores its value (an HTTP answer no
+retry cures stores its status as well: ``http_<status>``), and those values never change, so every run ever
+written still reads. :func:`fate` is the one decision of what a resolved failure leads to:
+
+- :attr:`Fate.UNFINISHED`: not a result of the request (no server could take it, the dispatcher closed, or a
+  storage fault stopped admission): never stored or counted as failed; the shard's next attempt sends it.
+- :attr:`Fate.SEND_AGAIN`: counted and stored as failed, and ``--retry-failed`` sends it again: retries
+  exhausted (resets, timeouts, 5xx), repeated internal errors, 4xx about the server's state (another model
+  pinned, the model not found, a wrong key, too many requests).
+- :attr:`Fate.GIVE_UP`: counted and stored as failed, and never sent again: the prompt's own (a 4xx about the
+  request, a prompt the chat template cannot render, tool arguments that are not JSON).
+
+Before a request resolves, each try is judged by :class:`datagen.generation.retry.RetryPolicy` (retry, on
+another server where there is one, or give up with a kind). A run whose requests mostly failed must not end
 "complete" with an empty dataset version: past ``generation.max_failed_share`` of failed requests, or when
 every request of a dataset failed, :func:`check_failed_share` raises before the merge, naming the dominant
 failure (its type, count and one example reason) and the fix.
-
-A failure is *retryable* (:func:`is_retryable`, sent again by ``--retry-failed``) unless its reason is the
-prompt's own: a 4xx about the request (too long, malformed), a prompt the chat template cannot render, tool
-arguments that are not JSON. Server errors, resets, timeouts, and 4xx about the server's state (another
-model pinned, the model not found, a wrong key, too many requests) say nothing about the prompt.
 """
 
 from __future__ import annotations
 
+import enum
 import re
 from collections import Counter
 from collections.abc import Sequence
 
 from datagen.errors import TooManyFailuresError
-from datagen.generation.sglang_generate import UNRENDERABLE_PROMPT
 from datagen.output.store import Store
 from datagen.records import FailureRecord, ShardSummary
 
-# Failure types that are the prompt's own whatever the server: sending them again gives the same answer.
-PROMPT_FAILURE_TYPES = frozenset({UNRENDERABLE_PROMPT, "invalid_tool_arguments"})
+HTTP_PREFIX = "http_"
+
+
+class FailureKind(enum.StrEnum):
+    """Why a request ended without an answer; the value is what ``FailureRecord.error_type`` stores."""
+
+    HTTP_STATUS = "http"
+    """An HTTP answer no retry cures; stored with its status (``http_400``: :func:`error_type`)."""
+    RETRIES_EXHAUSTED = "retries_exhausted"
+    """Every attempt ended in a transient error (reset, timeout, 5xx, unusable answer)."""
+    REPEATED_INTERNAL_ERROR = "repeated_internal_error"
+    """HTTP 500s or resets from several servers: the request crashes whatever serves it."""
+    INVALID_TOOL_ARGUMENTS = "invalid_tool_arguments"
+    """The answer's tool call arguments are not a JSON object."""
+    UNRENDERABLE_PROMPT = "unrenderable_prompt"
+    """The chat template cannot render the prompt (exact-token mode: it is never sent)."""
+    NO_LIVE_SERVERS = "no_live_servers"
+    """No server was up for ``generation.no_live_server_timeout_s``."""
+    DISPATCHER_CLOSED = "dispatcher_closed"
+    """The dispatcher closed before the request finished."""
+    ADMISSION_STOPPED = "admission_stopped"
+    """A storage fault no retry cures stopped admission before the request was sent."""
+
+
+class Fate(enum.StrEnum):
+    """What a resolved failure leads to (module docstring)."""
+
+    UNFINISHED = "unfinished"
+    SEND_AGAIN = "send_again"
+    GIVE_UP = "give_up"
+
+
+# Kinds that say nothing about the request, only that it was never served: never stored, sent again.
+UNFINISHED_KINDS = frozenset(
+    {FailureKind.NO_LIVE_SERVERS, FailureKind.DISPATCHER_CLOSED, FailureKind.ADMISSION_STOPPED}
+)
+# Kinds that are the prompt's own whatever the server: sending them again gives the same answer.
+PROMPT_KINDS = frozenset({FailureKind.UNRENDERABLE_PROMPT, FailureKind.INVALID_TOOL_ARGUMENTS})
 # 4xx answers about the server rather than the request: auth, not found (the model), timeout, conflict, rate.
 SERVER_STATE_4XX = frozenset({401, 403, 404, 408, 409, 429})
 HTTP_SERVER_ERROR = 500
@@ -34,16 +78,57 @@ SERVER_STATE_REASON = re.compile(
 )
 
 
+def error_type(kind: FailureKind, status: int | None = None) -> str:
+    """The stored ``error_type`` of a failure: the kind's value, ``http_<status>`` for an HTTP answer."""
+    if kind is FailureKind.HTTP_STATUS:
+        return f"{HTTP_PREFIX}{status or 0}"
+    return kind.value
+
+
+def kind_of(stored: str) -> FailureKind | None:
+    """The kind of a stored ``error_type``; None for a value this vocabulary does not know."""
+    if stored.startswith(HTTP_PREFIX):
+        return FailureKind.HTTP_STATUS
+    try:
+        return FailureKind(stored)
+    except ValueError:
+        return None
+
+
+def fate(stored: str, *, status: int | None = None, reason: str = "") -> Fate:
+    """What a failure of ``error_type`` ``stored`` leads to (module docstring).
+
+    Args:
+        stored: The failure's ``error_type``.
+        status: Its last HTTP status, when it had one.
+        reason: Its reason (a 4xx naming another model is about the server, not the prompt).
+
+    Returns:
+        Unfinished, send again, or give up. A kind this vocabulary does not know is sent again: nothing says
+        it is the prompt's own.
+
+    """
+    kind = kind_of(stored)
+    if kind in UNFINISHED_KINDS:
+        return Fate.UNFINISHED
+    if kind in PROMPT_KINDS:
+        return Fate.GIVE_UP
+    if kind is not FailureKind.HTTP_STATUS:
+        return Fate.SEND_AGAIN
+    code = status or int(stored.removeprefix(HTTP_PREFIX) or 0)
+    if code >= HTTP_SERVER_ERROR or code in SERVER_STATE_4XX or SERVER_STATE_REASON.search(reason):
+        return Fate.SEND_AGAIN
+    return Fate.GIVE_UP
+
+
+def is_unfinished(failure: FailureRecord) -> bool:
+    """Whether a failure is no result of its request (never stored; its shard sends it again)."""
+    return fate(failure.error_type) is Fate.UNFINISHED
+
+
 def is_retryable(failure: FailureRecord) -> bool:
     """Whether a recorded failure may succeed when sent again (its reason is not the prompt's own)."""
-    if failure.error_type in PROMPT_FAILURE_TYPES:
-        return False
-    if not failure.error_type.startswith("http_"):
-        return True  # retries exhausted (resets, timeouts, 5xx), repeated internal errors
-    status = failure.last_status or int(failure.error_type.removeprefix("http_") or 0)
-    if status >= HTTP_SERVER_ERROR or status in SERVER_STATE_4XX:
-        return True
-    return bool(SERVER_STATE_REASON.search(failure.reason))
+    return fate(failure.error_type, status=failure.last_status, reason=failure.reason) is Fate.SEND_AGAIN
 
 
 def dominant_failure(summaries: Sequence[ShardSummary]) -> tuple[str, int]:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 from datagen.config import GenerationConfig
 from datagen.errors import HTTP_SERVER_ERROR
 from datagen.generation.dispatch_state import Job, Transient
+from datagen.generation.failures import FailureKind, error_type
 
 # Backoff delays are drawn from [JITTER_FLOOR * delay, delay] so retries of a burst spread out.
 JITTER_FLOOR = 0.5
@@ -33,10 +34,15 @@ class Retry(NamedTuple):
 
 
 class GiveUp(NamedTuple):
-    """The request fails with ``reason``, recorded as ``error_type``."""
+    """The request fails with ``reason``, of ``kind``."""
 
     reason: str
-    error_type: str
+    kind: FailureKind
+
+    @property
+    def error_type(self) -> str:
+        """The failure's stored ``error_type``."""
+        return error_type(self.kind)
 
 
 class RetryPolicy:
@@ -73,12 +79,12 @@ class RetryPolicy:
                 return GiveUp(
                     f"HTTP 500 or a connection reset from {distinct} server(s) on each of "
                     f"{len(job.internal_error_servers)} attempts; last error: {outcome.reason}",
-                    "repeated_internal_error",
+                    FailureKind.REPEATED_INTERNAL_ERROR,
                 )
         if job.attempts >= generation.max_attempts:
             return GiveUp(
                 f"retries exhausted after {job.attempts} attempts; last error: {outcome.reason}",
-                "retries_exhausted",
+                FailureKind.RETRIES_EXHAUSTED,
             )
         return Retry(0.0 if outcome.interrupted else self.backoff_s(job.attempts))
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, TypeAdapter, Valid
 
 from datagen.dataset.tokenizer import TokenizerSpec, render_prompt, shared_spec
 from datagen.errors import TokenizeError
+from datagen.generation.failures import FailureKind, error_type
 from datagen.generation.openai_chat import (
     GenerationRequest,
     PromptTokens,
@@ -41,7 +42,6 @@ GENERATE_PATH = "/generate"
 GENERATE_FINISH_REASONS: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 # Sampling fields whose /generate name differs from the chat-completions name (the engines' rules use those).
 GENERATE_FIELD_NAMES: Final = {"max_tokens": "max_new_tokens", "seed": "sampling_seed"}
-UNRENDERABLE_PROMPT = "unrenderable_prompt"
 # Validated in pydantic-core (microseconds for thousands of ids), on the dispatcher's loop thread.
 _TOKEN_IDS: TypeAdapter[list[int]] = TypeAdapter(list[StrictInt])
 
@@ -167,7 +167,7 @@ def attach_prompt_tokens(
                     sample_index=request.sample_index,
                     dataset=request.dataset,
                     reason=f"the chat template cannot render the prompt: {tokens}",
-                    error_type=UNRENDERABLE_PROMPT,
+                    error_type=error_type(FailureKind.UNRENDERABLE_PROMPT),
                     attempts=0,
                 )
             )

@@ -14,11 +14,11 @@ Storage is the truth, checked first and written last:
    parts (deduplicated by request key: the first occurrence wins and a completion beats a failure),
    each written once (or verified, when an interrupted attempt already wrote it), then the done marker.
 
-Requests that failed only because the fleet was unavailable (``no_live_servers``) or the dispatcher
-was closed are not results of the request: they are not checkpointed, and the shard raises
-:class:`~datagen.errors.NoLiveServersError` / :class:`~datagen.errors.TransientRequestError` after
-checkpointing everything else, so a rerun sends exactly those requests again instead of marking the
-shard done with them as failures.
+Requests that ended unfinished (:func:`~datagen.generation.failures.fate`: the fleet was unavailable, the
+dispatcher was closed, or admission stopped) are not results of the request: they are not checkpointed, and
+the shard raises :class:`~datagen.errors.NoLiveServersError`, :class:`~datagen.errors.TransientRequestError` or
+the storage fault that stopped admission after checkpointing everything else, so a rerun sends exactly those
+requests again instead of marking the shard done with them as failures.
 
 Parts are never deleted: they are write-once objects like everything else, small next to the final
 files, and they are what makes an interrupted shard resumable. Cleaning them up is left to retention
@@ -30,7 +30,9 @@ is tried again at the next checkpoint (the shard goes on generating); the last f
 the run stops), they are left in :class:`HeldResults`, owned by the flow for the whole run, and the next
 attempt of the shard in this process stores them first instead of generating them again. A fault retrying
 cannot fix (no space, no permission, the bucket gone) raises
-:class:`~datagen.errors.UnfixableStorageError` at once.
+:class:`~datagen.errors.UnfixableStorageError` at once, and stops the dispatcher's admission for every shard
+(:meth:`~datagen.generation.dispatcher.Dispatcher.stop_admission`): each answer after it would be lost, so the
+work lost is bounded by what was in flight and unstored then.
 
 ``resent_requests`` in the summary counts the requests sent by this attempt when an earlier attempt of the
 shard existed (it left a part, or held results in this process): the work redone after an interruption.
@@ -56,12 +58,13 @@ from datagen.errors import (
     OutputExistsError,
     StorageError,
     TransientRequestError,
+    UnfixableStorageError,
     is_transient,
     unfixable_storage_error,
 )
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.failures import is_retryable
+from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
 from datagen.output.layout import RunLayout
@@ -78,8 +81,6 @@ from datagen.records import (
 logger = logging.getLogger(__name__)
 
 PART_NAME = re.compile(r"(?:^|/)(completions|failures)-(\d+)\.jsonl$")
-# Failures that say nothing about the request, only that no server could take it: never final.
-FLEET_FAILURE_TYPES = frozenset({"no_live_servers", "dispatcher_closed"})
 # Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
 SEED_MODULUS = 2**31
 
@@ -569,7 +570,7 @@ def _run_requests(
                     oldest = arrived_at
                 if isinstance(result, CompletionRecord):
                     completions.append(result)
-                elif result.error_type in FLEET_FAILURE_TYPES:
+                elif is_unfinished(result):
                     unserved[result.error_type] += 1
                 else:
                     failures.append(result)
@@ -598,22 +599,28 @@ def _run_requests(
                     )
                     oldest = time.monotonic()
         writer.flush_patiently(completions, failures)
-    except BaseException:
+    except BaseException as error:
+        if isinstance(error, UnfixableStorageError):
+            # Every shard's answers from now on would be lost too: nothing more is sent, for any shard.
+            dispatcher.stop_admission(error)
         # Free the fleet's slots for other shards: this shard's requests not yet in flight are dropped.
         stream.cancel()
         held.hold(writer.dataset, writer.index, completions, failures, writer.retry_round)
         raise
-    _raise_if_unserved(unserved, writer)
+    _raise_if_unserved(unserved, writer, dispatcher.stopped_by)
 
 
-def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter) -> None:
+def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter, stopped_by: Exception | None) -> None:
     if not unserved:
         return
+    if unserved[FailureKind.ADMISSION_STOPPED] and isinstance(stopped_by, UnfixableStorageError):
+        # The fault that stopped admission is this shard's too: the operator must act before any rerun.
+        raise UnfixableStorageError(stopped_by.message, **stopped_by.context)
     # No live server is fatal until the fleet is back; a dispatcher that closed mid-shard is transient.
     count = sum(unserved.values())
     error: type[NoLiveServersError | TransientRequestError] = TransientRequestError
     what, fix = f"the dispatcher closed before {count} requests finished", "Rerun the shard"
-    if unserved["no_live_servers"]:
+    if unserved[FailureKind.NO_LIVE_SERVERS]:
         error = NoLiveServersError
         what, fix = (
             f"{count} requests found no live server",

@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.engines import engine_class
 from datagen.host.cuda_env import CudaToolkit, TorchInfo, jit_env_fixes
 
 # Memory a GPU may show as used with nothing of ours on it (driver context, monitoring agents).
@@ -95,8 +96,8 @@ class EnvReport(ReportModel):
         return sorted({gpu.compute_capability for gpu in self.gpus if gpu.compute_capability})
 
     def engine_flags(self, engine: str) -> list[str] | None:
-        """Launch flags the probe found ``engine``'s install accepts; None when not probed (only sglang's are)."""
-        return self.sglang_flags if engine == "sglang" else None
+        """Launch flags the probe found ``engine``'s install accepts; None when its flags do not vary (not probed)."""
+        return self.sglang_flags if engine_class(engine).launch_flags_vary else None
 
     def jit_env(self) -> dict[str, str]:
         """Server environment that fixes the found JIT problems (empty when none or not probed)."""

@@ -22,6 +22,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from datagen.engines import engine_packages
 from datagen.engines.sglang_flags import SGLangIntrospectionError, sglang_flags
 from datagen.errors import ProbeError
 from datagen.host.cuda_env import (
@@ -47,7 +48,8 @@ from datagen.host.nvidia_smi import (
 
 logger = logging.getLogger(__name__)
 
-PACKAGES = ("torch", "transformers", "sglang", "flashinfer-python", "sglang-router")
+# torch for the GPUs' CUDA build; the engines name their own (and the router's).
+PACKAGES = ("torch", *engine_packages())
 
 RECORDED_FILES = {
     "query_gpu": "query-gpu.csv",

@@ -1,17 +1,20 @@
-"""A full local disk mid-run: no new shard starts, one line names it, and the resume redoes only what was open.
+"""A full local disk mid-run: nothing more is sent, one line names it, and the resume redoes only what was open.
 
 Real `datagen run` processes write their output to a small tmpfs of their own (a user and mount namespace,
 `unshare -Urm`: no privileges needed; skipped where the kernel refuses them). When part of the run is
 answered, the test fills that tmpfs: every write then fails with ENOSPC at the filesystem, as on a full disk.
-The run stops starting shards, ends with exit 1 and one line naming ENOSPC, the path and the resume
-command; once space is freed, the resume answers every request exactly once, having sent again at most
-what was in flight or not yet stored in the shards running at the fault.
+From the first failed write on, no request is sent (only those already in flight still reach the server), the
+run ends with exit 1 and one line naming ENOSPC, the path and the resume command; once space is freed, the
+resume answers every request exactly once, having sent again at most what was in flight or not yet stored in
+the shards running at the fault.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -25,15 +28,18 @@ from tests.support.prefect_db import seed_prefect_home
 from tests.support.run_configs import external_run_config, write_prompts
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = 200
-SHARD_SIZE = 10
+PROMPTS = 240
+SHARD_SIZE = 20
 IN_FLIGHT = 4
-RUNNING_SHARDS = 2
-CHECKPOINT_EVERY = 4
-FILL_AFTER = 50
-# Sent again at most: the requests in flight, plus what the running shards had not stored yet (a checkpoint's
-# worth each, and what arrived while its write failed).
-REDONE_BOUND = IN_FLIGHT + RUNNING_SHARDS * 2 * CHECKPOINT_EVERY
+# Several shards each a checkpoint apart: a shard that went on after another one's write failed would be seen.
+RUNNING_SHARDS = 4
+CHECKPOINT_EVERY = 8
+FILL_AFTER = 60
+# Sent again at most: the requests in flight, plus what the running shards had answered but not stored yet (at
+# most a checkpoint's worth each): nothing is sent after the first failed write.
+REDONE_BOUND = IN_FLIGHT + RUNNING_SHARDS * CHECKPOINT_EVERY
+# The first line of the first run that names the fault, and its time (the console's local HH:MM:SS.mmm).
+FAULT_LINE = re.compile(r"^(\d\d:\d\d:\d\d\.\d{3}) \|.*retrying cannot fix it", re.MULTILINE)
 RUN_TIMEOUT_S = 240
 # The namespace's shell: mount the tmpfs, run datagen, fill the disk when asked, free it, resume.
 SCRIPT = """
@@ -65,6 +71,15 @@ def _namespaces_allowed() -> bool:
     return probe.returncode == 0
 
 
+def _wall_time_of_first_fault(log: str, day_of: float) -> float:
+    """The wall-clock time of the first log line naming the storage fault (the log's day is ``day_of``'s)."""
+    match = FAULT_LINE.search(log)
+    assert match, log[-3000:]
+    day = dt.datetime.fromtimestamp(day_of).date()
+    logged = dt.datetime.combine(day, dt.time.fromisoformat(match[1])).timestamp()
+    return logged - 86400 if logged > day_of + 60 else logged  # a run across midnight
+
+
 def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_the_open_work(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
@@ -87,7 +102,7 @@ def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_th
             protected=str(tmp_path / "train"),
             generation={
                 "checkpoint_every": CHECKPOINT_EVERY,
-                "checkpoint_interval_s": 0.2,
+                "checkpoint_interval_s": 2.0,
                 "backoff_initial_s": 0.05,
                 "max_concurrent_shards": RUNNING_SHARDS,
             },
@@ -122,6 +137,9 @@ def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_th
                 shell.kill()
                 shell.wait()
         total_sent = len(server.chat_requests())
+        # The server's clock (monotonic) as wall-clock time, to compare with the run's log.
+        to_wall = time.time() - time.monotonic()
+        arrivals = [seen.arrived_at + to_wall for seen in server.chat_requests()]
 
     first_err = (logs / "first.err").read_text()
     assert (logs / "first.code").read_text().strip() == "1", first_err[-3000:]
@@ -132,6 +150,13 @@ def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_th
         sum("resume with" in line or "datagen run --run-id" in line for line in first_err.splitlines()) == 1
     )
     assert "UserWarning" not in first_err, first_err[-3000:]
+    # From the first failed write on, admission is stopped: only requests already in flight still arrive.
+    first_ended = (logs / "first.code").stat().st_mtime
+    fault_at = _wall_time_of_first_fault(first_err, first_ended)
+    after_fault = sum(fault_at < arrived <= first_ended for arrived in arrivals)
+    assert after_fault <= IN_FLIGHT, (
+        f"{after_fault} requests reached the server after the fault (in flight: {IN_FLIGHT})"
+    )
     assert (logs / "second.code").read_text().strip() == "0", (logs / "second.err").read_text()[-3000:]
     keys = [
         f"{row['prompt_id']}/{row['sample_index']}"

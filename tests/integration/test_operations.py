@@ -641,8 +641,9 @@ def test_a_run_cancelled_after_the_api_was_away_still_stops(stack: Stack, tmp_pa
         "the GPU lock is still held"
     )
     after = _stored(tmp_path / "out")
+    # Which one stopped it (the worker's runner once the API was back, or the run's own watch) depends on the
+    # load: both end as above, so neither path's log line is asserted.
     assert {key: after.get(key) for key in stored} == stored, "a stored object changed or vanished"
-    assert "not stopped by a runner" in stack.prefect.flow_run_logs(flow_run_id)
 
 
 def test_the_api_refuses_a_request_without_the_auth_string(stack: Stack) -> None:

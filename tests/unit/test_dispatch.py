@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -11,6 +12,7 @@ from concurrent.futures import Future, wait
 import pytest
 
 from datagen.config import GenerationConfig
+from datagen.errors import UnfixableStorageError
 from datagen.generation.dispatch_health import HEALTH_INTERVAL_S
 from datagen.generation.dispatch_state import DispatcherStats, GenerationResult
 from datagen.generation.dispatcher import Dispatcher
@@ -334,6 +336,14 @@ def test_close_resolves_requests_still_in_flight(
     assert "dispatcher closed completed=1 failed=0 unfinished=3 " in caplog.text
 
 
+def test_a_dispatcher_leaves_the_interpreters_switch_interval_alone(server: FaultServer) -> None:
+    before = sys.getswitchinterval()
+    with dispatcher_for([server.url]) as dispatcher:
+        assert isinstance(dispatcher.submit(make_request("gil")).result(30), CompletionRecord)
+        assert sys.getswitchinterval() == before
+    assert sys.getswitchinterval() == before
+
+
 def test_submit_before_start_is_refused() -> None:
     dispatcher = dispatcher_for(["http://127.0.0.1:9"])
     with pytest.raises(RuntimeError, match="start"):
@@ -418,6 +428,33 @@ def test_a_cancelled_stream_sends_none_of_its_waiting_requests(server: FaultServ
         "after",
     ]
     assert results_seen == []
+
+
+def test_stopped_admission_sends_nothing_more_and_ends_every_waiting_request_unfinished(
+    server: FaultServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    fault = UnfixableStorageError("storage write failed and retrying cannot fix it: ENOSPC", cause="ENOSPC")
+    with dispatcher_for([server.url], cap=2) as dispatcher:
+        wait_until(lambda: len(servers_up(dispatcher)) == 1)
+        first = [dispatcher.submit(make_request(f"#sleep=0.5 s{i}")) for i in range(8)]
+        wait_until(lambda: server.in_flight == 2)
+        dispatcher.stop_admission(fault)
+        ended = results(first)
+        [later] = results([dispatcher.submit(make_request("later"))])
+        stats = dispatcher.stats()
+        with caplog.at_level(logging.INFO, logger="datagen.generation.dispatcher"):
+            dispatcher.close()
+
+    assert dispatcher.stopped_by is fault
+    # The two in flight at the stop are answered; nothing else reaches the server, then or later.
+    assert [type(result) for result in ended[:2]] == [CompletionRecord, CompletionRecord]
+    unsent = [*ended[2:], later]
+    assert all(isinstance(r, FailureRecord) and r.error_type == "admission_stopped" for r in unsent), unsent
+    assert all("ENOSPC" in r.reason for r in unsent if isinstance(r, FailureRecord))
+    assert len(server.chat_requests()) == 2
+    # Unfinished requests are not the run's failures: the progress line and the close line keep them apart.
+    assert (stats.completed, stats.failed, stats.unfinished) == (2, 0, 7)
+    assert "dispatcher closed completed=2 failed=0 unfinished=7 " in caplog.text
 
 
 def test_a_server_added_with_its_own_cap_is_kept_at_that_cap_beside_the_others() -> None:

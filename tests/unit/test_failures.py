@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from datagen.errors import PreflightError, ShardsFailedError, TooManyFailuresError
-from datagen.generation.failures import check_failed_share, is_retryable
+from datagen.generation.failures import FailureKind, Fate, check_failed_share, error_type, fate, is_retryable
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.records import FailureRecord, ShardSummary
@@ -42,6 +42,39 @@ def test_only_failures_whose_reason_is_not_the_prompts_own_are_sent_again(
     failure: FailureRecord, retryable: bool
 ) -> None:
     assert is_retryable(failure) is retryable
+
+
+# The values records have stored since their first version: a renamed value would misread every old run.
+STORED_VALUES = {
+    FailureKind.HTTP_STATUS: "http_400",
+    FailureKind.RETRIES_EXHAUSTED: "retries_exhausted",
+    FailureKind.REPEATED_INTERNAL_ERROR: "repeated_internal_error",
+    FailureKind.INVALID_TOOL_ARGUMENTS: "invalid_tool_arguments",
+    FailureKind.UNRENDERABLE_PROMPT: "unrenderable_prompt",
+    FailureKind.NO_LIVE_SERVERS: "no_live_servers",
+    FailureKind.DISPATCHER_CLOSED: "dispatcher_closed",
+    FailureKind.ADMISSION_STOPPED: "admission_stopped",
+}
+
+
+def test_every_failure_kind_keeps_its_stored_value_and_has_one_fate() -> None:
+    assert set(STORED_VALUES) == set(FailureKind)
+    assert {kind: error_type(kind, 400) for kind in FailureKind} == STORED_VALUES
+    fates = {
+        kind: fate(stored, status=400, reason="HTTP 400: too long") for kind, stored in STORED_VALUES.items()
+    }
+    assert fates == {
+        FailureKind.HTTP_STATUS: Fate.GIVE_UP,
+        FailureKind.RETRIES_EXHAUSTED: Fate.SEND_AGAIN,
+        FailureKind.REPEATED_INTERNAL_ERROR: Fate.SEND_AGAIN,
+        FailureKind.INVALID_TOOL_ARGUMENTS: Fate.GIVE_UP,
+        FailureKind.UNRENDERABLE_PROMPT: Fate.GIVE_UP,
+        FailureKind.NO_LIVE_SERVERS: Fate.UNFINISHED,
+        FailureKind.DISPATCHER_CLOSED: Fate.UNFINISHED,
+        FailureKind.ADMISSION_STOPPED: Fate.UNFINISHED,
+    }
+    # A value no version of datagen wrote is not the prompt's fault: sent again rather than dropped.
+    assert fate("something_new") is Fate.SEND_AGAIN
 
 
 def _shard(

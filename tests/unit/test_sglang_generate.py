@@ -17,7 +17,6 @@ from datagen.generation.openai_chat import (
     UnusableResponseError,
 )
 from datagen.generation.sglang_generate import (
-    UNRENDERABLE_PROMPT,
     PromptEncoder,
     attach_prompt_tokens,
     build_generate_payload,
@@ -266,7 +265,7 @@ def test_each_prompt_is_rendered_once_for_all_its_samples_and_an_unrenderable_on
     assert ready[0].prompt_tokens is not None and ready[0].prompt_tokens.opens_reasoning
     assert ready[0].prompt_tokens.input_ids == render_prompt_ids(tokenizer, requests[0])
     assert [(failure.key, failure.error_type, failure.attempts) for failure in failures] == [
-        ("bad/0", UNRENDERABLE_PROMPT, 0),
-        ("bad/1", UNRENDERABLE_PROMPT, 0),
+        ("bad/0", "unrenderable_prompt", 0),
+        ("bad/1", "unrenderable_prompt", 0),
     ]
     assert "No user query found" in failures[0].reason
