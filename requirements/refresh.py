@@ -2,9 +2,13 @@
 
 Each environment the project makes installs exactly one of these files, never a fresh resolution:
 
-- ``dev.txt``: ``pyproject.toml``'s dependencies with the ``local`` and ``dev`` extras, for CPython 3.11 on
-  Linux x86_64 (this kind of machine), torch as the CPU build in ``/opt/wheels``; ``make setup``, ``make demo``
-  and ``make test`` sync ``.venv`` to it.
+- ``dev.txt``: ``pyproject.toml``'s dependencies with the ``local`` and ``dev`` extras, resolved from PyPI alone
+  for every interpreter from CPython 3.11 and every platform (a universal lock: markers say where a pin applies);
+  torch is PyPI's build, which on Linux is built for CUDA and brings CUDA's runtime wheels (``nvidia-*``,
+  ``cuda-*``, ``triton``). ``make setup``, ``make demo`` and ``make test`` sync ``.venv`` to it.
+- ``dev-cpu.txt``: the same pins with torch's CPU build instead (``+cpu``, no CUDA wheels), from the wheel folder
+  machines of this kind keep (``/opt/wheels``); the Makefile takes it where that folder holds the build for the
+  interpreter and machine at hand (:func:`dev_lock_for`).
 - ``bootstrap.txt``: uv, the installer, at ``dev.txt``'s version (pip installs it into a new ``.venv``).
 - ``build.txt``: setuptools and wheel for the editable install of datagen itself.
 - ``gpu.txt``: the serving set a GPU host installs into an environment of its own (never the trainer's):
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import re
 import subprocess
 import sys
@@ -34,14 +39,19 @@ LOCK_DIR = REPO_ROOT / "requirements"
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 DIGEST_PREFIX = "# pyproject-digest: "
 REFRESH_COMMAND = "make lock"
-# The dev lock's interpreter and platform: this kind of machine (CPython 3.11, glibc x86_64).
-DEV_TARGET = ("3.11", "x86_64-manylinux_2_28")
+# The dev locks' lowest interpreter; they are universal (every later interpreter, every platform).
+DEV_PYTHON = "3.11"
 # The GPU hosts' serving set: CPython 3.12 (what the H200 hosts run), sglang's wheels need glibc 2.34.
 GPU_TARGET = ("3.12", "x86_64-manylinux_2_34")
-# The CPU build of torch that lies on this kind of machine's disk; PyPI's 2.13.0 is a CUDA build.
-DEV_TORCH = "torch==2.13.0+cpu"
-LOCKS: dict[str, tuple[tuple[str, ...], tuple[str, str]]] = {
-    "dev.txt": (("local", "dev"), DEV_TARGET),
+# torch's release in both dev locks: the CPU build of it lies on this kind of machine's disk (uv pins a local
+# version such as ``2.13.0+cpu`` on its own, with its own hashes: one pin cannot name both builds).
+TORCH_VERSION = "2.13.0"
+CPU_TORCH_LOCAL = "+cpu"
+# Where machines of this kind keep torch's CPU build (pip's find-links); uv reads no pip config.
+TORCH_WHEELS = Path("/opt/wheels")
+LOCKS: dict[str, tuple[tuple[str, ...], tuple[str, str] | None]] = {
+    "dev.txt": (("local", "dev"), None),
+    "dev-cpu.txt": (("local", "dev"), None),
     "gpu.txt": (("gpu",), GPU_TARGET),
 }
 
@@ -67,27 +77,63 @@ def recorded_digest(lock: Path) -> str | None:
 
 
 def _uv(*args: str) -> list[str]:
-    from tests.support.locked_venv import uv
+    return [sys.executable, "-m", "uv", *args]
 
-    return uv(*args)
+
+def dev_lock_for(python_tag: str, machine: str, wheels: Path = TORCH_WHEELS) -> Path:
+    """The dev lock to install: ``dev-cpu.txt`` where ``wheels`` holds its torch for this interpreter and machine.
+
+    Args:
+        python_tag: The interpreter's wheel tag, such as ``cp311``.
+        machine: ``platform.machine()`` of the host, such as ``x86_64``.
+        wheels: The folder that may hold torch's CPU build.
+
+    Returns:
+        ``dev-cpu.txt`` when a wheel of its torch fits, ``dev.txt`` (PyPI alone) otherwise.
+    """
+    cpu_build = f"torch-{TORCH_VERSION}{CPU_TORCH_LOCAL}-{python_tag}-{python_tag}-*_{machine}.whl"
+    if wheels.is_dir() and any(wheels.glob(cpu_build)):
+        return LOCK_DIR / "dev-cpu.txt"
+    return LOCK_DIR / "dev.txt"
+
+
+def lock_pins(lock: Path) -> dict[str, str]:
+    """``{name: version}`` of every pin in a compiled lock."""
+    return dict(re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", lock.read_text(), flags=re.M))
+
+
+def _constraints(name: str) -> str:
+    """What lock ``name`` is held to: its torch, and for ``dev-cpu.txt`` every other pin of ``dev.txt``."""
+    if name == "dev.txt":
+        return f"torch=={TORCH_VERSION}\n"
+    if name == "dev-cpu.txt":
+        others = {pkg: ver for pkg, ver in lock_pins(LOCK_DIR / "dev.txt").items() if pkg != "torch"}
+        return f"torch=={TORCH_VERSION}{CPU_TORCH_LOCAL}\n" + "".join(f"{p}=={v}\n" for p, v in others.items())
+    return ""
 
 
 def compile_project_lock(name: str) -> None:
-    """``uv pip compile`` of ``pyproject.toml`` with the extras and target of lock ``name``."""
-    extras, (python_version, platform) = LOCKS[name]
+    """``uv pip compile`` of ``pyproject.toml`` with the extras and target of lock ``name``.
+
+    ``dev.txt`` and ``gpu.txt`` see PyPI alone; ``dev-cpu.txt`` also sees the wheel folder that holds torch's CPU
+    build, and is held to ``dev.txt``'s other pins so the two locks differ only where torch's builds do.
+    """
+    extras, target = LOCKS[name]
+    where = ["--universal", "--python-version", DEV_PYTHON]
+    if target is not None:
+        where = ["--python-version", target[0], "--python-platform", target[1]]
+    sources = ["--find-links", str(TORCH_WHEELS)] if name == "dev-cpu.txt" else []
     with tempfile.TemporaryDirectory() as scratch:
-        constraints = Path(scratch) / "torch.txt"
-        constraints.write_text(DEV_TORCH + "\n" if name == "dev.txt" else "")
+        constraints = Path(scratch) / "constraints.txt"
+        constraints.write_text(_constraints(name))
         command = _uv(
             "pip",
             "compile",
             str(PYPROJECT),
             *[flag for extra in extras for flag in ("--extra", extra)],
             "--generate-hashes",
-            "--python-version",
-            python_version,
-            "--python-platform",
-            platform,
+            *where,
+            *sources,
             "--constraint",
             str(constraints),
             "--custom-compile-command",
@@ -96,7 +142,7 @@ def compile_project_lock(name: str) -> None:
         )
         compiled = subprocess.run(command, check=True, capture_output=True, text=True, cwd=REPO_ROOT).stdout
     # uv prints the constraint file's temporary path in its annotations: keep the lock the same on every refresh.
-    compiled = re.sub(r"-c /tmp/\S+", "-c torch constraint", compiled)
+    compiled = re.sub(r"-c /tmp/\S+", "-c constraints", compiled)
     header = f"{DIGEST_PREFIX}{declaration_digest(extras)}\n"
     (LOCK_DIR / name).write_text(header + compiled)
 
@@ -166,6 +212,8 @@ def write_validation_locks() -> None:
 def main() -> int:
     """``project``: compile the project's locks; ``validation``: the validation venvs' (against ``.venv``).
 
+    ``dev-lock``: print the dev lock this interpreter and machine install (the Makefile asks).
+
     ``make lock`` runs ``project``, syncs ``.venv`` to the new ``dev.txt``, then runs ``validation``: the
     validation venvs share ``.venv``, so they are resolved against the dev lock they will run with.
     """
@@ -178,8 +226,11 @@ def main() -> int:
         write_build()
     elif stage == "validation":
         write_validation_locks()
+    elif stage == "dev-lock":
+        python_tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+        print(dev_lock_for(python_tag, platform.machine()).relative_to(REPO_ROOT))
     else:
-        print("usage: refresh.py project|validation (`make lock` runs both)", file=sys.stderr)
+        print("usage: refresh.py project|validation|dev-lock (`make lock` runs the first two)", file=sys.stderr)
         return 2
     return 0
 
