@@ -108,7 +108,9 @@ def _constraints(name: str) -> str:
         return f"torch=={TORCH_VERSION}\n"
     if name == "dev-cpu.txt":
         others = {pkg: ver for pkg, ver in lock_pins(LOCK_DIR / "dev.txt").items() if pkg != "torch"}
-        return f"torch=={TORCH_VERSION}{CPU_TORCH_LOCAL}\n" + "".join(f"{p}=={v}\n" for p, v in others.items())
+        return f"torch=={TORCH_VERSION}{CPU_TORCH_LOCAL}\n" + "".join(
+            f"{p}=={v}\n" for p, v in others.items()
+        )
     return ""
 
 
@@ -230,7 +232,9 @@ def main() -> int:
         python_tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
         print(dev_lock_for(python_tag, platform.machine()).relative_to(REPO_ROOT))
     else:
-        print("usage: refresh.py project|validation|dev-lock (`make lock` runs the first two)", file=sys.stderr)
+        print(
+            "usage: refresh.py project|validation|dev-lock (`make lock` runs the first two)", file=sys.stderr
+        )
         return 2
     return 0
 
