@@ -25,6 +25,7 @@ MAKE_START := $(shell date +%s)
 
 SGLANG_VENVS := .venv-sglang/.built
 TRAINER_VENVS := .venv-trainers/.built
+TRANSFORMERS_GPU_VENV := .venv-transformers-gpu/.ready
 
 .PHONY: setup demo test check-locks lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick lock screenshots
 
@@ -68,11 +69,16 @@ $(TRAINER_VENVS): tests/support/trainer_venvs.py tests/support/locked_venv.py $(
 
 trainer-venvs: $(TRAINER_VENVS)
 
+# The transformers release the GPU serving set pins (requirements/transformers-gpu.txt), for the chat-template tests.
+$(TRANSFORMERS_GPU_VENV): tests/support/transformers_gpu_venv.py tests/support/locked_venv.py requirements/transformers-gpu.txt $(STAMP)
+	$(BIN)/python -m tests.support.transformers_gpu_venv
+	touch $(TRANSFORMERS_GPU_VENV)
+
 # Machines of this kind set PYTHONDONTWRITEBYTECODE=1, and then nothing keeps compiled modules: each of a run's
 # ~250 Python processes (workers, CLIs, servers, flow runs) compiles datagen's modules again, and every worker
 # rewrites the asserts of every test module again (~3 of its ~6 CPU-s of collection). The tests keep them.
 test: export PYTHONDONTWRITEBYTECODE :=
-test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS)
+test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS) $(TRANSFORMERS_GPU_VENV)
 	@echo "set-up (venvs) ready after $$(( $$(date +%s) - $(MAKE_START) )) s; the tests' own time is pytest's last line"
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 

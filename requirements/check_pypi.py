@@ -100,6 +100,7 @@ TARGETS: dict[str, list[Target]] = {
     "gpu.txt": _targets([(3, 12)], ["x86_64"], GPU_GLIBC),
     **{lock.name: VALIDATION_TARGETS for lock in sorted(LOCK_DIR.glob("sglang-*.txt"))},
     **{lock.name: VALIDATION_TARGETS for lock in sorted(LOCK_DIR.glob("trainer-*.txt"))},
+    "transformers-gpu.txt": VALIDATION_TARGETS,
 }
 # Pins whose build is not PyPI's on purpose: the lock exists for it.
 LOCAL_BY_DESIGN = {("dev-cpu.txt", "torch")}

@@ -13,7 +13,7 @@ Each environment the project makes installs exactly one of these files, never a 
 - ``build.txt``: setuptools and wheel for the editable install of datagen itself.
 - ``gpu.txt``: the serving set a GPU host installs into an environment of its own (never the trainer's):
   the dependencies with the ``gpu`` extra (sglang, its CUDA torch), for CPython 3.12 on Linux x86_64.
-- ``sglang-<version>.txt``, ``trainer-<name>.txt``: the validation venvs' own packages
+- ``sglang-<version>.txt``, ``trainer-<name>.txt``, ``transformers-gpu.txt``: the validation venvs' own packages
   (:mod:`tests.support.locked_venv`).
 
 ``dev.txt`` and ``gpu.txt`` record a digest of the declarations they were compiled from;
@@ -190,10 +190,12 @@ def write_build() -> None:
 
 def write_validation_locks() -> None:
     """Resolve each validation venv's recipe once, freeze what landed in the venv itself, lock it."""
-    from tests.support import sglang_venv, trainer_venvs
+    from tests.support import sglang_venv, trainer_venvs, transformers_gpu_venv
     from tests.support.locked_venv import freeze_own, lock_path, lock_text, resolve_into
 
-    recipes: dict[str, tuple[list[str], list[str]]] = {}
+    recipes: dict[str, tuple[list[str], list[str]]] = {
+        transformers_gpu_venv.LOCK_NAME: transformers_gpu_venv.recipe()
+    }
     for version in sglang_venv.SGLANG_VERSIONS:
         recipes[sglang_venv.lock_name(version)] = sglang_venv.resolve_recipe(version)
     for trainer, spec in trainer_venvs.TRAINERS.items():
@@ -204,7 +206,7 @@ def write_validation_locks() -> None:
             pins = freeze_own(site)
         header = (
             f"# {name}: the packages of its validation venv itself (the rest is dev.txt's, shared).\n"
-            f"# Recipe: --no-deps {' '.join(no_deps)}; with dependencies {' '.join(with_deps)}.\n"
+            f"# Recipe: --no-deps {' '.join(no_deps)}; with dependencies {' '.join(with_deps) or 'none'}.\n"
             f"# Installed with --no-deps --require-hashes; refreshed by `{REFRESH_COMMAND}`.\n"
         )
         lock_path(name).write_text(lock_text(pins, header))

@@ -17,7 +17,7 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.support import sglang_venv, trainer_venvs
+from tests.support import sglang_venv, trainer_venvs, transformers_gpu_venv
 from tests.support.locked_venv import LOCK_DIR, dev_lock, lock_path
 
 PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
@@ -174,6 +174,13 @@ def test_each_validation_lock_pins_its_release() -> None:
             assert parsed.specifier.contains(locked[canonicalize_name(parsed.name)])
 
 
+def test_the_template_venv_holds_the_serving_sets_transformers() -> None:
+    gpu = pins(LOCK_DIR / "gpu.txt")
+    assert pins(lock_path(transformers_gpu_venv.LOCK_NAME)) == {
+        name: gpu[name] for name in transformers_gpu_venv.PACKAGES
+    }
+
+
 def test_the_dev_venv_holds_exactly_the_dev_lock() -> None:
     locked = pins(dev_lock())
     installed = {canonicalize_name(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
@@ -210,6 +217,7 @@ VALIDATION_VENVS = [
         (trainer_venvs.ensure_venv, trainer, trainer_venvs.lock_name(trainer))
         for trainer in trainer_venvs.TRAINERS
     ],
+    (lambda _: transformers_gpu_venv.ensure_venv(), "", transformers_gpu_venv.LOCK_NAME),
 ]
 
 
