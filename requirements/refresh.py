@@ -121,6 +121,11 @@ def compile_project_lock(name: str) -> None:
     build, and is held to ``dev.txt``'s other pins so the two locks differ only where torch's builds do.
     """
     extras, target = LOCKS[name]
+    if name == "dev-cpu.txt" and not any(TORCH_WHEELS.glob(f"torch-{TORCH_VERSION}{CPU_TORCH_LOCAL}-*.whl")):
+        raise SystemExit(
+            f"dev-cpu.txt pins torch's CPU build, which must lie in {TORCH_WHEELS} to be locked (download "
+            f"torch=={TORCH_VERSION}{CPU_TORCH_LOCAL} from https://download.pytorch.org/whl/cpu there first)"
+        )
     where = ["--universal", "--python-version", DEV_PYTHON]
     if target is not None:
         where = ["--python-version", target[0], "--python-platform", target[1]]
