@@ -49,6 +49,8 @@ TORCH_VERSION = "2.13.0"
 CPU_TORCH_LOCAL = "+cpu"
 # Where machines of this kind keep torch's CPU build (pip's find-links); uv reads no pip config.
 TORCH_WHEELS = Path("/opt/wheels")
+# A pin line of a compiled lock: the requirement (with its marker, if any), then its name.
+_PIN_LINE = r"^(([A-Za-z0-9][A-Za-z0-9._-]*)==[^\s;\\]+(?: ; [^\\]+?)?)\s*\\?$"
 LOCKS: dict[str, tuple[tuple[str, ...], tuple[str, str] | None]] = {
     "dev.txt": (("local", "dev"), None),
     "dev-cpu.txt": (("local", "dev"), None),
@@ -97,9 +99,13 @@ def dev_lock_for(python_tag: str, machine: str, wheels: Path = TORCH_WHEELS) -> 
     return LOCK_DIR / "dev.txt"
 
 
-def lock_pins(lock: Path) -> dict[str, str]:
-    """``{name: version}`` of every pin in a compiled lock."""
-    return dict(re.findall(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;]+)", lock.read_text(), flags=re.M))
+def lock_pins(lock: Path) -> list[tuple[str, str]]:
+    """``(name, requirement)`` of every pin in a compiled lock, its marker kept (``numpy==2.4.6 ; ...``).
+
+    A universal lock may pin one package twice, at two versions under two markers.
+    """
+    found = re.findall(_PIN_LINE, lock.read_text(), flags=re.M)
+    return [(name, requirement) for requirement, name in found]
 
 
 def _constraints(name: str) -> str:
@@ -107,10 +113,8 @@ def _constraints(name: str) -> str:
     if name == "dev.txt":
         return f"torch=={TORCH_VERSION}\n"
     if name == "dev-cpu.txt":
-        others = {pkg: ver for pkg, ver in lock_pins(LOCK_DIR / "dev.txt").items() if pkg != "torch"}
-        return f"torch=={TORCH_VERSION}{CPU_TORCH_LOCAL}\n" + "".join(
-            f"{p}=={v}\n" for p, v in others.items()
-        )
+        others = [requirement for pkg, requirement in lock_pins(LOCK_DIR / "dev.txt") if pkg != "torch"]
+        return f"torch=={TORCH_VERSION}{CPU_TORCH_LOCAL}\n" + "".join(f"{line}\n" for line in others)
     return ""
 
 

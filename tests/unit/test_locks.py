@@ -12,7 +12,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from packaging.markers import default_environment
+from packaging.markers import Marker, default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
@@ -20,7 +20,7 @@ from packaging.version import Version
 from tests.support import sglang_venv, trainer_venvs, transformers_gpu_venv
 from tests.support.locked_venv import LOCK_DIR, dev_lock, lock_path
 
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)(?: ; ([^\\]+?))?\s*\\?$")
 # Installed into every venv by `python -m venv` itself, and datagen's own editable install.
 SEED_AND_SELF = {"pip", "setuptools", "datagen"}
 
@@ -33,8 +33,12 @@ def _refresh() -> ModuleType:
     return module
 
 
-def pins(lock: Path) -> dict[str, str]:
-    """``{canonical name: version}`` of every pin in a lock, checking each carries a hash."""
+def pins(lock: Path, environment: dict[str, str] | None = None) -> dict[str, str]:
+    """``{canonical name: version}`` of every pin in a lock, checking each carries a hash.
+
+    A universal lock may pin a package twice under two markers: with ``environment``, only the pins whose
+    marker holds there count (this interpreter's, for what a venv holds).
+    """
     lines = lock.read_text().splitlines()
     found: dict[str, str] = {}
     for index, line in enumerate(lines):
@@ -43,7 +47,8 @@ def pins(lock: Path) -> dict[str, str]:
             assert index + 1 < len(lines) and "--hash=sha256:" in lines[index + 1], (
                 f"{lock.name}: {line} has no hash"
             )
-            found[canonicalize_name(match[1])] = match[2]
+            if environment is None or match[3] is None or Marker(match[3]).evaluate(environment):
+                found[canonicalize_name(match[1])] = match[2]
     return found
 
 
@@ -182,7 +187,7 @@ def test_the_template_venv_holds_the_serving_sets_transformers() -> None:
 
 
 def test_the_dev_venv_holds_exactly_the_dev_lock() -> None:
-    locked = pins(dev_lock())
+    locked = pins(dev_lock(), dict(default_environment()))
     installed = {canonicalize_name(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
     extra = {
         name: version
@@ -228,7 +233,7 @@ def test_a_validation_venv_sees_only_locked_packages(ensure, key: str, lock_name
     """What a validation venv imports is its own lock's or, through the shared .pth, the dev lock's."""
     python = ensure(key)
     own = pins(lock_path(lock_name))
-    dev = pins(dev_lock())
+    dev = pins(dev_lock(), dict(default_environment()))
     own_site = str(Path(python).parent.parent)
     for name, version, where in _visible_distributions(python):
         if where.startswith(own_site):
