@@ -1,15 +1,17 @@
 # The two commands a newcomer needs: `make demo` and `make test`. Each installs what it needs into .venv, exactly
-# what requirements/dev.txt pins (hashes checked), so what passes today passes next month; `make lock` refreshes
+# what a committed lock pins (hashes checked), so what passes today passes next month; `make lock` refreshes
 # every lock (requirements/refresh.py says which file serves which environment).
-# The dev lock is for CPython 3.11 on Linux x86_64; PYTHON=... picks the interpreter a new .venv is made from.
+# Supported: CPython 3.11 and 3.12 on Linux x86_64 and aarch64; PYTHON=... picks the interpreter a new .venv is made
+# from. The venv installs requirements/dev.txt (PyPI alone; its torch brings CUDA's runtime wheels) or, where
+# /opt/wheels holds torch's CPU build for that interpreter and machine, requirements/dev-cpu.txt (the same pins with
+# that build and no CUDA wheels): `requirements/refresh.py dev-lock` decides.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LOCKS := requirements/dev.txt requirements/bootstrap.txt requirements/build.txt
+LOCKS := requirements/dev.txt requirements/dev-cpu.txt requirements/bootstrap.txt requirements/build.txt
 UV := $(BIN)/python -m uv
-# torch's CPU build lies in /opt/wheels on this kind of machine (dev.txt pins torch==2.13.0+cpu); uv reads no
-# pip config, so it is told where.
+# uv reads no pip config: the folder that may hold torch's CPU build is named to it (requirements/refresh.py's).
 UV_FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
 export UV_PYTHON_DOWNLOADS := never
 DEMO_RUN_ID ?= demo
@@ -23,24 +25,27 @@ MAKE_START := $(shell date +%s)
 
 SGLANG_VENVS := .venv-sglang/.built
 TRAINER_VENVS := .venv-trainers/.built
+TRANSFORMERS_GPU_VENV := .venv-transformers-gpu/.ready
 
-.PHONY: setup demo test lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick lock screenshots
+.PHONY: setup demo test check-locks lint typecheck clean-demo help sglang-venvs trainer-venvs bench bench-quick lock screenshots
 
 help:
 	@echo "make demo   - run the whole flow locally (2 CPU servers, sample prompts) into ./runs/"
 	@echo "make test   - run the test suite"
 	@echo "make lint   - ruff + mypy"
+	@echo "make check-locks - every committed lock installs from PyPI alone on every interpreter and machine it serves"
 	@echo "make screenshots - refresh docs/screenshots/*.png from a real server, worker and headless chromium (apt-get install -y chromium)"
 	@echo "make lock   - refresh every lock in requirements/ from pyproject.toml and the venv recipes (commit them)"
 	@echo "make bench  - datagen's whole flow vs an ideal and a SpecForge-style client on simulated servers (~10 min)"
 
 $(STAMP): $(LOCKS) pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' || { \
-		echo "requirements/dev.txt is locked for CPython 3.11: rm -rf $(VENV) and run make with PYTHON=python3.11"; \
+	@$(BIN)/python -c 'import sys; sys.exit(sys.version_info[:2] not in ((3, 11), (3, 12)))' || { \
+		echo "the dev locks support CPython 3.11 and 3.12: rm -rf $(VENV) and run make with PYTHON=python3.12"; \
 		exit 1; }
 	$(BIN)/python -m pip install -q --no-deps --require-hashes -r requirements/bootstrap.txt
-	$(UV) pip sync -q --python $(BIN)/python --require-hashes $(UV_FIND_LINKS) requirements/dev.txt
+	lock=$$($(BIN)/python requirements/refresh.py dev-lock) && echo "installing $$lock" && \
+		$(UV) pip sync -q --python $(BIN)/python --require-hashes $(UV_FIND_LINKS) $$lock
 	$(UV) pip install -q --python $(BIN)/python --no-deps --build-constraints requirements/build.txt -e .
 	touch $(STAMP)
 
@@ -64,13 +69,22 @@ $(TRAINER_VENVS): tests/support/trainer_venvs.py tests/support/locked_venv.py $(
 
 trainer-venvs: $(TRAINER_VENVS)
 
+# The transformers release the GPU serving set pins (requirements/transformers-gpu.txt), for the chat-template tests.
+$(TRANSFORMERS_GPU_VENV): tests/support/transformers_gpu_venv.py tests/support/locked_venv.py requirements/transformers-gpu.txt $(STAMP)
+	$(BIN)/python -m tests.support.transformers_gpu_venv
+	touch $(TRANSFORMERS_GPU_VENV)
+
 # Machines of this kind set PYTHONDONTWRITEBYTECODE=1, and then nothing keeps compiled modules: each of a run's
 # ~250 Python processes (workers, CLIs, servers, flow runs) compiles datagen's modules again, and every worker
 # rewrites the asserts of every test module again (~3 of its ~6 CPU-s of collection). The tests keep them.
 test: export PYTHONDONTWRITEBYTECODE :=
-test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS)
+test: $(STAMP) $(SGLANG_VENVS) $(TRAINER_VENVS) $(TRANSFORMERS_GPU_VENV)
 	@echo "set-up (venvs) ready after $$(( $$(date +%s) - $(MAKE_START) )) s; the tests' own time is pytest's last line"
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# Asks PyPI (one request per locked project, no downloads): CI runs it before the tests.
+check-locks: $(STAMP)
+	$(BIN)/python requirements/check_pypi.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check datagen flows tasks tests benchmarks requirements

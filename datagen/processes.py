@@ -6,6 +6,13 @@ descendants and group members, the TCP sockets listening on a port and the proce
 stopping process groups (SIGTERM, a grace period, SIGKILL). Where there is no ``/proc`` (macOS laptops),
 command lines come from ``ps``, groups are probed with ``killpg`` and listeners are unknown (None).
 :func:`usable_cores` is the one count of cores that every pool and CPU server of datagen sizes itself by.
+
+Not psutil, although the locks hold it: what the fleet decides on is what psutil does not give. A server's
+port counts as ours only when the listening socket's inode is held by the server's process tree (psutil
+reports one pid per connection, not the socket inodes a parent and its workers share), teardown is by process
+group (psutil has no process-group view), and pid reuse is told by the start time in clock ticks that the
+fleet registry records. psutil would replace a few small readers here (command line, children, create time)
+and leave the rest, so one module would read processes two ways.
 """
 
 from __future__ import annotations

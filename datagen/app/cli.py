@@ -67,11 +67,22 @@ def run(
             "prompt's own (server errors, resets, timeouts, a wrong model or server).",
         ),
     ] = False,
+    max_prompts: Annotated[
+        int | None,
+        typer.Option(min=1, help="Cap every dataset's quota at this many prompts (a smoke run)."),
+    ] = None,
+    datasets: Annotated[
+        str | None,
+        typer.Option(
+            help="Run only these of the config's datasets: names, comma-separated (all when unset)."
+        ),
+    ] = None,
 ) -> None:
     """Run the whole expansion flow (the same flow the Prefect deployments run).
 
     Exit codes: 0 done; 1 the run failed (resume with --run-id); 2 bad config or preflight refusal (nothing
-    halted); 130/143 interrupted by SIGINT/SIGTERM (servers stopped; resume with --run-id).
+    halted); 3 the run is complete and stored but training was not restarted (its environment changed since the
+    halt: the last line says what); 130/143 interrupted by SIGINT/SIGTERM (servers stopped; resume with --run-id).
     """
     from datagen.app.preflight import check_output_reachable
     from datagen.app.pullstep import default_checkout
@@ -89,7 +100,13 @@ def run(
 
     start_flow = _flow_starter(ctx)
     try:
-        resolved = resolve_config_file(config, run_id=run_id, output=output)
+        resolved = resolve_config_file(
+            config,
+            run_id=run_id,
+            output=output,
+            max_prompts=max_prompts,
+            datasets=[name.strip() for name in datasets.split(",")] if datasets is not None else None,
+        )
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:
@@ -101,6 +118,11 @@ def run(
     resume = f"datagen run --config {config} --run-id {resolved.run_id}"
     if output:
         resume += f" --output {output}"
+    # The run's config is the file with these choices: its resume names them again.
+    if datasets is not None:
+        resume += f" --datasets {datasets}"
+    if max_prompts is not None:
+        resume += f" --max-prompts {max_prompts}"
     # A config of the checkout's configs/ is passed with its name: a multi-host run's hosts resolve it by it.
     name = box_config_name(config, default_checkout())
     if retry_failed:

@@ -31,8 +31,8 @@ from datagen.config import (
     check_run_id_option,
     config_folder,
     is_valid_slug,
-    load_run_config,
     parse_run_config,
+    read_config_data,
     resolve_relative_paths,
 )
 from datagen.engines import exact_tokens_enabled
@@ -468,22 +468,45 @@ def resolve_run(request: RunRequest, folder: Path, generated_run_id: str) -> Res
     )
 
 
-def resolve_config_file(path: Path, *, run_id: str | None = None, output: str | None = None) -> RunConfig:
+def resolve_config_file(
+    path: Path,
+    *,
+    run_id: str | None = None,
+    output: str | None = None,
+    max_prompts: int | None = None,
+    datasets: list[str] | None = None,
+) -> RunConfig:
     """The box operator's run config (``datagen run --config``): the file, the options on top, its run id fixed.
 
-    Fixed here, before any flow starts, so an interrupted or failed run can say how to resume it.
+    Fixed here, before any flow starts, so an interrupted or failed run can say how to resume it. The dataset
+    choice and the prompt cap change the file's data the way a deployment's parameters do
+    (:func:`resolve_request`).
 
     Args:
         path: The config file.
         run_id: ``--run-id``; a new run id when None and the file sets none.
         output: ``--output``, replacing the file's output root.
+        max_prompts: ``--max-prompts``, capping every dataset's quota (a smoke run).
+        datasets: ``--datasets``, the config's datasets to run (by name); all when None.
 
     Raises:
-        ConfigError: A bad ``--run-id``, an invalid file (one line per field), a mix whose caps cannot hold, or
-            exact tokens on an engine without ``/generate``.
+        ConfigError: A bad ``--run-id``, a dataset the file does not name, an invalid file (one line per field),
+            a mix whose caps cannot hold, or exact tokens on an engine without ``/generate``.
     """
     check_run_id_option(run_id)
-    config = load_run_config(path, overrides={"run_id": run_id, "output": output})
+    data = read_config_data(path)
+    if isinstance(data, dict):
+        if datasets is not None:
+            data = _apply_datasets(data, datasets)
+        if max_prompts is not None:
+            data = _apply_max_prompts(data, max_prompts)
+        data = {
+            **data,
+            **{
+                key: value for key, value in {"run_id": run_id, "output": output}.items() if value is not None
+            },
+        }
+    config = parse_run_config(data, source=str(path))
     validate_mix(config)
     exact_tokens_enabled(config)
     return with_run_id(config)

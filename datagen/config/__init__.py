@@ -31,6 +31,7 @@ from datagen.config.loader import (
     format_validation_error,
     load_run_config,
     parse_run_config,
+    read_config_data,
     resolve_relative_paths,
 )
 from datagen.config.merge import TokenizeConfig
@@ -103,6 +104,7 @@ __all__ = [
     "is_valid_slug",
     "load_run_config",
     "parse_run_config",
+    "read_config_data",
     "resolve_relative_paths",
     "unwrap_ui_json",
 ]

@@ -160,6 +160,18 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
     Raises:
         ConfigError: The file is missing, is not YAML, or does not validate.
     """
+    data = read_config_data(path)
+    if isinstance(data, dict) and overrides:
+        data = {**data, **{key: value for key, value in overrides.items() if value is not None}}
+    return parse_run_config(data, source=str(path))
+
+
+def read_config_data(path: str | Path) -> Any:
+    """The raw data of a config file, its relative locations resolved against the file's folder.
+
+    Raises:
+        ConfigError: The file is missing or is not YAML.
+    """
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"Config file {file} does not exist; pass an existing YAML file to --config.")
@@ -169,6 +181,4 @@ def load_run_config(path: str | Path, overrides: dict[str, Any] | None = None) -
         raise ConfigError(f"Config file {file} is not valid YAML: {error}") from None
     if isinstance(data, dict):
         data = resolve_relative_paths(data, config_folder(file))
-    if isinstance(data, dict) and overrides:
-        data = {**data, **{key: value for key, value in overrides.items() if value is not None}}
-    return parse_run_config(data, source=str(file))
+    return data

@@ -52,7 +52,11 @@ class DatasetConfig(StrictModel):
 
     name: Slug = Field(description="Short name used in object keys and reports, e.g. `metamath`.")
     format: DatasetFormat
-    path: str = Field(description="Local path, glob, or s3:// URL of the dataset files.")
+    path: str = Field(
+        description="Local path, directory, glob, or s3:// URL of the dataset files; or a Hugging Face Hub "
+        "dataset (`owner/name[:config]` or `hf://datasets/owner/name`), streamed through the `hub` extra "
+        "where the Hub is reachable."
+    )
     max_prompts: int | None = Field(
         default=None, gt=0, description="Quota: prompts taken from this dataset (a seeded sample)."
     )

@@ -16,6 +16,13 @@ a reader that catches the file mid-write sees an unknown holder, never a wrong o
 
 Waiting is a loop of non-blocking attempts with short sleeps in the calling thread: a SIGINT or SIGTERM
 handler that raises ends the wait at once (no thread to join, no service to drain).
+
+Not filelock, although the locks hold it: the lock is one ``flock`` call, and what is around it is datagen's
+own: the holder record written into the locked file (filelock keeps its descriptor private), a file shared by
+every user of the box that is opened without ``O_CREAT`` when it exists (a sticky folder refuses that on
+another user's file), and error messages that say how to fix the folder. filelock adds reentrancy, which one
+holder per run does not need, and falls back to a soft lock on file systems without ``flock``: this lock must
+be the kernel's, released the moment its holder dies.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ A validation venv (a pinned sglang release, a drafter trainer's data code) holds
 reads everything else (torch, numpy, pydantic, ...) from the interpreter running the tests through a ``.pth``
 file that appends that interpreter's site-packages. Both halves are pinned: the venv's own packages come from
 ``requirements/<name>.txt`` (exact versions with hashes, installed ``--no-deps``: the lock is the whole set),
-and the shared half is the dev ``.venv`` installed from ``requirements/dev.txt``. Nothing is resolved at build
-time, so what PyPI publishes after a lock was made never reaches a build.
+and the shared half is the dev ``.venv`` installed from ``requirements/dev.txt`` or ``dev-cpu.txt``
+(:func:`dev_lock`). Nothing is resolved at build time, so what PyPI publishes after a lock was made never reaches a build.
 
 ``requirements/refresh.py`` (``make lock``) writes the locks: it builds each venv once by resolution
 (:func:`resolve_into`), then freezes exactly what landed in the venv's own site-packages (:func:`freeze_own`)
@@ -39,6 +39,15 @@ def uv(*args: str) -> list[str]:
     if args and args[0] == "pip" and LOCAL_WHEELS.is_dir():
         command += ["--find-links", str(LOCAL_WHEELS)]
     return command
+
+
+def dev_lock() -> Path:
+    """The dev lock this interpreter's venv was synced to: ``dev-cpu.txt`` where torch is its CPU build."""
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = ""
+    return LOCK_DIR / ("dev-cpu.txt" if torch_version.endswith("+cpu") else "dev.txt")
 
 
 def lock_path(name: str) -> Path:

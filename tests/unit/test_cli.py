@@ -240,3 +240,18 @@ def test_a_bad_run_id_names_the_flag_and_gives_an_example_not_the_config_file(tm
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("--run-id 'My Run!' is not a valid run id") and "e.g. --run-id 20261201-" in line
     assert str(config) not in line and "^[a-z0-9]" not in line
+
+
+def test_run_with_a_dataset_the_config_lacks_exits_2_naming_its_datasets(tmp_path: Path) -> None:
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "model: {path: /models/m}\n"
+        "datasets: [{name: m, format: metamath, path: x.json}, {name: h, format: hermes_fc, path: y.json}]\n"
+        f"output: {tmp_path / 'out'}\n"
+    )
+    result = datagen("run", "--config", str(config), "--datasets", "m,code", "--max-prompts", "5")
+    assert result.returncode == EXIT_CONFIG_ERROR
+    assert "the config has no dataset named code; its datasets: m, h" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not (tmp_path / "out").exists()
+    assert datagen("run", "--config", str(config), "--max-prompts", "0").returncode == EXIT_CONFIG_ERROR

@@ -12,15 +12,15 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from packaging.markers import default_environment
+from packaging.markers import Marker, default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
-from tests.support import sglang_venv, trainer_venvs
-from tests.support.locked_venv import LOCK_DIR, lock_path
+from tests.support import sglang_venv, trainer_venvs, transformers_gpu_venv
+from tests.support.locked_venv import LOCK_DIR, dev_lock, lock_path
 
-PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)")
+PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)(?: ; ([^\\]+?))?\s*\\?$")
 # Installed into every venv by `python -m venv` itself, and datagen's own editable install.
 SEED_AND_SELF = {"pip", "setuptools", "datagen"}
 
@@ -33,8 +33,12 @@ def _refresh() -> ModuleType:
     return module
 
 
-def pins(lock: Path) -> dict[str, str]:
-    """``{canonical name: version}`` of every pin in a lock, checking each carries a hash."""
+def pins(lock: Path, environment: dict[str, str] | None = None) -> dict[str, str]:
+    """``{canonical name: version}`` of every pin in a lock, checking each carries a hash.
+
+    A universal lock may pin a package twice under two markers: with ``environment``, only the pins whose
+    marker holds there count (this interpreter's, for what a venv holds).
+    """
     lines = lock.read_text().splitlines()
     found: dict[str, str] = {}
     for index, line in enumerate(lines):
@@ -43,11 +47,24 @@ def pins(lock: Path) -> dict[str, str]:
             assert index + 1 < len(lines) and "--hash=sha256:" in lines[index + 1], (
                 f"{lock.name}: {line} has no hash"
             )
-            found[canonicalize_name(match[1])] = match[2]
+            if environment is None or match[3] is None or Marker(match[3]).evaluate(environment):
+                found[canonicalize_name(match[1])] = match[2]
     return found
 
 
-@pytest.mark.parametrize("lock_name", ["dev.txt", "gpu.txt"])
+PROJECT_LOCKS = ["dev.txt", "dev-cpu.txt", "gpu.txt"]
+
+
+def _check_pypi() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("check_pypi", LOCK_DIR / "check_pypi.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["check_pypi"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("lock_name", PROJECT_LOCKS)
 def test_a_project_lock_was_compiled_from_todays_pyproject(lock_name: str) -> None:
     refresh = _refresh()
     extras, _ = refresh.LOCKS[lock_name]
@@ -57,10 +74,11 @@ def test_a_project_lock_was_compiled_from_todays_pyproject(lock_name: str) -> No
     )
 
 
-@pytest.mark.parametrize("lock_name", ["dev.txt", "gpu.txt"])
+@pytest.mark.parametrize("lock_name", PROJECT_LOCKS)
 def test_every_declared_requirement_is_pinned_at_a_version_it_allows(lock_name: str) -> None:
     refresh = _refresh()
-    extras, (python_version, _) = refresh.LOCKS[lock_name]
+    extras, target = refresh.LOCKS[lock_name]
+    python_version = target[0] if target else refresh.DEV_PYTHON
     environment = {**default_environment(), "python_version": python_version, "sys_platform": "linux"}
     locked = pins(LOCK_DIR / lock_name)
     for text in refresh.declared(extras):
@@ -74,10 +92,71 @@ def test_every_declared_requirement_is_pinned_at_a_version_it_allows(lock_name: 
         )
 
 
-def test_the_dev_lock_takes_the_cpu_build_of_torch_and_the_bootstrap_the_same_uv() -> None:
-    dev = pins(LOCK_DIR / "dev.txt")
-    assert dev["torch"].endswith("+cpu")
-    assert pins(LOCK_DIR / "bootstrap.txt") == {"uv": dev["uv"]}
+def test_the_dev_locks_differ_only_in_torchs_build_and_the_bootstrap_holds_their_uv() -> None:
+    pypi, cpu = pins(LOCK_DIR / "dev.txt"), pins(LOCK_DIR / "dev-cpu.txt")
+    assert cpu["torch"] == pypi["torch"] + "+cpu"
+    only_pypi = set(pypi) - set(cpu)
+    assert only_pypi and all(name.startswith(("nvidia-", "cuda-", "triton")) for name in only_pypi), only_pypi
+    assert {name for name in set(cpu) - set(pypi)} <= {"httpx2-jsfetch", "pywin32"}  # resolved apart per fork
+    assert {name: cpu[name] for name in cpu if name in pypi and name != "torch"} == {
+        name: pypi[name] for name in cpu if name in pypi and name != "torch"
+    }
+    assert pins(LOCK_DIR / "bootstrap.txt") == {"uv": pypi["uv"]}
+
+
+def test_the_cpu_lock_is_installed_only_where_the_wheel_folder_holds_its_torch_for_this_interpreter(
+    tmp_path: Path,
+) -> None:
+    refresh = _refresh()
+    assert refresh.dev_lock_for("cp311", "x86_64", tmp_path / "absent").name == "dev.txt"
+    (tmp_path / "torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl").touch()
+    assert refresh.dev_lock_for("cp311", "x86_64", tmp_path).name == "dev-cpu.txt"
+    assert refresh.dev_lock_for("cp312", "x86_64", tmp_path).name == "dev.txt"
+    assert refresh.dev_lock_for("cp311", "aarch64", tmp_path).name == "dev.txt"
+
+
+def test_the_pypi_check_fails_a_pin_built_elsewhere_or_missing_a_wheel_for_a_target() -> None:
+    check = _check_pypi()
+    lock = (
+        "torch==2.13.0+cpu \\\n    --hash=sha256:" + "a" * 64 + "\n"
+        "pyyaml==6.0.3 \\\n    --hash=sha256:" + "b" * 64 + " \\\n    --hash=sha256:" + "c" * 64 + "\n"
+        "uvloop==0.23.0 ; sys_platform != 'win32' \\\n    --hash=sha256:" + "d" * 64 + "\n"
+    )
+    index = {
+        "torch": check.pypi_files(
+            {
+                "files": [
+                    {
+                        "filename": "torch-2.13.0-cp311-cp311-manylinux_2_28_x86_64.whl",
+                        "hashes": {"sha256": "e" * 64},
+                    }
+                ]
+            }
+        ),
+        "pyyaml": check.pypi_files(
+            {
+                "files": [
+                    {
+                        "filename": "pyyaml-6.0.3-cp311-cp311-manylinux_2_17_x86_64.whl",
+                        "hashes": {"sha256": "b" * 64},
+                    }
+                ]
+            }
+        ),
+        "uvloop": check.pypi_files(
+            {"files": [{"filename": "uvloop-0.23.0.tar.gz", "hashes": {"sha256": "d" * 64}}]}
+        ),
+    }
+    targets = [check.Target((3, 11), "x86_64", (2, 28)), check.Target((3, 11), "aarch64", (2, 28))]
+    found = check.problems("dev.txt", check.parse_lock(lock), targets, index)
+    assert found == [
+        "dev.txt: torch==2.13.0+cpu is not on PyPI",
+        "dev.txt: pyyaml==6.0.3 lists 1 sha256 PyPI does not hold (a build from another source): cccccccccccccccc...",
+        "dev.txt: pyyaml==6.0.3 has no PyPI file for CPython 3.11 on Linux aarch64",
+    ]
+    assert check.problems("dev-cpu.txt", check.parse_lock(lock), targets[:1], index) == [
+        found[1].replace("dev.txt", "dev-cpu.txt")
+    ]
 
 
 def test_the_serving_lock_holds_sglang_and_never_the_cpu_torch() -> None:
@@ -100,15 +179,22 @@ def test_each_validation_lock_pins_its_release() -> None:
             assert parsed.specifier.contains(locked[canonicalize_name(parsed.name)])
 
 
+def test_the_template_venv_holds_the_serving_sets_transformers() -> None:
+    gpu = pins(LOCK_DIR / "gpu.txt")
+    assert pins(lock_path(transformers_gpu_venv.LOCK_NAME)) == {
+        name: gpu[name] for name in transformers_gpu_venv.PACKAGES
+    }
+
+
 def test_the_dev_venv_holds_exactly_the_dev_lock() -> None:
-    locked = pins(LOCK_DIR / "dev.txt")
+    locked = pins(dev_lock(), dict(default_environment()))
     installed = {canonicalize_name(dist.metadata["Name"]): dist.version for dist in metadata.distributions()}
     extra = {
         name: version
         for name, version in installed.items()
         if name not in locked and name not in SEED_AND_SELF
     }
-    assert not extra, f"installed but not locked (make setup syncs .venv to requirements/dev.txt): {extra}"
+    assert not extra, f"installed but not locked (make setup syncs .venv to {dev_lock().name}): {extra}"
     differing = {
         name: (version, locked[name])
         for name, version in installed.items()
@@ -136,6 +222,7 @@ VALIDATION_VENVS = [
         (trainer_venvs.ensure_venv, trainer, trainer_venvs.lock_name(trainer))
         for trainer in trainer_venvs.TRAINERS
     ],
+    (lambda _: transformers_gpu_venv.ensure_venv(), "", transformers_gpu_venv.LOCK_NAME),
 ]
 
 
@@ -146,7 +233,7 @@ def test_a_validation_venv_sees_only_locked_packages(ensure, key: str, lock_name
     """What a validation venv imports is its own lock's or, through the shared .pth, the dev lock's."""
     python = ensure(key)
     own = pins(lock_path(lock_name))
-    dev = pins(LOCK_DIR / "dev.txt")
+    dev = pins(dev_lock(), dict(default_environment()))
     own_site = str(Path(python).parent.parent)
     for name, version, where in _visible_distributions(python):
         if where.startswith(own_site):
@@ -156,4 +243,4 @@ def test_a_validation_venv_sees_only_locked_packages(ensure, key: str, lock_name
 
 
 def test_the_validation_venvs_are_built_with_this_interpreter() -> None:
-    assert sys.version_info[:2] == (3, 11), "requirements/dev.txt is locked for CPython 3.11"
+    assert sys.version_info[:2] in ((3, 11), (3, 12)), "the dev locks support CPython 3.11 and 3.12"

@@ -14,6 +14,7 @@ from datagen.app.run_request import (
     RunRequest,
     config_names,
     parse_run_request,
+    resolve_config_file,
     resolve_request,
 )
 from datagen.errors import ConfigError
@@ -187,3 +188,16 @@ def test_a_host_part_request_keeps_only_the_runs_choices(tmp_path: Path) -> None
             parse_run_request({**parameters, **bad}, configs, HostPartRequest)
         assert "\n" not in str(refused.value)
         assert str(refused.value).split(": ")[1].split(".")[0] == next(iter(bad))
+
+
+def test_the_cli_choices_change_a_config_file_as_a_deployments_parameters_do(tmp_path: Path) -> None:
+    configs = tmp_path / "configs"
+    path = _write(configs)
+    by_cli = resolve_config_file(path, run_id="r1", max_prompts=10, datasets=["b"])
+    deployed = resolve_request(_request(run_id="r1", max_prompts=10, datasets=["b"]), configs)
+    assert by_cli.model_dump() == deployed.model_dump()
+    assert [(d.name, d.max_prompts) for d in by_cli.datasets] == [("b", 10)]
+    whole = resolve_config_file(path, run_id="r1")
+    assert [(d.name, d.max_prompts) for d in whole.datasets] == [("a", 50), ("b", None)]
+    with pytest.raises(ConfigError, match="datasets: the config has no dataset named c; its datasets: a, b"):
+        resolve_config_file(path, datasets=["c"])

@@ -3,14 +3,17 @@
 Checked on the real Qwen3 tokenizer with the real Qwen3 and Qwen3.6 templates (``Qwen2Tokenizer``) and on the
 tiny model's tokenizer (``TokenizersBackend``): the special-token variables, the template, the token ids, and
 every render (with and without the generation prompt, thinking on, off and unset) of conversations with system
-prompts, tools, earlier reasoning, parallel tool calls and merged tool responses. Layouts the reader does not
-know exactly are left to transformers.
+prompts, tools, earlier reasoning, parallel tool calls and merged tool responses. Against two transformers
+releases: the dev venv's, and the one the GPU serving set pins (``requirements/gpu.txt``), run in a venv of its
+own (:mod:`tests.support.transformers_gpu_venv`). Layouts the reader does not know exactly are left to
+transformers.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from datagen.dataset.tokenize import APPEND_PROBES, assistant_message
 from datagen.dataset.tokenize_template import read_tokenizer_files, render_chat_template
 from datagen.dataset.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.records import Message
+from tests.support import transformers_gpu_venv
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.unit.test_tokenize import make_record
 
@@ -83,6 +87,81 @@ def test_every_render_equals_apply_chat_template(folder: Path, reference: Any, t
                 messages, tools=tools, add_generation_prompt=generation_prompt, enable_thinking=thinking
             )
             assert rendered == expected
+
+
+# Run by the serving set's transformers: what it reads from each tokenizer folder and renders for each job.
+RENDER_WITH_TRANSFORMERS = """
+import json, sys
+import transformers
+answers = []
+for job in json.load(sys.stdin):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(job["folder"], local_files_only=True)
+    answers.append({
+        "version": transformers.__version__,
+        "template": tokenizer.chat_template,
+        "special": tokenizer.special_tokens_map,
+        "ids": tokenizer(job["texts"], add_special_tokens=False)["input_ids"],
+        "renders": [
+            tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=prompt, tokenize=False, **extra)
+            for messages, tools, prompt, extra in job["renders"]
+        ],
+    })
+print(json.dumps(answers))
+"""
+
+
+def _renders(spec: TokenizerSpec) -> tuple[list[list[Any]], list[str]]:
+    """Every render the tests compare, as jobs for transformers and as datagen renders them."""
+    jobs: list[list[Any]] = []
+    ours: list[str] = []
+    for thinking in (None, True, False):
+        extra = {} if thinking is None else {"enable_thinking": thinking}
+        for messages, tools in _conversations():
+            for prompt in (False, True):
+                if not (prompt and messages[-1]["role"] == "assistant"):
+                    jobs.append([messages, tools, prompt, extra])
+                    ours.append(
+                        spec.render(
+                            messages, tools=tools, add_generation_prompt=prompt, enable_thinking=thinking
+                        )
+                    )
+    for messages, tools, answer in APPEND_PROBES:
+        record = make_record(messages, answer, tools=tools)
+        chat = [*(message.to_chat_dict() for message in messages), assistant_message(record).to_chat_dict()]
+        jobs.append([chat, tools, False, {}])
+        ours.append(spec.render(chat, tools=tools, add_generation_prompt=False, enable_thinking=None))
+    return jobs, ours
+
+
+def test_files_and_renders_equal_the_serving_sets_transformers(tmp_path: Path, tiny_model_dir: Path) -> None:
+    folders = [build_qwen_tokenizer_dir(tmp_path / name, name) for name in ("qwen3", "qwen3.6")] + [
+        tiny_model_dir
+    ]
+    specs = [TokenizerSpec.load(str(folder)) for folder in folders]
+    work = [_renders(spec) for spec in specs]
+    jobs = [
+        {"folder": str(folder), "texts": TEXTS, "renders": renders}
+        for folder, (renders, _) in zip(folders, work, strict=True)
+    ]
+    answer = subprocess.run(
+        [str(transformers_gpu_venv.ensure_venv()), "-c", RENDER_WITH_TRANSFORMERS],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for folder, spec, (_, ours), theirs in zip(folders, specs, work, json.loads(answer.stdout), strict=True):
+        assert theirs["version"] == transformers_gpu_venv.gpu_versions()["transformers"]
+        files = read_tokenizer_files(str(folder))
+        assert files is not None
+        assert (files.chat_template, files.special_tokens) == (theirs["template"], theirs["special"])
+        ids = [encoding.ids for encoding in spec.backend().encode_batch(TEXTS, add_special_tokens=False)]
+        assert ids == theirs["ids"]
+        assert len(ours) == len(theirs["renders"]) > 30
+        for index, (rendered, expected) in enumerate(zip(ours, theirs["renders"], strict=True)):
+            assert rendered == expected, (
+                f"{folder.name}: render {index} differs from transformers {theirs['version']}'s"
+            )
 
 
 def test_environment_matches_transformers_extension_filters_and_globals() -> None:

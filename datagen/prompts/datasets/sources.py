@@ -113,7 +113,7 @@ def resolve_files(path: str, credentials: S3Credentials | None = None) -> list[s
         repo = path.split(":")[0].removeprefix("hf://datasets/").removeprefix("hf://")
         raise DatasetError(
             f"Dataset path {path!r} looks like a Hugging Face Hub id, and the Hub is not reachable from "
-            "this host. Download the files where the Hub is reachable (e.g. `huggingface-cli download "
+            "this host. Download the files where the Hub is reachable (e.g. `hf download "
             f"--repo-type dataset {repo}`), "
             "copy them to local disk or S3, and set the dataset's `path` to that copy."
         )
@@ -201,7 +201,7 @@ def _iter_hub_rows(path: str, *, limit: int | None) -> Iterator[SourceRow]:
     """Stream a Hub dataset (``owner/name[:config]``, split ``train``) through the `datasets` library."""
     repo, _, config = path.removeprefix("hf://datasets/").removeprefix("hf://").partition(":")
     advice = (
-        "Or download the files where the Hub is reachable (e.g. `huggingface-cli download --repo-type dataset "
+        "Or download the files where the Hub is reachable (e.g. `hf download --repo-type dataset "
         f"{repo}`), copy them to local disk or S3, and set the dataset's `path` to that copy."
     )
     try:
