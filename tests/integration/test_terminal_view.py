@@ -1,0 +1,153 @@
+"""What `datagen run` shows a person at a terminal, and what it prints into a pipe.
+
+Real CLI processes (each with its own temporary Prefect API server, as on a fresh host) against an
+OpenAI-compatible test server, read through a real pseudo-terminal and replayed as a terminal's screen
+(:mod:`tests.support.screen`). On a terminal: the live view (the stages as a checklist, generation's bar), no
+Prefect log line, the usual outcome after it. Into a pipe: the log lines as ever, no escape sequence.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support.fault_server import FaultServer
+from tests.support.run_configs import external_run_config, write_prompts
+from tests.support.screen import PtyRun
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = 12
+CLI_TIMEOUT_S = 300
+# Long enough for a loaded 2-core box to start Prefect's API server and reach generation.
+SCREEN_TIMEOUT_S = 240
+CHECKLIST = (
+    "preflight",
+    "prepare prompts",
+    "halt training",
+    "probe",
+    "plan",
+    "start fleet",
+    "generate",
+    "stop fleet",
+    "merge & tokenize",
+    "report",
+)
+PREFECT_LINE = re.compile(r"\| (INFO|DEBUG|WARNING) +\|")
+
+
+def _config(tmp_path: Path, url: str, model_dir: Path) -> Path:
+    return external_run_config(
+        tmp_path / "run.yaml",
+        server_url=url,
+        model_dir=model_dir,
+        prompts=write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Terminal question"),
+        dataset="terminal",
+        shard_size=6,
+        in_flight=4,
+        output=str(tmp_path / "out"),
+        protected=str(tmp_path / "train"),
+        generation={"checkpoint_interval_s": 0.2},
+    )
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "DATAGEN_STATE_DIR": str(tmp_path / "state"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    for name in ("PREFECT_API_URL", "FORCE_COLOR", "NO_COLOR", "TTY_COMPATIBLE"):
+        env.pop(name, None)
+    return env
+
+
+def _command(config: Path, run_id: str) -> list[str]:
+    return [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), "--run-id", run_id]
+
+
+def _row(screen: str, label: str) -> str:
+    """The checklist's row of ``label`` (its mark first)."""
+    rows = [line for line in screen.splitlines() if re.fullmatch(rf"\S {re.escape(label)}(\s.*)?", line)]
+    assert len(rows) == 1, f"no single row for {label!r}:\n{screen}"
+    return rows[0]
+
+
+def _shape(lines: list[str], run_id: str) -> list[str]:
+    """Lines with the run id and every figure replaced (runs of one config differ only there)."""
+    return [re.sub(r"\d+(\.\d+)?", "N", line.replace(run_id, "RUN")) for line in lines]
+
+
+def test_a_run_on_a_terminal_shows_its_stages_and_bar_and_into_a_pipe_its_log_lines(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    with FaultServer() as server:
+        config = _config(tmp_path, server.url, tiny_model_dir)
+        # Held mid-generation: the screen is caught while the run is in it.
+        server.answering.clear()
+        run = PtyRun(_command(config, "tty-1"), _env(tmp_path), rows=40, columns=250, cwd=str(REPO))
+        try:
+            middle = run.screen_when(lambda text: "answered" in text and "generate" in text, SCREEN_TIMEOUT_S)
+        finally:
+            server.answering.set()
+        code, screen = run.wait(CLI_TIMEOUT_S)
+
+        piped = subprocess.run(
+            _command(config, "pipe-1"),
+            env=_env(tmp_path),
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=CLI_TIMEOUT_S,
+            check=False,
+        )
+
+    assert code == 0, screen
+    # Mid-run: what is done is ticked, generation runs with its bar, what comes after waits.
+    for label in CHECKLIST[:6]:
+        assert _row(middle, label).startswith("✓"), middle
+    assert not _row(middle, "generate").startswith(("✓", "·")), middle
+    assert re.search(rf"\b\d+/{PROMPTS} answered · [\d.]+ output tok/s · ETA \S+", middle), middle
+    for label in CHECKLIST[7:]:
+        assert _row(middle, label).startswith("·"), middle
+
+    # At the end: every stage ticked, the bar full, no log line of Prefect's, the usual outcome last.
+    for label in CHECKLIST:
+        assert _row(screen, label).startswith("✓"), screen
+    assert f"{PROMPTS}/{PROMPTS} answered" in screen and "ETA done · 0 failed" in screen, screen
+    assert not PREFECT_LINE.search(screen) and "stage=" not in screen and "Finished in state" not in screen, (
+        screen
+    )
+    assert "Traceback" not in screen
+    view_end = screen.index("✓ report")
+    outcome = screen[view_end:].splitlines()[1:]
+    assert outcome[0] == "run tty-1: done", screen
+    assert outcome[-1].startswith("  to train on it:") or outcome[-1].startswith("    "), screen
+
+    # Into a pipe: today's lines, the same outcome, no escape sequence.
+    assert piped.returncode == 0, piped.stderr
+    assert "\x1b" not in piped.stdout + piped.stderr
+    assert "stage=preflight" in piped.stderr and "stage=generate" in piped.stderr, piped.stderr
+    assert re.search(rf"progress 100\.0% · {PROMPTS}/{PROMPTS} answered", piped.stderr), piped.stderr
+    assert "✓" not in piped.stdout + piped.stderr
+    # The same lines, the figures aside (throughput, the dataset version's number).
+    assert _shape(piped.stdout.strip().splitlines(), "pipe-1") == _shape(outcome, "tty-1"), piped.stdout
+
+
+def test_a_refused_run_on_a_terminal_marks_its_stage_failed_and_ends_with_the_refusal(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    # Nothing serves there: preflight refuses before anything is halted or started.
+    config = _config(tmp_path, "http://127.0.0.1:9", tiny_model_dir)
+    run = PtyRun(_command(config, "tty-refused"), _env(tmp_path), rows=40, columns=300, cwd=str(REPO))
+    code, screen = run.wait(CLI_TIMEOUT_S)
+
+    assert code == 2, screen
+    lines = screen.splitlines()
+    assert lines[-1].startswith("datagen: Preflight refused the run") and "127.0.0.1:9" in lines[-1], screen
+    assert sum("Preflight refused" in line for line in lines) == 1, screen
+    assert _row(screen, "preflight").startswith("✗"), screen
+    assert all(_row(screen, label).startswith("·") for label in CHECKLIST[1:]), screen
+    assert not PREFECT_LINE.search(screen) and "Traceback" not in screen, screen
