@@ -23,7 +23,6 @@ from pathlib import Path
 
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
-from rich.progress_bar import ProgressBar
 from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
@@ -48,6 +47,7 @@ STAGE_NOTES = {Stage.GPU_LOCK: "waiting for this host's GPU lock"}
 # Redraws per second: the spinner and the running stage's clock move; the figures change as often as they come.
 REFRESH_PER_S = 4
 BAR_WIDTH = 30
+BAR_DONE, BAR_LEFT = "━", "─"
 # The checklist's columns: a mark, the label, the stage's time; the bar starts under the labels.
 LABEL_WIDTH = max(len(label) for label, _ in CHECKLIST)
 TIME_WIDTH = 10
@@ -186,18 +186,18 @@ class RunView:
 
     @staticmethod
     def _bar(progress: GenerationProgress) -> RenderableType:
-        bar = ProgressBar(total=max(progress.total, 1), completed=progress.answered, width=BAR_WIDTH)
-        figures = Text(
-            f" {progress.answered}/{progress.total} answered · {progress.tokens_per_s:.1f} output tok/s · "
-            f"ETA {progress.eta_text} · "
+        """Two short lines under the generation row (they fit an 80-column terminal): the bar, then the rates."""
+        filled = min(BAR_WIDTH, BAR_WIDTH * progress.answered // max(progress.total, 1))
+        # Two shapes, not only two colours: the bar reads the same without colour (a log viewer, a capture).
+        bar = Text(" " * BAR_INDENT)
+        bar.append(BAR_DONE * filled, style="green")
+        bar.append(BAR_LEFT * (BAR_WIDTH - filled), style="dim")
+        bar.append(f" {progress.percent:.1f}% · {progress.answered}/{progress.total} answered")
+        rates = Text(
+            " " * BAR_INDENT + f"{progress.tokens_per_s:.1f} output tok/s · ETA {progress.eta_text} · "
         )
-        figures.append(f"{progress.failed} failed", style="red" if progress.failed else "")
-        line = Table.grid(padding=(0, 0))
-        line.add_column(width=BAR_INDENT)
-        line.add_column(width=BAR_WIDTH)
-        line.add_column(no_wrap=True)
-        line.add_row("", bar, figures)
-        return line
+        rates.append(f"{progress.failed} failed", style="red" if progress.failed else "")
+        return Group(bar, rates)
 
 
 class _LinesAbove(logging.Handler):

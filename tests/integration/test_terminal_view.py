@@ -109,14 +109,15 @@ def test_a_run_on_a_terminal_shows_its_stages_and_bar_and_into_a_pipe_its_log_li
     for label in CHECKLIST[:6]:
         assert _row(middle, label).startswith("✓"), middle
     assert not _row(middle, "generate").startswith(("✓", "·")), middle
-    assert re.search(rf"\b\d+/{PROMPTS} answered · [\d.]+ output tok/s · ETA \S+", middle), middle
+    assert re.search(rf"━*─+ [\d.]+% · \d+/{PROMPTS} answered\n +[\d.]+ output tok/s · ETA \S+", middle), middle
     for label in CHECKLIST[7:]:
         assert _row(middle, label).startswith("·"), middle
 
     # At the end: every stage ticked, the bar full, no log line of Prefect's, the usual outcome last.
     for label in CHECKLIST:
         assert _row(screen, label).startswith("✓"), screen
-    assert f"{PROMPTS}/{PROMPTS} answered" in screen and "ETA done · 0 failed" in screen, screen
+    assert f"{'━' * 30} 100.0% · {PROMPTS}/{PROMPTS} answered" in screen, screen
+    assert "ETA done · 0 failed" in screen, screen
     assert not PREFECT_LINE.search(screen) and "stage=" not in screen and "Finished in state" not in screen, (
         screen
     )

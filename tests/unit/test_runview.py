@@ -47,7 +47,7 @@ def test_announced_stages_tick_the_checklist_with_their_times_and_the_bar_shows_
     # The GPU lock's wait and the halt are one row: its time counts both.
     assert "halt training         4.0 s" in _render(view)
     text = _render(view)
-    assert "30/40 answered · 200.0 output tok/s · ETA 1 s · 2 failed" in text
+    assert "75.0% · 30/40 answered" in text and "200.0 output tok/s · ETA 1 s · 2 failed" in text
     assert text.index("generate") < text.index("30/40 answered") < text.index("stop fleet")
 
 
