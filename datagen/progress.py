@@ -6,8 +6,9 @@ request sent), so the figure a person watches and the one the report keeps agree
 
 A run announces where it is here, and nowhere else: :func:`enter_stage` logs the ``stage=<name>`` line (the run
 log, Prefect's log, a plain terminal) and tells every :class:`RunWatcher`; :func:`report_progress` tells them how
-far generation is. A watcher (the live terminal view, :mod:`datagen.app.runview`) registers itself for a block
-with :func:`watching`; the run never knows who watches, and a run nobody watches pays nothing for it.
+far generation is, :func:`report_work` how far a long step is (tokenizing, exporting, a tuning sweep). A watcher
+(the live terminal view, :mod:`datagen.app.runview`; a command's bars, :mod:`datagen.app.bars`) registers itself
+for a block with :func:`watching`; the work never knows who watches, and work nobody watches pays nothing for it.
 """
 
 from __future__ import annotations
@@ -121,14 +122,27 @@ class Stage(StrEnum):
     MANIFEST = "manifest"
 
 
+class WorkProgress(BaseModel):
+    """A long step's progress in countable units (files tokenized, parts exported, levels measured)."""
+
+    what: str = Field(description="What is being done, as a bar's label: `tokenize`, `export`.")
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    unit: str = Field(description="What ``done`` and ``total`` count, plural: `files`, `parts`, `levels`.")
+    detail: str = Field(default="", description="One short figure beside the bar, e.g. the rows so far.")
+
+
 class RunWatcher(Protocol):
-    """Whoever follows a run in this process (the live terminal view): told each stage and each progress."""
+    """Whoever follows this process's work (the live terminal view, a command's progress bars)."""
 
     def stage_entered(self, stage: Stage) -> None:
         """The run has entered ``stage`` (the one before it is over)."""
 
     def generation_progressed(self, progress: GenerationProgress) -> None:
         """Generation so far (sent often while generating: keep it cheap)."""
+
+    def work_progressed(self, progress: WorkProgress) -> None:
+        """A long step so far (a run's merge, a corpus adoption, an export, a tuning sweep)."""
 
 
 _watchers: list[RunWatcher] = []
@@ -172,3 +186,8 @@ def enter_stage(logger: logging.Logger | logging.LoggerAdapter[Any], stage: Stag
 def report_progress(progress: GenerationProgress) -> None:
     """Tell every watcher how far generation is (the log line and the artifact keep their own pace)."""
     _tell_watchers("generation_progressed", progress)
+
+
+def report_work(progress: WorkProgress) -> None:
+    """Tell every watcher how far a long step is."""
+    _tell_watchers("work_progressed", progress)

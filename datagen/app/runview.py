@@ -27,7 +27,7 @@ from rich.spinner import Spinner
 from rich.table import Table
 from rich.text import Text
 
-from datagen.progress import GenerationProgress, Stage, format_duration, watching
+from datagen.progress import GenerationProgress, Stage, WorkProgress, format_duration, watching
 
 # The checklist: one row per step a person tells apart, each fed by the stages the run announces for it.
 CHECKLIST: tuple[tuple[str, tuple[Stage, ...]], ...] = (
@@ -128,6 +128,13 @@ class RunView:
         """Generation so far: the bar's figures."""
         with self._lock:
             self.progress = progress
+
+    def work_progressed(self, progress: WorkProgress) -> None:
+        """A long step of the running stage (the merge's tokenization): said beside its row."""
+        with self._lock:
+            if self._current is not None:
+                detail = f" · {progress.detail}" if progress.detail else ""
+                self.rows[self._current].note = f"{progress.done}/{progress.total} {progress.unit}{detail}"
 
     def finish(self, succeeded: bool) -> None:
         """The run ended: its last stage done and the rest skipped, or its last stage failed."""

@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from datagen.records import AssistantCompletion, CompletionRecord, Message, SamplingParams, TokenUsage
 from tests.support.fault_server import FaultServer
 from tests.support.run_configs import external_run_config, write_prompts
 from tests.support.screen import PtyRun
@@ -76,8 +77,11 @@ def _row(screen: str, label: str) -> str:
 
 
 def _shape(lines: list[str], run_id: str) -> list[str]:
-    """Lines with the run id and every figure replaced (runs of one config differ only there)."""
-    return [re.sub(r"\d+(\.\d+)?", "N", line.replace(run_id, "RUN")) for line in lines]
+    """Lines with the run id, digests and figures replaced (runs of one config differ only there)."""
+    return [
+        re.sub(r"\d+(\.\d+)?", "N", re.sub(r"\b[0-9a-f]{16,}\b", "HASH", line.replace(run_id, "RUN")))
+        for line in lines
+    ]
 
 
 def test_a_run_on_a_terminal_shows_its_stages_and_bar_and_into_a_pipe_its_log_lines(
@@ -109,7 +113,9 @@ def test_a_run_on_a_terminal_shows_its_stages_and_bar_and_into_a_pipe_its_log_li
     for label in CHECKLIST[:6]:
         assert _row(middle, label).startswith("✓"), middle
     assert not _row(middle, "generate").startswith(("✓", "·")), middle
-    assert re.search(rf"━*─+ [\d.]+% · \d+/{PROMPTS} answered\n +[\d.]+ output tok/s · ETA \S+", middle), middle
+    assert re.search(rf"━*─+ [\d.]+% · \d+/{PROMPTS} answered\n +[\d.]+ output tok/s · ETA \S+", middle), (
+        middle
+    )
     for label in CHECKLIST[7:]:
         assert _row(middle, label).startswith("·"), middle
 
@@ -152,3 +158,61 @@ def test_a_refused_run_on_a_terminal_marks_its_stage_failed_and_ends_with_the_re
     assert _row(screen, "preflight").startswith("✗"), screen
     assert all(_row(screen, label).startswith("·") for label in CHECKLIST[1:]), screen
     assert not PREFECT_LINE.search(screen) and "Traceback" not in screen, screen
+
+
+def _completion_line(index: int) -> str:
+    record = CompletionRecord(
+        prompt_id=f"chat-{index:03d}",
+        dataset="chat",
+        messages=[Message(role="user", content=f"Question {index}?")],
+        completion=AssistantCompletion(content=f"Answer {index}."),
+        finish_reason="stop",
+        usage=TokenUsage(prompt_tokens=10, completion_tokens=5),
+        model="tiny",
+        engine="transformers",
+        server="http://127.0.0.1:1",
+        sampling=SamplingParams(enable_thinking=False),
+        latency_s=0.1,
+    )
+    return record.model_dump_json() + "\n"
+
+
+def test_corpus_adopt_on_a_terminal_shows_a_bar_per_step_and_into_a_pipe_only_its_lines(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    corpus = tmp_path / "corpus"
+    for name in ("a", "b"):
+        (corpus / name).mkdir(parents=True)
+        (corpus / name / "completions-00000.jsonl").write_text("".join(_completion_line(i) for i in range(3)))
+
+    def adopt(output: str) -> list[str]:
+        return [
+            sys.executable, "-m", "flows.cli_entry", "corpus", "adopt", str(corpus), "--output",
+            str(tmp_path / output), "--tokenizer", str(tiny_model_dir), "--workers", "1", "--jsonl",
+        ]  # fmt: skip
+
+    code, screen = PtyRun(adopt("tty"), _env(tmp_path), rows=40, columns=250, cwd=str(REPO)).wait(
+        CLI_TIMEOUT_S
+    )
+    piped = subprocess.run(
+        adopt("pipe"),
+        env=_env(tmp_path),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+    assert code == 0, screen
+    # Each step's bar, finished: the objects read, the files tokenized, the parts exported.
+    assert re.search(r"read the corpus +━+ 2/2 objects", screen), screen
+    assert re.search(r"tokenize +━+ 2/2 files .* 6 rows", screen), screen
+    assert re.search(r"export +━+ 1/1 parts .* 6 rows", screen), screen
+    # The bars stay where their work was; the command's lines are the same as into a pipe.
+    lines = [line for line in screen.splitlines() if "━" not in line]
+    first_line = next(index for index, line in enumerate(lines) if line.startswith("adopted "))
+    assert piped.returncode == 0, piped.stderr
+    assert "\x1b" not in piped.stdout + piped.stderr and "━" not in piped.stdout + piped.stderr
+    assert piped.stdout.splitlines()[0].startswith("adopted "), piped.stdout
+    assert _shape(piped.stdout.splitlines(), "pipe") == _shape(lines[first_line:], "tty"), piped.stdout
