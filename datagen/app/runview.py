@@ -42,6 +42,8 @@ CHECKLIST: tuple[tuple[str, tuple[Stage, ...]], ...] = (
     ("merge & tokenize", (Stage.MERGE_AND_TOKENIZE,)),
     ("report", (Stage.REPORT, Stage.MANIFEST)),
 )
+# Stages that run however the stage before them ended (the fleet is stopped after a failure too).
+AFTERMATH = frozenset({Stage.STOP_SERVERS})
 # What a row says while its stage waits on something a person should know about.
 STAGE_NOTES = {Stage.GPU_LOCK: "waiting for this host's GPU lock"}
 # Redraws per second: the spinner and the running stage's clock move; the figures change as often as they come.
@@ -103,12 +105,18 @@ class RunView:
         self._row_of = {stage: index for index, (_, stages) in enumerate(CHECKLIST) for stage in stages}
         self._generate_row = self._row_of[Stage.GENERATE]
         self._current: int | None = None
+        # The row an aftermath stage followed, its verdict open until the next stage or the end.
+        self._unsettled: int | None = None
         # One spinner for the view: it animates by the time since it was made.
         self._spinner = Spinner("dots", style="cyan")
         self._lock = threading.Lock()
 
     def stage_entered(self, stage: Stage) -> None:
-        """The run entered ``stage``: its row runs, the row before it is done, rows passed over are skipped."""
+        """The run entered ``stage``: its row runs, the row before it is done, rows passed over are skipped.
+
+        A stage that runs however the one before it ended (:data:`AFTERMATH`, stopping the fleet) leaves that
+        one's verdict to what comes next: the next stage confirms it, a failure marks it failed.
+        """
         with self._lock:
             now = self.clock()
             index = self._row_of[stage]
@@ -118,9 +126,13 @@ class RunView:
                 return
             if self._current is not None:
                 self._end_row(self._current, RowState.DONE, now)
-            for skipped in self.rows[:index]:
-                if skipped.state is RowState.PENDING:
-                    skipped.state = RowState.SKIPPED
+            if stage in AFTERMATH:
+                self._unsettled = self._current
+            else:
+                self._unsettled = None
+                for skipped in self.rows[:index]:
+                    if skipped.state is RowState.PENDING:
+                        skipped.state = RowState.SKIPPED
             row.state, row.started, row.ended = RowState.RUNNING, now, None
             self._current = index
 
@@ -137,12 +149,15 @@ class RunView:
                 self.rows[self._current].note = f"{progress.done}/{progress.total} {progress.unit}{detail}"
 
     def finish(self, succeeded: bool) -> None:
-        """The run ended: its last stage done and the rest skipped, or its last stage failed."""
+        """The run ended: its last stage done and the rest skipped; or the stage it failed in marked failed."""
         with self._lock:
             now = self.clock()
+            failed = self._current if self._unsettled is None else self._unsettled
             if self._current is not None:
-                self._end_row(self._current, RowState.DONE if succeeded else RowState.FAILED, now)
+                self._end_row(self._current, RowState.DONE, now)
                 self._current = None
+            if not succeeded and failed is not None:
+                self.rows[failed].state = RowState.FAILED
             if succeeded:
                 for row in self.rows:
                     if row.state is RowState.PENDING:

@@ -77,6 +77,32 @@ def test_a_run_that_ends_marks_the_rest_skipped_and_a_failed_one_marks_its_stage
     assert "✗ halt training" in _render(failed)
 
 
+def test_stopping_the_fleet_after_a_failure_leaves_the_failed_stage_marked_not_the_cleanup() -> None:
+    interrupted, shards_failed, finished = RunView("a"), RunView("b"), RunView("c")
+    for stage in (Stage.PREFLIGHT, Stage.PREPARE_PROMPTS, Stage.HALT_TRAINING, Stage.PROBE, Stage.PLAN):
+        for view in (interrupted, shards_failed, finished):
+            view.stage_entered(stage)
+    # Interrupted while the servers start: their stop runs on the way out.
+    interrupted.stage_entered(Stage.START_SERVERS)
+    interrupted.stage_entered(Stage.STOP_SERVERS)
+    interrupted.finish(succeeded=False)
+    states = _states(interrupted)
+    assert states["start fleet"] is RowState.FAILED and states["stop fleet"] is RowState.DONE
+    assert states["generate"] is RowState.PENDING and states["merge & tokenize"] is RowState.PENDING
+    # Generation ended with failed shards: the run fails after the fleet stopped, before the merge.
+    for stage in (Stage.START_SERVERS, Stage.GENERATE, Stage.STOP_SERVERS):
+        shards_failed.stage_entered(stage)
+        finished.stage_entered(stage)
+    shards_failed.finish(succeeded=False)
+    assert _states(shards_failed)["generate"] is RowState.FAILED
+    assert _states(shards_failed)["stop fleet"] is RowState.DONE
+    # The next stage settles it.
+    finished.stage_entered(Stage.MERGE_AND_TOKENIZE)
+    finished.finish(succeeded=False)
+    assert _states(finished)["generate"] is RowState.DONE
+    assert _states(finished)["merge & tokenize"] is RowState.FAILED
+
+
 def test_a_stage_still_logs_its_marker_and_a_watcher_that_fails_never_fails_the_run() -> None:
     class Broken:
         def stage_entered(self, stage: Stage) -> None:
