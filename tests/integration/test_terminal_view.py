@@ -23,7 +23,10 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 12
 CLI_TIMEOUT_S = 300
 # Long enough for a loaded 2-core box to start Prefect's API server and reach generation.
+# Wide enough that no outcome line wraps (temporary paths under pytest-xdist are long): the screen's lines are
+# the lines printed.
 SCREEN_TIMEOUT_S = 240
+COLUMNS = 400
 CHECKLIST = (
     "preflight",
     "prepare prompts",
@@ -91,7 +94,7 @@ def test_a_run_on_a_terminal_shows_its_stages_and_bar_and_into_a_pipe_its_log_li
         config = _config(tmp_path, server.url, tiny_model_dir)
         # Held mid-generation: the screen is caught while the run is in it.
         server.answering.clear()
-        run = PtyRun(_command(config, "tty-1"), _env(tmp_path), rows=40, columns=250, cwd=str(REPO))
+        run = PtyRun(_command(config, "tty-1"), _env(tmp_path), rows=40, columns=COLUMNS, cwd=str(REPO))
         try:
             middle = run.screen_when(lambda text: "answered" in text and "generate" in text, SCREEN_TIMEOUT_S)
         finally:
@@ -148,7 +151,7 @@ def test_a_refused_run_on_a_terminal_marks_its_stage_failed_and_ends_with_the_re
 ) -> None:
     # Nothing serves there: preflight refuses before anything is halted or started.
     config = _config(tmp_path, "http://127.0.0.1:9", tiny_model_dir)
-    run = PtyRun(_command(config, "tty-refused"), _env(tmp_path), rows=40, columns=300, cwd=str(REPO))
+    run = PtyRun(_command(config, "tty-refused"), _env(tmp_path), rows=40, columns=COLUMNS, cwd=str(REPO))
     code, screen = run.wait(CLI_TIMEOUT_S)
 
     assert code == 2, screen
@@ -191,7 +194,7 @@ def test_corpus_adopt_on_a_terminal_shows_a_bar_per_step_and_into_a_pipe_only_it
             str(tmp_path / output), "--tokenizer", str(tiny_model_dir), "--workers", "1", "--jsonl",
         ]  # fmt: skip
 
-    code, screen = PtyRun(adopt("tty"), _env(tmp_path), rows=40, columns=250, cwd=str(REPO)).wait(
+    code, screen = PtyRun(adopt("tty"), _env(tmp_path), rows=40, columns=COLUMNS, cwd=str(REPO)).wait(
         CLI_TIMEOUT_S
     )
     piped = subprocess.run(
