@@ -1,13 +1,28 @@
-"""A run's generation progress as a person reads it, and the one definition of output throughput.
+"""A run's progress as a person reads it: the stage it is in, generation so far, and output throughput.
 
 The progress artifact, the progress log line and the run report all compute output tok/s with
 :func:`output_tokens_per_s` over the generation wall time (from the start of generation, not from the first
 request sent), so the figure a person watches and the one the report keeps agree.
+
+A run announces where it is here, and nowhere else: :func:`enter_stage` logs the ``stage=<name>`` line (the run
+log, Prefect's log, a plain terminal) and tells every :class:`RunWatcher`; :func:`report_progress` tells them how
+far generation is, :func:`report_work` how far a long step is (tokenizing, exporting, a tuning sweep). A watcher
+(the live terminal view, :mod:`datagen.app.runview`; a command's bars, :mod:`datagen.app.bars`) registers itself
+for a block with :func:`watching`; the work never knows who watches, and work nobody watches pays nothing for it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from enum import StrEnum
+from typing import Any, Protocol
+
 from pydantic import BaseModel, Field
+
+_logger = logging.getLogger(__name__)
 
 
 def output_tokens_per_s(output_tokens: int, wall_s: float) -> float:
@@ -88,3 +103,91 @@ class GenerationProgress(BaseModel):
             *([detail] if detail else []),
         ]
         return "\n\n".join(lines)
+
+
+class Stage(StrEnum):
+    """The steps of a run, in the order a run on one box takes them; the value is its ``stage=`` log marker."""
+
+    PREFLIGHT = "preflight"
+    PREPARE_PROMPTS = "prepare-prompts"
+    GPU_LOCK = "gpu-lock"
+    HALT_TRAINING = "halt-training"
+    PROBE = "probe"
+    PLAN = "plan"
+    START_SERVERS = "start-servers"
+    GENERATE = "generate"
+    STOP_SERVERS = "stop-servers"
+    MERGE_AND_TOKENIZE = "merge-and-tokenize"
+    REPORT = "report"
+    MANIFEST = "manifest"
+
+
+class WorkProgress(BaseModel):
+    """A long step's progress in countable units (files tokenized, parts exported, levels measured)."""
+
+    what: str = Field(description="What is being done, as a bar's label: `tokenize`, `export`.")
+    done: int = Field(ge=0)
+    total: int = Field(ge=0)
+    unit: str = Field(description="What ``done`` and ``total`` count, plural: `files`, `parts`, `levels`.")
+    detail: str = Field(default="", description="One short figure beside the bar, e.g. the rows so far.")
+
+
+class RunWatcher(Protocol):
+    """Whoever follows this process's work (the live terminal view, a command's progress bars)."""
+
+    def stage_entered(self, stage: Stage) -> None:
+        """The run has entered ``stage`` (the one before it is over)."""
+
+    def generation_progressed(self, progress: GenerationProgress) -> None:
+        """Generation so far (sent often while generating: keep it cheap)."""
+
+    def work_progressed(self, progress: WorkProgress) -> None:
+        """A long step so far (a run's merge, a corpus adoption, an export, a tuning sweep)."""
+
+
+_watchers: list[RunWatcher] = []
+_watchers_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def watching(watcher: RunWatcher) -> Iterator[RunWatcher]:
+    """Tell ``watcher`` what every run of this process announces (from any thread) within the block."""
+    with _watchers_lock:
+        _watchers.append(watcher)
+    try:
+        yield watcher
+    finally:
+        with _watchers_lock:
+            _watchers.remove(watcher)
+
+
+def _tell_watchers(event: str, value: Any) -> None:
+    with _watchers_lock:
+        watchers = list(_watchers)
+    for watcher in watchers:
+        try:
+            getattr(watcher, event)(value)
+        except Exception:  # a view is for humans: never worth failing a run over
+            _logger.debug("run watcher failed event=%s", event, exc_info=True)
+
+
+def enter_stage(logger: logging.Logger | logging.LoggerAdapter[Any], stage: Stage, **facts: object) -> None:
+    """Say the run entered ``stage``: its ``stage=<name> key=value ...`` log line, and every watcher.
+
+    Args:
+        logger: The run's logger (the line goes where the run's other lines go).
+        stage: The stage entered.
+        **facts: Said on the line after the stage, in order.
+    """
+    logger.info("stage=%s%s", stage.value, "".join(f" {key}={value}" for key, value in facts.items()))
+    _tell_watchers("stage_entered", stage)
+
+
+def report_progress(progress: GenerationProgress) -> None:
+    """Tell every watcher how far generation is (the log line and the artifact keep their own pace)."""
+    _tell_watchers("generation_progressed", progress)
+
+
+def report_work(progress: WorkProgress) -> None:
+    """Tell every watcher how far a long step is."""
+    _tell_watchers("work_progressed", progress)

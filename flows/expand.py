@@ -66,7 +66,7 @@ from datagen.output.layout import RunLayout
 from datagen.output.manifest import read_manifest
 from datagen.output.runs import make_run_id
 from datagen.output.store import Store
-from datagen.progress import GenerationProgress
+from datagen.progress import GenerationProgress, Stage, enter_stage, report_progress
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings, server_api_key
 from flows.multihost import HostsOutcome, run_on_hosts
@@ -110,6 +110,9 @@ FLOW_TASK_WORKERS = 256
 MAX_SHARD_TASKS = 224
 # How often the flow starts shard tasks when the dispatcher's backlog runs low (it holds seconds of work).
 SCHEDULE_INTERVAL_S = 0.2
+# How often a watcher of the run (the live terminal view) hears how far generation is: a bar that moves smoothly;
+# the log line and the artifact keep progress_interval_s.
+WATCHED_PROGRESS_INTERVAL_S = 0.5
 # How long the end of generation waits for its last progress update to reach the API (it never waits longer:
 # with the API away, the run goes on to the merge and reports there).
 PROGRESS_CLOSE_TIMEOUT_S = 5.0
@@ -361,6 +364,7 @@ class _GenerationProgress:
         self.dispatcher = dispatcher
         self.started = started
         self.last_report = 0.0
+        self.last_watched = 0.0
         self.publisher = _ProgressPublisher()
         self.publisher.publish(0.0, "**0.0%** · generation starting")
 
@@ -372,16 +376,23 @@ class _GenerationProgress:
         self, answered: int, total: int, shards_done: int, shards_total: int, *, force: bool = False
     ) -> None:
         now = time.monotonic()
-        if not force and now - self.last_report < get_settings().progress_interval_s:
+        due = force or now - self.last_report >= get_settings().progress_interval_s
+        if not due and now - self.last_watched < WATCHED_PROGRESS_INTERVAL_S:
             return
-        self.last_report = now
+        self.last_watched = now
         logger = get_run_logger()
         try:
             stats = self.dispatcher.stats()
         except Exception as error:  # progress is for humans: never worth failing a run over
-            logger.warning("progress read failed error=%s", error)
+            if due:
+                self.last_report = now
+                logger.warning("progress read failed error=%s", error)
             return
         progress, description = _progress(answered, total, stats, now - self.started)
+        report_progress(progress)
+        if not due:
+            return
+        self.last_report = now
         self.publisher.publish(100.0 if force else progress.percent, description)
         logger.info(
             "progress %s | in_flight=%d queued=%d backlog=%d shards_done=%d/%d req/s=%.1f",
@@ -719,7 +730,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
             "hosts: a multi-host run's config must be one of the checkout's configs/ files (every box reads it "
             "from its own checkout by name): move it into configs/ and pass that file to --config"
         )
-    logger.info("stage=preflight run_id=%s", config.run_id)
+    enter_stage(logger, Stage.PREFLIGHT, run_id=config.run_id)
     preflight_report = preflight(config, store)
     run = open_run(config, store)
     layout = run.layout
@@ -736,7 +747,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
     write_attempt_record(context, "preflight", preflight_report)
     series_entry = open_series_entry(context) if config.series else None
 
-    logger.info("stage=prepare-prompts datasets=%d", len(config.datasets))
+    enter_stage(logger, Stage.PREPARE_PROMPTS, datasets=len(config.datasets))
     prepared_futures: list[PrefectFuture[PreparedDataset]] = []
     corpus = CorpusIds()
     # Every dataset is read and normalised at once in worker processes; each prepare task then waits for
@@ -769,12 +780,12 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
     elif config.hosts:
         # Several boxes: each host part halts its training and serves (flows/host_part.py); this flow holds no
         # GPU lock and halts nothing itself, it only sends the requests.
-        logger.info("stage=generate hosts=%d", len(config.hosts))
+        enter_stage(logger, Stage.GENERATE, hosts=len(config.hosts))
         prepared, shard_summaries, errors, servers, generation_wall_s = _generate_on_hosts(
             context, prepared_futures, flow_run_id, hosts_request, retry_failed
         )
     else:
-        logger.info("stage=gpu-lock")
+        enter_stage(logger, Stage.GPU_LOCK)
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
 
         def record(name: str, value: BaseModel) -> str:
@@ -782,7 +793,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
 
         with serve_on_this_box(config, gpus, run.run_id, state_dir, record) as serving:
             servers = len(serving.plan.servers)
-            logger.info("stage=generate")
+            enter_stage(logger, Stage.GENERATE)
             with Dispatcher(
                 serving.urls,
                 model=serving.plan.served_model_name,
@@ -828,11 +839,11 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
                 }
             )
         )
-    logger.info("stage=merge-and-tokenize")
+    enter_stage(logger, Stage.MERGE_AND_TOKENIZE)
     tokenize_summary = merge_and_tokenize(merge_context, shard_summaries)
-    logger.info("stage=report")
+    enter_stage(logger, Stage.REPORT)
     report = write_report(context, prepared, shard_summaries, tokenize_summary, servers, generation_wall_s)
-    logger.info("stage=manifest")
+    enter_stage(logger, Stage.MANIFEST)
     finalize_manifest(context, report)
     summary = _summary_from_report(report, store, layout, complete=False)
     logger.info(

@@ -19,6 +19,7 @@ from datagen.config import RunConfig
 from datagen.errors import TrainingNotRestartedError
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan
+from datagen.progress import Stage, enter_stage
 from datagen.settings import get_settings, server_api_key
 from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
 from tasks.runtime import HostGpus
@@ -81,12 +82,13 @@ def serve_on_this_box(
     serving: Serving | None = None
     try:
         # Inside the try: a signal mid-halt still hands training back (once it has stopped).
-        logger.info("stage=halt-training kind=%s", config.training.kind)
+        enter_stage(logger, Stage.HALT_TRAINING, kind=config.training.kind)
         halt = halt_training(config.training, gpus.halt_record, run_id)
         record("training", halt)
-        logger.info("stage=probe")
+        enter_stage(logger, Stage.PROBE)
         env = probe_environment()
         record("env", env)
+        enter_stage(logger, Stage.PLAN)
         plan = plan_servers(env, config, state_dir)
         record("plan", plan)
         fleet = Fleet(
@@ -96,13 +98,14 @@ def serve_on_this_box(
             max_restarts_per_server=config.fleet.max_restarts_per_server,
             api_key=server_api_key(),
         )
-        logger.info("stage=start-servers servers=%d engine=%s", len(plan.servers), plan.engine)
+        enter_stage(logger, Stage.START_SERVERS, servers=len(plan.servers), engine=plan.engine)
         urls = start_fleet(fleet, fleets_root())
         fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
         serving = Serving(plan=plan, fleet=fleet, urls=urls)
         yield serving
     finally:
         if fleet is not None:
+            enter_stage(logger, Stage.STOP_SERVERS)
             stop_fleet(fleet)
         # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
         try:

@@ -170,46 +170,48 @@ def tune(
     """
     import shlex
 
+    from datagen.app.bars import work_bars
     from datagen.app.tune import tune_inflight, tune_result_json, tune_setting_by_restart
     from datagen.engines import engine_class
     from datagen.engines.tune_result import TuneResult
 
-    try:
-        if vary_flag:
-            if not launch or not values:
-                _fail("--vary-flag needs --launch (the server's command) and --values", EXIT_CONFIG_ERROR)
-            best, points = tune_setting_by_restart(
-                shlex.split(launch),
-                url[0],
-                model,
-                engine,
-                vary_flag,
-                tuple(int(value) for value in values.split(",")),
-                max_tokens=max_tokens,
-            )
-            best_point = next(point for point in points if point.setting == best)
-            result = TuneResult(
-                engine=engine,
-                urls=url[:1],
-                max_tokens=max_tokens,
-                best_inflight_per_server=best_point.inflight_per_server,
-                best_output_tokens_per_s=best_point.output_tokens_per_s,
-                curve=[],
-                measured_with="client+/metrics" if engine_class(engine).metrics_path else "client",
-                setting_flag=vary_flag,
-                best_setting=best,
-                setting_curve=points,
-            )
-        else:
-            result = tune_inflight(
-                url,
-                model,
-                engine,
-                levels=tuple(int(level) for level in levels.split(",")),
-                max_tokens=max_tokens,
-            )
-    except (ValueError, RuntimeError, TimeoutError) as error:
-        _fail(str(error), EXIT_CONFIG_ERROR)
+    with work_bars():
+        try:
+            if vary_flag:
+                if not launch or not values:
+                    _fail("--vary-flag needs --launch (the server's command) and --values", EXIT_CONFIG_ERROR)
+                best, points = tune_setting_by_restart(
+                    shlex.split(launch),
+                    url[0],
+                    model,
+                    engine,
+                    vary_flag,
+                    tuple(int(value) for value in values.split(",")),
+                    max_tokens=max_tokens,
+                )
+                best_point = next(point for point in points if point.setting == best)
+                result = TuneResult(
+                    engine=engine,
+                    urls=url[:1],
+                    max_tokens=max_tokens,
+                    best_inflight_per_server=best_point.inflight_per_server,
+                    best_output_tokens_per_s=best_point.output_tokens_per_s,
+                    curve=[],
+                    measured_with="client+/metrics" if engine_class(engine).metrics_path else "client",
+                    setting_flag=vary_flag,
+                    best_setting=best,
+                    setting_curve=points,
+                )
+            else:
+                result = tune_inflight(
+                    url,
+                    model,
+                    engine,
+                    levels=tuple(int(level) for level in levels.split(",")),
+                    max_tokens=max_tokens,
+                )
+        except (ValueError, RuntimeError, TimeoutError) as error:
+            _fail(str(error), EXIT_CONFIG_ERROR)
     typer.echo(result.to_table())
     typer.echo(
         f"best: {result.best_inflight_per_server} in flight per server "
@@ -378,6 +380,7 @@ def corpus_adopt(
     """Reference the existing corpus in place as a base dataset version (nothing under URL is written)."""
     from pydantic import ValidationError
 
+    from datagen.app.bars import work_bars
     from datagen.config import TokenizeConfig
     from datagen.dataset.corpus import AdoptTokenize, CategoryRule, adopt_corpus
     from datagen.errors import DatagenError
@@ -390,9 +393,10 @@ def corpus_adopt(
             if tokenizer
             else None
         )
-        adopted = adopt_corpus(
-            url, Store(output, protected_prefixes=[url]), name=name, rule=rule, tokenize=tokenize
-        )
+        with work_bars():
+            adopted = adopt_corpus(
+                url, Store(output, protected_prefixes=[url]), name=name, rule=rule, tokenize=tokenize
+            )
     except ValidationError as error:
         _fail(f"invalid category rule: {error}", EXIT_CONFIG_ERROR)
     except DatagenError as error:
@@ -426,6 +430,7 @@ def corpus_adopt(
 
 def _print_training(version_url: str, output: str, tokenizer: str | None, *, export: bool) -> None:
     """Export a version when asked (or find its export) and print each trainer's command, or how to export."""
+    from datagen.app.bars import work_bars
     from datagen.dataset.export import export_version, find_export, parquet_hint, training_commands
     from datagen.dataset.versions import ExportRecord, read_base_version
     from datagen.errors import DatagenError
@@ -435,7 +440,8 @@ def _print_training(version_url: str, output: str, tokenizer: str | None, *, exp
     record: ExportRecord | None = None
     try:
         if export:
-            _, _, record = export_version(store, version_url)
+            with work_bars():
+                _, _, record = export_version(store, version_url)
         else:
             record = find_export(store, read_base_version(store, version_url)[1])
     except DatagenError as error:

@@ -15,7 +15,9 @@ The exit codes (README and docs/operations.md list them too):
 
 Tracebacks never reach the terminal: the console handlers drop records that carry one (and Prefect's
 "Finished in state Failed" echo of the same failure), while a log file per run keeps everything, and
-Prefect's own log keeps what it sends to the API.
+Prefect's own log keeps what it sends to the API. When stdout is a terminal, the run's live view
+(:mod:`datagen.app.runview`) takes the console's place for the run, warnings and errors printed above it;
+elsewhere (CI, systemd, a pipe) the console prints the log lines.
 """
 
 from __future__ import annotations
@@ -151,6 +153,25 @@ def _console_handlers() -> list[logging.Handler]:
     return found
 
 
+def _run_loggers() -> list[logging.Logger]:
+    """The loggers every record of a run reaches: the root, and those that do not propagate to it.
+
+    datagen's logger does not when Prefect adds it as an extra logger.
+    """
+    return [logging.getLogger()] + [
+        logging.getLogger(name) for name in ("datagen",) if not logging.getLogger(name).propagate
+    ]
+
+
+@contextlib.contextmanager
+def _live_view(run_id: str, log_path: Path) -> Iterator[None]:
+    """The run's live view for the block instead of the console's log lines (within :func:`terminal_logging`)."""
+    from datagen.app.runview import live_run_view
+
+    with live_run_view(run_id, log_path, _console_handlers(), _run_loggers(), _ConsoleFilter()):
+        yield
+
+
 @contextlib.contextmanager
 def terminal_logging(log_path: Path) -> Iterator[Path]:
     """Log everything (tracebacks included) to ``log_path``; keep tracebacks off the console.
@@ -168,9 +189,7 @@ def terminal_logging(log_path: Path) -> Iterator[Path]:
     file_handler.setFormatter(logging.Formatter(LOG_FORMAT))
     console_filter = _ConsoleFilter()
     consoles = _console_handlers()
-    targets = [logging.getLogger()]
-    # Loggers that do not propagate to the root (datagen's, when Prefect adds it as an extra logger).
-    targets += [logging.getLogger(name) for name in ("datagen",) if not logging.getLogger(name).propagate]
+    targets = _run_loggers()
     for handler in consoles:
         handler.addFilter(console_filter)
     targets.append(_FILE_ONLY)
@@ -230,11 +249,18 @@ def run_in_terminal(
     Returns:
         The exit code, and what the run returned when it finished (code 0).
     """
+    from datagen.app.runview import starting_notice, stdout_is_terminal
+
     with interrupt_signals(), contextlib.ExitStack() as stack:
         try:
-            run = load_run()
+            live = stdout_is_terminal()
+            with starting_notice(run_id) if live else contextlib.nullcontext():
+                run = load_run()
             stack.enter_context(terminal_logging(log_path))
-            return EXIT_DONE, run()
+            # Ended before any outcome line below: the view stays on screen, the line after it.
+            with _live_view(run_id, log_path) if live else contextlib.nullcontext():
+                result = run()
+            return EXIT_DONE, result
         except RunInterrupted as interrupted:
             _echo_error(
                 f"datagen: run {run_id} interrupted by {interrupted.signal_name}: servers stopped, everything "

@@ -28,6 +28,7 @@ from datagen.engines import engine_class
 from datagen.engines.tune_result import TunePoint, TuneResult
 from datagen.errors import ConfigError
 from datagen.generation.openai_chat import CHAT_COMPLETIONS_PATH
+from datagen.progress import WorkProgress, report_work
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,11 @@ def _metrics_path(engine: str) -> str | None:
         raise ValueError(str(error)) from None
 
 
+def _sweep_progress(done: int, total: int, now: str) -> WorkProgress:
+    """A sweep's progress: ``done`` of ``total`` settings measured, ``now`` the one under way."""
+    return WorkProgress(what="tune", done=done, total=total, unit="settings", detail=now)
+
+
 def tune_inflight(
     urls: list[str],
     model: str,
@@ -230,14 +236,17 @@ def tune_inflight(
     if not urls or not levels:
         raise ValueError("datagen tune needs at least one server URL and one level")
     metrics_path = _metrics_path(engine)
-    curve = []
-    for level in sorted(set(levels)):
+    curve: list[TunePoint] = []
+    todo = sorted(set(levels))
+    for level in todo:
+        report_work(_sweep_progress(len(curve), len(todo), f"{level} in flight per server"))
         bases = [url.rstrip("/") for url in urls]
         point = asyncio.run(_measure_level(bases, model, level, max_tokens, metrics_path))
         logger.info(
             "tune level=%d tokens_per_s=%.1f failed=%d", level, point.output_tokens_per_s, point.failed
         )
         curve.append(point)
+    report_work(_sweep_progress(len(curve), len(todo), "done"))
     best = choose_best(curve)
     return TuneResult(
         engine=engine,
@@ -354,8 +363,10 @@ def tune_setting_by_restart(
     from datagen.processes import terminate_groups
 
     metrics_path = _metrics_path(engine)
-    points = []
-    for value in sorted(set(values)):
+    points: list[TunePoint] = []
+    todo = sorted(set(values))
+    for value in todo:
+        report_work(_sweep_progress(len(points), len(todo), f"{flag} {value}"))
         argv = with_setting(launch_argv, flag, value)
         with open(log_path or os.devnull, "ab") as log:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -368,6 +379,7 @@ def tune_setting_by_restart(
             process.wait()
         logger.info("tune restart flag=%s value=%d tokens_per_s=%.1f", flag, value, point.output_tokens_per_s)
         points.append(point.model_copy(update={"setting": value}))
+    report_work(_sweep_progress(len(points), len(todo), "done"))
     best = choose_best(points)
     assert best.setting is not None
     return best.setting, points

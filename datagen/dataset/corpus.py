@@ -36,6 +36,7 @@ from datagen.errors import DatasetError
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import HASH_CHUNK_BYTES
 from datagen.output.store import Store
+from datagen.progress import WorkProgress, report_work
 from datagen.records import CompletionRecord
 
 logger = logging.getLogger(__name__)
@@ -159,7 +160,8 @@ def adopt_corpus(
     shards: list[TokenizedPartRef] = []
     sources: list[CompletionSourceRef] = []
     categories: Counter[str] = Counter()
-    for key in keys:
+    for index, key in enumerate(keys):
+        report_work(WorkProgress(what="read the corpus", done=index, total=len(keys), unit="objects"))
         if key.endswith(PARQUET_SUFFIX):
             part, counts = _adopt_part(corpus, key, rule)
             shards.append(part)
@@ -168,6 +170,7 @@ def adopt_corpus(
             sources.append(source)
         categories.update(counts)
         logger.info("adopted key=%s categories=%s", key, dict(counts))
+    report_work(WorkProgress(what="read the corpus", done=len(keys), total=len(keys), unit="objects"))
     dropped: dict[str, int] = {}
     if tokenize is not None and sources:
         completion_keys = [key for key in keys if key.endswith(JSONL_SUFFIX)]

@@ -42,6 +42,7 @@ from datagen.dataset.versions import (
 from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import dataset_export
 from datagen.output.store import Store
+from datagen.progress import WorkProgress, report_work
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,12 @@ def _jsonl_chunks(store: Store, shards: list[TokenizedPartRef], tally: _Tally) -
     """The version's rows as JSON lines, in chunks of about ``EXPORT_CHUNK_BYTES``, counted into ``tally``."""
     pending: list[bytes] = []
     pending_bytes = 0
-    for shard in shards:
+    for index, shard in enumerate(shards):
+        report_work(
+            WorkProgress(
+                what="export", done=index, total=len(shards), unit="parts", detail=f"{tally.rows} rows"
+            )
+        )
         rows = 0
         for line in _part_lines(shard.url, _read_part(store, shard), tally):
             pending.append(line)
@@ -203,6 +209,11 @@ def _jsonl_chunks(store: Store, shards: list[TokenizedPartRef], tally: _Tally) -
             )
     if pending:
         yield tally.chunk(pending)
+    report_work(
+        WorkProgress(
+            what="export", done=len(shards), total=len(shards), unit="parts", detail=f"{tally.rows} rows"
+        )
+    )
 
 
 def _part_lines(url: str, data: bytes, tally: _Tally) -> Iterator[bytes]:

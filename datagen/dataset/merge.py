@@ -47,6 +47,7 @@ from datagen.dataset.versions import (
 from datagen.errors import OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
+from datagen.progress import WorkProgress, report_work
 from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
@@ -262,9 +263,19 @@ def write_tokenized_parts(
 
     plan = plan_workers(settings.workers, len(keys), shard_bytes, in_process_below=in_process_below)
     logger.info("%s", plan.reason)
+    report_work(WorkProgress(what="tokenize", done=0, total=len(keys), unit="files"))
     for shard in tokenize_shards(make_job, source, keys, plan.workers):
         first_row = tally.rows
         tally.add(shard)
+        report_work(
+            WorkProgress(
+                what="tokenize",
+                done=tally.shards_read,
+                total=len(keys),
+                unit="files",
+                detail=f"{tally.rows} rows",
+            )
+        )
         sources = [f"{shard.key}#{line}" for line in shard.lines]
         for end in boundaries:
             if first_row < end <= tally.rows:
