@@ -24,6 +24,7 @@ from datagen.config.base import (
     check_run_id_option,
     is_valid_slug,
 )
+from datagen.config.choices import RunChoicesConfig
 from datagen.config.fleet import EngineKind, FleetConfig, RouterPolicy, SGLangOptions
 from datagen.config.generation import GenerationConfig
 from datagen.config.loader import (
@@ -87,6 +88,7 @@ __all__ = [
     "MultiHostConfig",
     "MultiTurnPolicy",
     "RouterPolicy",
+    "RunChoicesConfig",
     "RunConfig",
     "SGLangOptions",
     "SamplingOverrides",
