@@ -167,7 +167,10 @@ def _flow_run_name() -> str:
     given = given_run_name(context.flow_run.name if context and context.flow_run else None)
     if given is not None:
         return given
-    return f"expand-{_run_id_of(dict(runtime_flow_run.parameters or {})) or _generated_run_id()}"
+    parameters = dict(runtime_flow_run.parameters or {})
+    if isinstance(parameters.get("config"), RefusedParameters):
+        return "expand-refused"
+    return f"expand-{_run_id_of(parameters) or _generated_run_id()}"
 
 
 def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
@@ -548,6 +551,25 @@ def _samples(config: RunConfig, dataset: str) -> int:
     return config.sampling_for(config.dataset(dataset)).samples_per_prompt
 
 
+class RefusedParameters:
+    """What a flow body receives as its ``config`` when :class:`CheckedFlow` refused the run's parameters.
+
+    The body raises :attr:`refusal` inside its own failure reporting (:func:`refuse_if_refused`), so the run
+    ends like every other refusal: one ``run failed:`` line, no traceback of Prefect's, under the flow's own
+    run name. Raised from parameter validation instead, Prefect would log its engine's traceback and keep the
+    random name it gave the run at creation.
+    """
+
+    def __init__(self, refusal: ConfigError) -> None:
+        self.refusal = refusal
+
+
+def refuse_if_refused(config: object) -> None:
+    """Raise the refusal :class:`CheckedFlow` deferred to the body, if ``config`` stands for one."""
+    if isinstance(config, RefusedParameters):
+        raise config.refusal
+
+
 class CheckedFlow(Flow[..., R]):
     """A flow whose run parameters pass ``check`` before Prefect validates them against the signature.
 
@@ -556,7 +578,8 @@ class CheckedFlow(Flow[..., R]):
     lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
     A parameter the signature lacks (``config_path``, ``training``...) the server refuses at create-flow-run
     (``datagen deploy`` closes the deployments' parameter schemas), and Prefect on a worker for a run that
-    skipped that check; ``check`` refuses it too when the flow is called in-process.
+    skipped that check; ``check`` refuses it too when the flow is called in-process. A refused run's body
+    receives only :class:`RefusedParameters` (every other parameter None) and raises its refusal first.
     """
 
     def __init__(
@@ -566,8 +589,14 @@ class CheckedFlow(Flow[..., R]):
         self.check_parameters = check
 
     def validate_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
-        """Refuse what is no run choice (one line, from ``check``), then validate as Prefect does."""
-        self.check_parameters(parameters)
+        """Refuse what is no run choice (deferred to the body, see above), then validate as Prefect does."""
+        try:
+            self.check_parameters(parameters)
+        except ConfigError as refusal:
+            return {
+                name: RefusedParameters(refusal) if name == "config" else None
+                for name in self.parameters.required
+            }
         return super().validate_parameters(parameters)
 
 
@@ -627,6 +656,7 @@ def _expand(
     resume = DeploymentResume()
 
     def body() -> RunSummary:
+        refuse_if_refused(config)
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), RunRequest)
         run = resolve_run(request, box_configs(), _generated_run_id())

@@ -39,7 +39,7 @@ from datagen.output.multihost import (
     write_host_object,
 )
 from datagen.output.store import Store
-from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
+from flows.expand import CheckedFlow, _stop_servers_hook, box_configs, refuse_if_refused
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.cancellation import run_cancellable
 from tasks.context import open_run_store
@@ -111,6 +111,7 @@ def _expand_host(
     }
 
     def body() -> str:
+        refuse_if_refused(config)
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), HostPartRequest)
         resolved = resolve_request(request.run_request(), box_configs(), resume=False)
