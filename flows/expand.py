@@ -89,7 +89,9 @@ from tasks.run import (
     write_attempt_record,
     write_report,
 )
+from tasks.run_lease import hold_run_lease
 from tasks.run_names import is_generated_run_name
+from tasks.run_origin import refuse_caller_retries, verify_work_queue
 from tasks.runtime import (
     DeploymentResume,
     explain_failure,
@@ -656,10 +658,12 @@ def _expand(
     resume = DeploymentResume()
 
     def body() -> RunSummary:
+        refuse_caller_retries()  # first: a refusal after it must not be run again
         refuse_if_refused(config)
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), RunRequest)
         run = resolve_run(request, box_configs(), _generated_run_id())
+        verify_work_queue(run.config)
         resume.config, resume.run_id = request.config, run.run_id
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
@@ -748,6 +752,9 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
             "hosts: a multi-host run's config must be one of the checkout's configs/ files (every box reads it "
             "from its own checkout by name): move it into configs/ and pass that file to --config"
         )
+    assert config.run_id is not None, "a resolved run has its run id"
+    # One run id, one runner, for the whole run: a second flow run of it is refused before anything happens.
+    gpu_lock.enter_context(hold_run_lease(config.run_id))
     logger.info("stage=preflight run_id=%s", config.run_id)
     preflight_report = preflight(config, store)
     run = open_run(config, store)
@@ -805,6 +812,12 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
     else:
         logger.info("stage=gpu-lock")
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
+        if read_manifest(store, layout) is not None:
+            # Completed by another runner of this run id while this one waited for the GPUs (a runner without
+            # a lease: two `datagen run` on one box); nothing was halted yet.
+            logger.info("run run_id=%s was completed while this run waited for the GPUs", run.run_id)
+            report = RunReport.model_validate(store.read_json(layout.report_json))
+            return _summary_from_report(report, store, layout, complete=True)
 
         def record(name: str, value: BaseModel) -> str:
             return write_attempt_record(context, name, value)

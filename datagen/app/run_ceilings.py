@@ -101,7 +101,9 @@ def choice_problems(
     if budget is not None:
         planned = planned_prompts(resolved)
         if planned > budget:
-            planned_text = "every row of a dataset without a quota" if math.isinf(planned) else f"{planned:.0f}"
+            planned_text = (
+                "every row of a dataset without a quota" if math.isinf(planned) else f"{planned:.0f}"
+            )
             problems.append(
                 f"max_prompts: this run would plan {planned_text} prompts, over this box's budget of {budget} "
                 f"({CEILINGS_SECTION}.max_prompts): pass max_prompts to stay under it"

@@ -25,6 +25,7 @@ from uuid import UUID
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from datagen.app.run_ceilings import choice_problems
 from datagen.config import (
     RunConfig,
     Slug,
@@ -35,7 +36,6 @@ from datagen.config import (
     parse_run_config,
     resolve_relative_paths,
 )
-from datagen.app.run_ceilings import choice_problems
 from datagen.engines import exact_tokens_enabled
 from datagen.errors import ConfigError
 from datagen.output.runs import make_run_id, read_stored_config
@@ -148,8 +148,9 @@ class HostPartRequest(HostRequest):
     attempt_id: Slug = Field(
         description="The parent attempt this host part belongs to (its handshake folder)."
     )
-    parent_flow_run_id: UUID | None = Field(
-        default=None, description="The parent flow run: when it ends, this host stops serving."
+    parent_flow_run_id: UUID = Field(
+        description="The parent `expand` flow run that started this host part: it serves only a running "
+        "parent that lists it, and stops when that parent ends."
     )
 
     def run_request(self) -> HostRequest:
