@@ -7,7 +7,8 @@ error that names the key, never a silently ignored setting. Secrets never live h
 
 One module per stage, named after it: :mod:`model` (the target model), :mod:`fleet` (servers and engines),
 :mod:`prompts` (datasets, the mix, the existing corpus), :mod:`generation`, :mod:`training` (the job to halt),
-:mod:`merge` (``tokenize:``), :mod:`multihost` (several boxes); :mod:`run` holds :class:`RunConfig` and the checks
+:mod:`merge` (``tokenize:``), :mod:`multihost` (several boxes), :mod:`choices` (``run_choices:``, what a deployed
+run may choose); :mod:`run` holds :class:`RunConfig` and the checks
 across sections, :mod:`loader` reading a file or parsed data, :mod:`ui_json` the Prefect UI's JSON mode, and
 :mod:`base` what every model shares. Every name is importable from ``datagen.config`` as before.
 """
