@@ -120,3 +120,26 @@ def test_the_config_parameter_is_an_enum_of_the_checkouts_configs() -> None:
     assert with_config_choices(schema, ["a", "b"])["properties"]["config"]["enum"] == ["a", "b"]
     assert "enum" not in with_config_choices(schema, [])["properties"]["config"]
     assert "enum" not in schema["properties"]["config"]  # a copy
+
+
+def test_a_lease_holder_record_is_gone_only_when_its_process_on_this_box_is(tmp_path: Path) -> None:
+    import subprocess
+
+    from datagen.host.run_holder import RunLeaseHolder, holder_path, read_holder, remove_holder, write_holder
+
+    path = holder_path(tmp_path / "locks", "datagen-run-r1.v2")
+    assert path.name == "datagen-run-r1.v2.holder.json"
+    mine = RunLeaseHolder.this_process("r1.v2", "lease-1", None)
+    write_holder(path, mine)
+    assert read_holder(path) == mine and not mine.is_gone()
+    child = subprocess.Popen(["true"])
+    child.wait()
+    assert mine.model_copy(update={"pid": child.pid}).is_gone()  # exited
+    assert mine.model_copy(update={"start_ticks": -1}).is_gone()  # the pid names another process now
+    assert not mine.model_copy(
+        update={"pid": child.pid, "host": "another-box"}
+    ).is_gone()  # never judged here
+    remove_holder(path, "lease-2")
+    assert path.exists()  # another lease's holder keeps its record
+    remove_holder(path, "lease-1")
+    assert read_holder(path) is None
