@@ -736,7 +736,10 @@ def run_with_config(
 
 
 def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
-    """The run itself, once its entry point resolved it; ``gpu_lock`` holds this host's GPUs from the halt on."""
+    """The run itself, once its entry point resolved it.
+
+    ``gpu_lock`` holds the run id's lease from the start and this host's GPUs from the halt on, until the run ends.
+    """
     config, hosts_request, retry_failed = resolved.config, resolved.hosts, resolved.retry_failed
     logger = get_run_logger()
     # The run's store, opened once with the Prefect block's S3 credentials (None: the AWS chain); every task

@@ -49,6 +49,8 @@ RUN_TIMEOUT_S = 420.0
 # The run id of the run the lease check completes; the host-part vectors then aim at its folder.
 LEASED_RUN = "leased-run"
 PROMPTS = 6
+# How long the first run is held mid-generation for the second to end (a refusal takes a flow run's start).
+SECOND_RUNNER_WAIT_S = 150.0
 # A queue of the pool that belongs to another box (no config of this one allows it).
 OTHER_BOX_QUEUE = "other-box"
 FAR_FUTURE = {"type": "SCHEDULED", "state_details": {"scheduled_time": "2099-01-01T00:00:00Z"}}
@@ -219,10 +221,11 @@ def leased(stack: Stack) -> Iterator[tuple[tuple[dict[str, Any], str], tuple[dic
             assert time.monotonic() < deadline, stack.prefect.flow_run_logs(first)[-3000:]
             time.sleep(0.5)
         second = stack.create(MANUAL, parameters={"config": "trust-run", "run_id": LEASED_RUN}).json()["id"]
-        ended_second = stack.finish(second)
+        # Refused at once; a runner without a lease would wait for the GPUs until the first gave them back.
+        stack.prefect.wait_final(second, SECOND_RUNNER_WAIT_S)
     finally:
         stack.server.answering.set()
-    yield stack.finish(first), ended_second
+    yield stack.finish(first), stack.finish(second)
 
 
 def test_a_second_runner_of_a_run_id_is_refused_and_training_is_handed_back_once(
