@@ -59,7 +59,16 @@ def test_a_closed_parameter_schema_refuses_a_parameter_the_flow_does_not_have() 
 
     for flow, allowed in (
         (expand, {"config": "demo-worker", "run_id": "a-run", "sampling": {"seed": 1}}),
-        (expand_host, {"config": "demo-worker", "run_id": "a-run", "host": "a", "attempt_id": "b"}),
+        (
+            expand_host,
+            {
+                "config": "demo-worker",
+                "run_id": "a-run",
+                "host": "a",
+                "attempt_id": "b",
+                "parent_flow_run_id": "6f1c1d4e-8d8e-4b61-9b48-9f4f1d9c2a11",
+            },
+        ),
     ):
         closed = closed_schema(parameter_schema(flow).model_dump_for_openapi())
         validate(allowed, closed, raise_on_error=True)
