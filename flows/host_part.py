@@ -3,10 +3,11 @@
 The parent `expand` flow starts one run of this flow per host (``run_deployment``, one work queue per box)
 and talks to it through the run's store (:mod:`datagen.output.multihost`)::
 
-    host preflight -> preflight.json ... wait for go.json (every host passed)
+    parent check (a running expand run that lists this host part in started.json)
+      -> host preflight -> preflight.json ... wait for go.json (every host passed)
       -> [host GPU lock] halt-training -> probe-environment -> plan-servers -> start-fleet -> fleet.json
       -> keep the servers up (restarting dead ones, each restart published as fleet-NNNN.json) until
-         release.json (or the parent's run ended)
+         release.json (or the parent's run ended, or multi_host.max_serve_s passed)
       -> stop-fleet -> hand-back-gpus
 
 Generation itself happens in the parent: its one dispatcher sends requests to every host's servers.
