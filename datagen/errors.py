@@ -297,6 +297,17 @@ class JobVariablesError(DatagenError, PermissionError):
     """A run sent job variables its work pool keeps for the box (the command, its environment, its folder)."""
 
 
+class RunOriginRefusedError(ConfigError):
+    """A run's creation asked what its caller may not choose (retries, a work queue), or a host part has no parent.
+
+    Nothing was halted or started.
+    """
+
+
+class RunLeaseHeldError(ConfigError):
+    """Another flow run holds the run id's lease: one run id has one runner at a time."""
+
+
 class SeriesConflictError(DatagenError, RuntimeError):
     """Two runs of one expansion series took the same prompts (they ran at once on different hosts)."""
 

@@ -249,6 +249,10 @@ def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[
     from prefect.context import refresh_global_settings_context
     from prefect.settings import get_current_settings
 
+    # Set while this process runs against its own temporary server: what that server keeps (concurrency leases
+    # among it) lives only as long as this process.
+    from tasks.run_lease import TEMPORARY_API_ENV
+
     configured = get_current_settings().api.url
     if configured:
         if early is not None:
@@ -259,10 +263,12 @@ def prefect_api(log_dir: Path, early: LocalApiServer | None = None) -> Iterator[
             drain_prefect_workers()
         return
     server = early or LocalApiServer(log_dir / f"prefect-api-{os.getpid()}.log")
-    previous = {name: os.environ.get(name) for name in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
+    names = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", TEMPORARY_API_ENV)
+    previous = {name: os.environ.get(name) for name in names}
     try:
         os.environ["PREFECT_API_URL"] = server.start()
         os.environ["PREFECT_API_AUTH_STRING"] = server.auth_string
+        os.environ[TEMPORARY_API_ENV] = server.api_url
         refresh_global_settings_context()
         yield server.api_url
     finally:

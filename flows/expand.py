@@ -89,7 +89,9 @@ from tasks.run import (
     write_attempt_record,
     write_report,
 )
+from tasks.run_lease import hold_run_lease
 from tasks.run_names import is_generated_run_name
+from tasks.run_origin import refuse_caller_retries, verify_work_queue
 from tasks.runtime import (
     DeploymentResume,
     explain_failure,
@@ -170,7 +172,10 @@ def _flow_run_name() -> str:
     given = given_run_name(context.flow_run.name if context and context.flow_run else None)
     if given is not None:
         return given
-    return f"expand-{_run_id_of(dict(runtime_flow_run.parameters or {})) or _generated_run_id()}"
+    parameters = dict(runtime_flow_run.parameters or {})
+    if isinstance(parameters.get("config"), RefusedParameters):
+        return "expand-refused"
+    return f"expand-{_run_id_of(parameters) or _generated_run_id()}"
 
 
 def _stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
@@ -560,6 +565,25 @@ def _samples(config: RunConfig, dataset: str) -> int:
     return config.sampling_for(config.dataset(dataset)).samples_per_prompt
 
 
+class RefusedParameters:
+    """What a flow body receives as its ``config`` when :class:`CheckedFlow` refused the run's parameters.
+
+    The body raises :attr:`refusal` inside its own failure reporting (:func:`refuse_if_refused`), so the run
+    ends like every other refusal: one ``run failed:`` line, no traceback of Prefect's, under the flow's own
+    run name. Raised from parameter validation instead, Prefect would log its engine's traceback and keep the
+    random name it gave the run at creation.
+    """
+
+    def __init__(self, refusal: ConfigError) -> None:
+        self.refusal = refusal
+
+
+def refuse_if_refused(config: object) -> None:
+    """Raise the refusal :class:`CheckedFlow` deferred to the body, if ``config`` stands for one."""
+    if isinstance(config, RefusedParameters):
+        raise config.refusal
+
+
 class CheckedFlow(Flow[..., R]):
     """A flow whose run parameters pass ``check`` before Prefect validates them against the signature.
 
@@ -568,7 +592,8 @@ class CheckedFlow(Flow[..., R]):
     lacks) in one line that names the parameter and the fix, before the flow reads any file or starts anything.
     A parameter the signature lacks (``config_path``, ``training``...) the server refuses at create-flow-run
     (``datagen deploy`` closes the deployments' parameter schemas), and Prefect on a worker for a run that
-    skipped that check; ``check`` refuses it too when the flow is called in-process.
+    skipped that check; ``check`` refuses it too when the flow is called in-process. A refused run's body
+    receives only :class:`RefusedParameters` (every other parameter None) and raises its refusal first.
     """
 
     def __init__(
@@ -578,8 +603,14 @@ class CheckedFlow(Flow[..., R]):
         self.check_parameters = check
 
     def validate_parameters(self, parameters: dict[str, Any]) -> dict[str, Any]:
-        """Refuse what is no run choice (one line, from ``check``), then validate as Prefect does."""
-        self.check_parameters(parameters)
+        """Refuse what is no run choice (deferred to the body, see above), then validate as Prefect does."""
+        try:
+            self.check_parameters(parameters)
+        except ConfigError as refusal:
+            return {
+                name: RefusedParameters(refusal) if name == "config" else None
+                for name in self.parameters.required
+            }
         return super().validate_parameters(parameters)
 
 
@@ -639,9 +670,12 @@ def _expand(
     resume = DeploymentResume()
 
     def body() -> RunSummary:
+        refuse_caller_retries()  # first: a refusal after it must not be run again
+        refuse_if_refused(config)
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), RunRequest)
         run = resolve_run(request, box_configs(), _generated_run_id())
+        verify_work_queue(run.config)
         resume.config, resume.run_id = request.config, run.run_id
         # Taken just before training is halted: everything before it needs no GPU, so a run refused by
         # preflight says so at once instead of after waiting for another run to give the GPUs back.
@@ -714,7 +748,10 @@ def run_with_config(
 
 
 def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack) -> RunSummary:
-    """The run itself, once its entry point resolved it; ``gpu_lock`` holds this host's GPUs from the halt on."""
+    """The run itself, once its entry point resolved it.
+
+    ``gpu_lock`` holds the run id's lease from the start and this host's GPUs from the halt on, until the run ends.
+    """
     config, hosts_request, retry_failed = resolved.config, resolved.hosts, resolved.retry_failed
     logger = get_run_logger()
     # The run's store, opened once with the Prefect block's S3 credentials (None: the AWS chain); every task
@@ -730,6 +767,9 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
             "hosts: a multi-host run's config must be one of the checkout's configs/ files (every box reads it "
             "from its own checkout by name): move it into configs/ and pass that file to --config"
         )
+    assert config.run_id is not None, "a resolved run has its run id"
+    # One run id, one runner, for the whole run: a second flow run of it is refused before anything happens.
+    gpu_lock.enter_context(hold_run_lease(config.run_id))
     enter_stage(logger, Stage.PREFLIGHT, run_id=config.run_id)
     preflight_report = preflight(config, store)
     run = open_run(config, store)
@@ -787,6 +827,12 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
     else:
         enter_stage(logger, Stage.GPU_LOCK)
         gpus = gpu_lock.enter_context(hold_host_gpus(run.run_id))
+        if read_manifest(store, layout) is not None:
+            # Completed by another runner of this run id while this one waited for the GPUs (a runner without
+            # a lease: two `datagen run` on one box); nothing was halted yet.
+            logger.info("run run_id=%s was completed while this run waited for the GPUs", run.run_id)
+            report = RunReport.model_validate(store.read_json(layout.report_json))
+            return _summary_from_report(report, store, layout, complete=True)
 
         def record(name: str, value: BaseModel) -> str:
             return write_attempt_record(context, name, value)

@@ -3,10 +3,11 @@
 The parent `expand` flow starts one run of this flow per host (``run_deployment``, one work queue per box)
 and talks to it through the run's store (:mod:`datagen.output.multihost`)::
 
-    host preflight -> preflight.json ... wait for go.json (every host passed)
+    parent check (a running expand run that lists this host part in started.json)
+      -> host preflight -> preflight.json ... wait for go.json (every host passed)
       -> [host GPU lock] halt-training -> probe-environment -> plan-servers -> start-fleet -> fleet.json
       -> keep the servers up (restarting dead ones, each restart published as fleet-NNNN.json) until
-         release.json (or the parent's run ended)
+         release.json (or the parent's run ended, or multi_host.max_serve_s passed)
       -> stop-fleet -> hand-back-gpus
 
 Generation itself happens in the parent: its one dispatcher sends requests to every host's servers.
@@ -39,11 +40,13 @@ from datagen.output.multihost import (
     write_host_object,
 )
 from datagen.output.store import Store
-from flows.expand import CheckedFlow, _stop_servers_hook, box_configs
+from flows.expand import CheckedFlow, _stop_servers_hook, box_configs, refuse_if_refused
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.cancellation import run_cancellable
 from tasks.context import open_run_store
+from tasks.host_parent import verify_parent
 from tasks.multihost import flow_run_ended, parent_lease_lapsed
+from tasks.run_origin import refuse_caller_retries, verify_work_queue
 from tasks.runtime import explain_failure, forward_thread_logs, hold_host_gpus, verify_code_version
 
 
@@ -68,7 +71,7 @@ def _expand_host(
     run_id: str,
     host: str,
     attempt_id: str,
-    parent_flow_run_id: str | None = None,
+    parent_flow_run_id: str,
     max_prompts: int | None = None,
     series: str | None = None,
     output: str | None = None,
@@ -85,7 +88,8 @@ def _expand_host(
         run_id: The run's id (resolved by the parent).
         host: This box's name in the config's `hosts`.
         attempt_id: The parent attempt this host part belongs to (its handshake folder).
-        parent_flow_run_id: The parent flow run: when it ends, this host stops serving.
+        parent_flow_run_id: The parent `expand` flow run that started this host part: it serves only a
+            running parent that lists it, and stops when that parent ends.
         max_prompts: The run's choice (see the expand flow).
         series: The run's choice (see the expand flow).
         output: The run's output root (under a root this box's config allows).
@@ -111,11 +115,17 @@ def _expand_host(
     }
 
     def body() -> str:
+        refuse_caller_retries()  # first: a refusal after it must not be run again
+        refuse_if_refused(config)
         verify_code_version(__file__)
         request = parse_run_request(parameters, box_configs(), HostPartRequest)
         resolved = resolve_request(request.run_request(), box_configs(), resume=False)
-        parent = str(request.parent_flow_run_id) if request.parent_flow_run_id else None
-        return _serve(resolved, request.host, request.attempt_id, parent, flow_run_id)
+        verify_work_queue(resolved, request.host)
+        # Before this box writes or halts anything: a host part serves only the parent that started it.
+        verify_parent(request, resolved, flow_run_id)
+        return _serve(
+            resolved, request.host, request.attempt_id, str(request.parent_flow_run_id), flow_run_id
+        )
 
     with forward_thread_logs(flow_run_id), explain_failure():
         return cast(str, run_cancellable(body))
@@ -132,7 +142,7 @@ expand_host = CheckedFlow(
 )
 
 
-def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, flow_run_id: str) -> str:
+def _serve(config: RunConfig, host: str, attempt_id: str, parent: str, flow_run_id: str) -> str:
     logger = get_run_logger()
     assert config.run_id is not None, "the parent resolves the run id before starting host parts"
     local = config.for_host(host)
@@ -162,7 +172,7 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         state = flow_run_ended(parent)
         if state:
             return f"the parent flow run ended ({state})"
-        if parent is not None and config.run_id is not None and parent_lease_lapsed(config.run_id):
+        if config.run_id is not None and parent_lease_lapsed(config.run_id):
             return "the parent's lease lapsed: its process died without ending its flow run"
         return None
 
@@ -211,7 +221,13 @@ def _serve(config: RunConfig, host: str, attempt_id: str, parent: str | None, fl
         logger.info("host serving host=%s servers=%d; until the parent releases it", host, len(serving.urls))
         started = time.monotonic()
         released = wait_for_host_object(
-            store, layout, attempt_id, HostsRelease, poll_s=poll_s, give_up=parent_ended
+            store,
+            layout,
+            attempt_id,
+            HostsRelease,
+            poll_s=poll_s,
+            timeout_s=config.multi_host.max_serve_s,
+            give_up=parent_ended,
         )
         why = released if isinstance(released, str) else released.reason
         logger.info("host released host=%s after_s=%.0f reason=%s", host, time.monotonic() - started, why)

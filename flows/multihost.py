@@ -35,6 +35,7 @@ from datagen.output.multihost import (
     HostPreflight,
     HostsGo,
     HostsRelease,
+    HostsStarted,
     read_host_object,
     read_latest_host_fleet,
     write_host_object,
@@ -83,6 +84,13 @@ def run_on_hosts(
         logger = get_run_logger()
         poll_s = config.multi_host.poll_interval_s
         started = start_host_parts(config, request, attempt_id, parent_flow_run_id)
+        # What each host part checks before it does anything: its parent lists it.
+        write_host_object(
+            store,
+            layout,
+            attempt_id,
+            HostsStarted(parent_flow_run_id=parent_flow_run_id or "", flow_runs=started),
+        )
         release = "generation over"
         try:
             _await_preflights(config, store, layout, attempt_id, started)

@@ -112,6 +112,7 @@ HEAVIEST_FIRST = [
     "tests/integration/test_run_states_prefect.py",
     "tests/integration/test_s3_outage.py",
     "tests/integration/test_multihost.py",
+    "tests/integration/test_run_origin.py",
     "tests/integration/test_chaos.py::test_flow_killed_at_random_moments",
     "tests/integration/test_sglang_contract.py",
     "tests/integration/test_trainer_loaders.py",

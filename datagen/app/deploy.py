@@ -13,7 +13,8 @@ other keys. So the server refuses (HTTP 422) a run that sends job variable ``com
 The deployments' parameters are the run's choices and nothing else: after ``prefect deploy`` each deployment's
 parameter schema is closed (``"additionalProperties": false``, which Prefect's deploy leaves out) with its
 enforcement on, so the server refuses (HTTP 409, naming the parameter) a run that sends one the flow does not
-have (``training``, ``fleet``, ``config_path``...) before any flow run exists.
+have (``training``, ``fleet``, ``config_path``...) or names a config the checkout lacks (``config`` is an enum
+of the checkout's configs, refreshed on every deploy) before any flow run exists.
 """
 
 from __future__ import annotations
@@ -161,11 +162,10 @@ def _close_parameter_schemas(chosen: set[tuple[str, str]], root: Path) -> tuple[
     if missing:
         return 1, "prefect deploy left no deployment " + ", ".join(sorted(name for name, _ in missing)) + "\n"
     said = []
+    names = config_names(root / CONFIGS_FOLDER)
     for entry in found:
-        update = {
-            "parameter_openapi_schema": closed_schema(form_schema(entry["parameter_openapi_schema"] or {})),
-            "enforce_parameter_schema": True,
-        }
+        schema = with_config_choices(form_schema(entry["parameter_openapi_schema"] or {}), names)
+        update = {"parameter_openapi_schema": closed_schema(schema), "enforce_parameter_schema": True}
         patched = _prefect(
             ["api", "PATCH", f"/deployments/{entry['id']}", "--data", json.dumps(update)], root
         )
@@ -173,6 +173,21 @@ def _close_parameter_schemas(chosen: set[tuple[str, str]], root: Path) -> tuple[
             return patched.returncode, f"closing the parameters of {entry['name']} failed: {patched.stderr}"
         said.append(f"deployment={entry['name']} parameters=closed (no parameter but the flow's own)\n")
     return 0, "".join(said)
+
+
+def with_config_choices(schema: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
+    """``schema`` whose ``config`` parameter is one of ``names`` (the checkout's configs), as an enum.
+
+    The run form then offers the box's configs as a list, and the server refuses any other name at
+    create-flow-run (HTTP 409), before a flow run exists. Written on every deploy: a config the operator adds
+    or removes reaches the form with the next ``datagen deploy``. A schema without a ``config`` parameter, or
+    a checkout without configs, is left as it is (the flow still refuses an unknown name).
+    """
+    result = copy.deepcopy(dict(schema))
+    field = (result.get("properties") or {}).get("config")
+    if isinstance(field, dict) and field.get("type") == "string" and names:
+        field["enum"] = list(names)
+    return result
 
 
 def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -225,13 +240,11 @@ def _inlinable(choice: Mapping[str, Any], definitions: Mapping[str, Any]) -> boo
 def configs_note(names: list[str]) -> str:
     """The sentence a deployment's description gets: the configs a run may pick (``config`` has no default).
 
-    Not an enum in the parameter schema: the schema is the deploying checkout's, and the box's operator may
-    add a config to its own ``configs/`` folder without a new deployment.
+    The same names are the ``config`` parameter's enum (:func:`with_config_choices`): a config added to the
+    checkout is offered once ``datagen deploy`` runs again.
     """
     listed = ", ".join(names) if names else "none yet"
-    return (
-        f"Configs of this commit (config): {listed}; or another configs/<name>.yaml the box's operator added."
-    )
+    return f"Configs of this commit (config): {listed}; `datagen deploy` again offers a config added since."
 
 
 def _deploy_copy(prefect_file: Path, version: str | None, names: list[str], folder: Path) -> Path:

@@ -25,6 +25,7 @@ from uuid import UUID
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from datagen.app.run_ceilings import choice_problems
 from datagen.config import (
     RunConfig,
     Slug,
@@ -41,6 +42,10 @@ from datagen.output.runs import make_run_id, read_stored_config
 from datagen.output.store import Store
 from datagen.prompts.mix import validate_mix
 
+# What the engines take: the OpenAI chat API's range of temperatures (SGLang, vLLM and transformers serve it),
+# and a top_k their int32 request fields hold (the model's vocabulary bounds it further: run_ceilings).
+TEMPERATURE_MAX: Final = 2.0
+TOP_K_MAX: Final = 2**31 - 1
 # The folder of a checkout that holds the configs a run may pick by name.
 CONFIGS_FOLDER: Final = "configs"
 CONFIG_SUFFIX: Final = ".yaml"
@@ -57,9 +62,11 @@ class SamplingChoice(BaseModel):
     # Titled by its key, not its class name: the run form shows the title as the section's heading.
     model_config = ConfigDict(extra="forbid", field_title_generator=_yaml_key, title="sampling")
 
-    temperature: float | None = Field(default=None, ge=0, description="Sampling temperature.")
+    temperature: float | None = Field(
+        default=None, ge=0, le=TEMPERATURE_MAX, description="Sampling temperature."
+    )
     top_p: float | None = Field(default=None, gt=0, le=1, description="Nucleus sampling mass.")
-    top_k: int | None = Field(default=None, gt=0, description="Sample among this many tokens.")
+    top_k: int | None = Field(default=None, gt=0, le=TOP_K_MAX, description="Sample among this many tokens.")
     min_p: float | None = Field(default=None, ge=0, le=1, description="Minimum token probability.")
     max_tokens: int | None = Field(default=None, gt=0, description="Longest answer, in tokens.")
     enable_thinking: bool | None = Field(
@@ -141,8 +148,9 @@ class HostPartRequest(HostRequest):
     attempt_id: Slug = Field(
         description="The parent attempt this host part belongs to (its handshake folder)."
     )
-    parent_flow_run_id: UUID | None = Field(
-        default=None, description="The parent flow run: when it ends, this host stops serving."
+    parent_flow_run_id: UUID = Field(
+        description="The parent `expand` flow run that started this host part: it serves only a running "
+        "parent that lists it, and stops when that parent ends."
     )
 
     def run_request(self) -> HostRequest:
@@ -382,7 +390,8 @@ def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -
 
     Raises:
         ConfigError: One line naming the parameter and the fix (unknown config, output outside the allowed
-            roots or at a protected prefix, an unknown dataset, choices that would change an existing run).
+            roots or at a protected prefix, an unknown dataset, choices that would change an existing run, a
+            choice over a ceiling of the config's ``run_choices``).
     """
     data = read_box_config(request.config, folder)
     base = _parse_box_config(data, request.config)
@@ -412,7 +421,18 @@ def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -
         }
     changes = {"run_id": request.run_id, "series": request.series}
     data = {**data, **{key: value for key, value in changes.items() if value is not None}}
-    return _parse_box_config(data, request.config)
+    resolved = _parse_box_config(data, request.config)
+    sampling = request.sampling or SamplingChoice()
+    problems = choice_problems(
+        base,
+        resolved,
+        max_tokens=sampling.max_tokens,
+        top_k=sampling.top_k,
+        samples_per_prompt=sampling.samples_per_prompt,
+    )
+    if problems:
+        raise _refusal(problems)
+    return resolved
 
 
 @dataclass(frozen=True)

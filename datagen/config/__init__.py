@@ -7,7 +7,8 @@ error that names the key, never a silently ignored setting. Secrets never live h
 
 One module per stage, named after it: :mod:`model` (the target model), :mod:`fleet` (servers and engines),
 :mod:`prompts` (datasets, the mix, the existing corpus), :mod:`generation`, :mod:`training` (the job to halt),
-:mod:`merge` (``tokenize:``), :mod:`multihost` (several boxes); :mod:`run` holds :class:`RunConfig` and the checks
+:mod:`merge` (``tokenize:``), :mod:`multihost` (several boxes), :mod:`choices` (``run_choices:``, what a deployed
+run may choose); :mod:`run` holds :class:`RunConfig` and the checks
 across sections, :mod:`loader` reading a file or parsed data, :mod:`ui_json` the Prefect UI's JSON mode, and
 :mod:`base` what every model shares. Every name is importable from ``datagen.config`` as before.
 """
@@ -24,6 +25,7 @@ from datagen.config.base import (
     check_run_id_option,
     is_valid_slug,
 )
+from datagen.config.choices import RunChoicesConfig
 from datagen.config.fleet import EngineKind, FleetConfig, RouterPolicy, SGLangOptions
 from datagen.config.generation import GenerationConfig
 from datagen.config.loader import (
@@ -88,6 +90,7 @@ __all__ = [
     "MultiHostConfig",
     "MultiTurnPolicy",
     "RouterPolicy",
+    "RunChoicesConfig",
     "RunConfig",
     "SGLangOptions",
     "SamplingOverrides",

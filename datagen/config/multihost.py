@@ -69,6 +69,12 @@ class MultiHostConfig(StrictModel):
         "0.25-1 x this after the kill, the server's repossessor frees it within its loop (15 s), and the hosts "
         "stop serving: 15-75 s after the kill at 60 s.",
     )
+    max_serve_s: float = Field(
+        default=7 * 24 * 3600.0,
+        gt=0,
+        description="The longest a host part serves: past it, it stops its servers and hands its GPUs back "
+        "whatever the parent says (a parent that never releases it cannot keep a box's training halted).",
+    )
     start_with_hosts: int = Field(
         default=1,
         gt=0,

@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from datagen.config.base import CONFIG_SCHEMA_VERSION, Slug, StrictModel
+from datagen.config.choices import RunChoicesConfig
 from datagen.config.fleet import FleetConfig
 from datagen.config.generation import GenerationConfig
 from datagen.config.merge import TokenizeConfig
@@ -74,6 +75,11 @@ class RunConfig(StrictModel):
         "servers join one dispatcher. Empty: this host only. See docs/operations.md (multi-host runbook).",
     )
     multi_host: MultiHostConfig = Field(default_factory=MultiHostConfig)
+    run_choices: RunChoicesConfig = Field(
+        default_factory=RunChoicesConfig,
+        description="Ceilings on what a deployed run may choose, and the work queues it may run on. See "
+        "docs/security.md.",
+    )
 
     @field_validator("datasets")
     @classmethod
@@ -191,7 +197,7 @@ class RunConfig(StrictModel):
         """The fields that define what the run produces, as JSON data.
 
         Everything but the run id and the guards that only refuse a run (``datasets[].min_prompts``,
-        ``output_roots``): a
+        ``output_roots``, ``run_choices``): a
         guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
         where the run generates, not what: a run resumes on other or fewer hosts. ``series``,
         ``generation.exact_tokens`` and ``tokenize.formats`` joined the model later: each is left out while
@@ -205,6 +211,8 @@ class RunConfig(StrictModel):
             # Where the run generates changes no output: a resume may use other (or fewer) hosts.
             "hosts": True,
             "multi_host": True,
+            # Ceilings and allowed queues only refuse runs.
+            "run_choices": True,
         }
         if self.series is None:
             exclude["series"] = True

@@ -4,6 +4,7 @@ One parent attempt (the `expand` flow) and one host part per box (the `expand-ho
 worker) share nothing but the run's store and the Prefect API. Per parent attempt, under
 ``runs/<run_id>/hosts/<attempt>/`` (keys in :class:`datagen.output.layout.RunLayout.hosts_object`)::
 
+    started.json            parent -> hosts  the host parts the parent started (host -> flow run id)
     <host>/preflight.json   host -> parent   the host's own checks passed (or their problems)
     go.json                 parent -> hosts  every host passed: halt training and serve (or: stop, why)
     <host>/fleet.json       host -> parent   the host's servers are ready: their URLs and in-flight cap
@@ -54,6 +55,15 @@ class HostPreflight(HostObject):
     flow_run_id: str
     hostname: str = Field(description="The machine the host part runs on (its `socket.gethostname()`).")
     problems: list[str] = Field(default_factory=list, description="Empty when every check passed.")
+
+
+class HostsStarted(HostObject):
+    """The host parts the parent started for this attempt: a host part serves only a parent that lists it."""
+
+    object_name = "started.json"
+
+    parent_flow_run_id: str
+    flow_runs: dict[str, str] = Field(description="Host name -> the flow run id of its host part.")
 
 
 class HostsGo(HostObject):

@@ -206,6 +206,10 @@ def main() -> int:
                 env=env,
                 check=True,
             )
+        # Before the deploy: the deployments offer the checkout's configs, and refuse any other name.
+        watch_config = yaml.safe_load((clone / "configs" / "demo-worker.yaml").read_text())
+        watch_config["tokenize"]["formats"] = ["parquet", "jsonl"]
+        (clone / "configs" / f"{WATCH_CONFIG}.yaml").write_text(yaml.safe_dump(watch_config, sort_keys=False))
         stack.wait_ready()
         subprocess.run(
             [sys.executable, "-m", "flows.cli_entry", "deploy"],
@@ -214,9 +218,6 @@ def main() -> int:
             check=True,
             capture_output=True,
         )
-        watch_config = yaml.safe_load((clone / "configs" / "demo-worker.yaml").read_text())
-        watch_config["tokenize"]["formats"] = ["parquet", "jsonl"]
-        (clone / "configs" / f"{WATCH_CONFIG}.yaml").write_text(yaml.safe_dump(watch_config, sort_keys=False))
         stack.start_worker(
             "gpu-box",
             work / "worker",

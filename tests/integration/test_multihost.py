@@ -41,6 +41,8 @@ RUN_TIMEOUT_S = 300
 # How often this server's repossessor revokes expired leases (Prefect's default: 15 s). The killed parent's lease
 # lapses a lease (60 s) after the kill; the lease test, last, then waits for the next pass, not up to 15 s more.
 REPOSSESSOR_LOOP_S = 2
+# The runs of this module: each one's config is configs/<run id>.yaml of the clone.
+RUN_CONFIGS = ("two-hosts", "host-loss", "late-loss", "unknown-queue")
 
 
 class Stack:
@@ -171,6 +173,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     stack = Stack(root, prefect, root / "clone")
     try:
         copy_checkout(REPO, stack.clone)
+        # Each test writes its run's config as configs/<run id>.yaml; the names are there when `datagen deploy`
+        # offers the checkout's configs (the host deployment refuses any other name).
+        for run_id in RUN_CONFIGS:
+            (stack.clone / "configs" / f"{run_id}.yaml").write_text("# written by its test\n")
         prefect.wait_ready()
         # A parent killed outright: its lease takes over a minute to lapse, so it is killed first thing here and
         # the lapse is awaited by its test, while the others run.

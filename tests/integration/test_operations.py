@@ -62,6 +62,15 @@ OBSERVER_GAVE_UP = "Cancellation polling task failed"
 PROMPTS_FOR_A_LONG_RUN = 2000
 # datagen's watch: a poll (5 s), the runner's grace (30 s), then the run's own stop (servers, hand-back).
 CANCEL_AFTER_OUTAGE_BUDGET_S = 90.0
+# The configs this module's tests write into the clone's configs/.
+CONFIG_NAMES = (
+    "ci-bad-dataset",
+    "ci-overlap-alpha",
+    "ci-overlap-beta",
+    "ci-nightly",
+    "ci-cancel",
+    "ci-cancel-after-outage",
+)
 
 
 class Stack:
@@ -181,6 +190,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     try:
         clone = copy_checkout(REPO, root / "any" / "path" / "datagen")
         shutil.copytree(tiny_model_dir, clone / "runs" / "_demo" / "tiny-model")
+        # Each test writes its config under one of these names; they are there when `datagen deploy` offers the
+        # checkout's configs (the deployments refuse any other name).
+        for name in CONFIG_NAMES:
+            (clone / "configs" / f"{name}.yaml").write_text("# written by its test\n")
         prefect.wait_ready()
         deployed = subprocess.run(
             [sys.executable, "-m", "flows.cli_entry", "deploy"],
@@ -308,7 +321,12 @@ def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str
     }
     corpus = str(stack.clone / "datagen" / "samples")  # demo-worker's protected prefix
     whole = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
-    host_part = {"run_id": "host-vector", "host": "box-a", "attempt_id": "attempt-1"}
+    host_part = {
+        "run_id": "host-vector",
+        "host": "box-a",
+        "attempt_id": "attempt-1",
+        "parent_flow_run_id": "6f1c1d4e-8d8e-4b61-9b48-9f4f1d9c2a11",
+    }
     return {
         "restart-command": Vector(manual, {**base, "training": restart}, "'training'"),
         "fleet-env": Vector(

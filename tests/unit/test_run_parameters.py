@@ -28,7 +28,7 @@ import yaml
 from datagen.errors import ConfigError
 from datagen.output.runs import read_stored_config
 from datagen.output.store import Store
-from flows.expand import expand
+from flows.expand import RefusedParameters, expand, refuse_if_refused
 from flows.host_part import expand_host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -48,10 +48,14 @@ def _whole_config(**changes: Any) -> dict[str, Any]:
 
 
 def _refused(parameters: dict[str, Any], flow: Any = expand) -> str:
-    """The one line the flow refuses ``parameters`` with."""
-    with pytest.raises(ConfigError) as refused:
-        flow.validate_parameters(parameters)
-    message = str(refused.value)
+    """The one line the flow refuses ``parameters`` with (its body raises it before anything else)."""
+    validated = flow.validate_parameters(parameters)
+    refused = validated["config"]
+    assert isinstance(refused, RefusedParameters), validated
+    assert all(value is None for name, value in validated.items() if name != "config"), validated
+    with pytest.raises(ConfigError) as raised:
+        refuse_if_refused(refused)
+    message = str(raised.value)
     assert "\n" not in message, message
     assert message.startswith("Run parameters refused, nothing started: "), message
     assert SECRET not in message, message
