@@ -720,7 +720,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
         )
     logger.info("stage=preflight run_id=%s", config.run_id)
     preflight_report = preflight(config, store)
-    run = open_run(config, store)
+    run = open_run(config, store, resolved.origin)
     layout = run.layout
     context = RunContext(config, store, run, attempt_id)
     if read_manifest(store, layout) is not None:

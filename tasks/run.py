@@ -20,7 +20,7 @@ from datagen.dataset.report import RunReport
 from datagen.errors import OutputExistsError
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import RunManifest
-from datagen.output.runs import RunHandle
+from datagen.output.runs import RunHandle, RunOrigin
 from datagen.output.store import Store
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
@@ -55,9 +55,9 @@ def check_prompts(context: RunContext, prepared: list[PreparedDataset], unprepar
     cache_policy=NO_CACHE,
     **TRANSIENT_RETRIES,
 )
-def open_run(config: RunConfig, store: Store) -> RunHandle:
-    """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
-    run = datagen.output.runs.open_run(store, config)
+def open_run(config: RunConfig, store: Store, origin: RunOrigin | None = None) -> RunHandle:
+    """Write the run's config.json first, with what a deployment's run was made from (or check it on a rerun)."""
+    run = datagen.output.runs.open_run(store, config, origin)
     get_run_logger().info(
         "run run_id=%s resumed=%s config_hash=%s output=%s",
         run.run_id,

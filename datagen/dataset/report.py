@@ -447,20 +447,21 @@ def record_generation_window(store: Store, layout: RunLayout, window: Generation
         store.write_json(layout.attempt_object(window.attempt_id, GENERATION_RECORD), window)
 
 
+def _generation_windows(store: Store, layout: RunLayout) -> list[GenerationWindow]:
+    """The generation record of every attempt folder of the run (one level: attempts/<attempt>/)."""
+    keys = (f"{folder}/{GENERATION_RECORD}" for folder in store.list_level(layout.attempts_prefix).folders)
+    return [GenerationWindow.model_validate(store.read_json(key)) for key in keys if store.exists(key)]
+
+
 def hosts_over_attempts(store: Store, layout: RunLayout) -> tuple[list[str], dict[str, str]]:
     """Multi-host runs: every host that served in any attempt, and every host lost (with why), by name."""
     served: set[str] = set()
     lost: dict[str, str] = {}
-    for key in store.list(layout.attempts_prefix):
-        if key.endswith("/" + GENERATION_RECORD):
-            window = GenerationWindow.model_validate(store.read_json(key))
-            served.update(window.hosts)
-            lost.update(
-                {
-                    name: f"{reason} (attempt {window.attempt_id})"
-                    for name, reason in window.lost_hosts.items()
-                }
-            )
+    for window in _generation_windows(store, layout):
+        served.update(window.hosts)
+        lost.update(
+            {name: f"{reason} (attempt {window.attempt_id})" for name, reason in window.lost_hosts.items()}
+        )
     return sorted(served), lost
 
 
@@ -470,9 +471,5 @@ def generation_time_over_attempts(store: Store, layout: RunLayout) -> tuple[floa
     A resumed run's completions come from several attempts; its throughput is their tokens over this sum,
     not over the last attempt's time (which may be zero when only the merge was left).
     """
-    windows = [
-        GenerationWindow.model_validate(store.read_json(key))
-        for key in store.list(layout.attempts_prefix)
-        if key.endswith("/" + GENERATION_RECORD)
-    ]
+    windows = _generation_windows(store, layout)
     return sum(window.wall_s for window in windows), len(windows)
