@@ -57,6 +57,7 @@ from datagen.errors import (
     TrainingEnvironmentChangedError,
     UnfixableStorageError,
 )
+from datagen.escape import printable
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import check_failed_share, retryable_failures
@@ -151,11 +152,12 @@ def given_run_name(name: str | None) -> str | None:
 
     Prefect names every flow run at creation and records no flag saying who chose it: a name one of its
     generators could have produced (:func:`tasks.run_names.is_generated_run_name`) counts as Prefect's, and so
-    does ours, ``expand-<run id>``, from an earlier attempt.
+    does ours, ``expand-<run id>``, from an earlier attempt. Control characters in it are shown as their
+    escapes (the name is renamed to that at the run's start), so the name never forges a log line.
     """
     if not name or is_generated_run_name(name) or name.startswith("expand-"):
         return None
-    return name
+    return printable(name)
 
 
 def _flow_run_name() -> str:

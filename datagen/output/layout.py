@@ -2,7 +2,8 @@
 
 Keys are relative to the output root (a local directory or ``s3://bucket/prefix``)::
 
-    runs/<run_id>/config.json                       first object: the resolved config (run identity)
+    runs/<run_id>/probes/write-once-<token>.json    preflight's proof that the store refuses an overwrite
+    runs/<run_id>/config.json                       the resolved config (run identity), before any output
     runs/<run_id>/attempts/<attempt>/preflight.json  one folder per flow attempt (never overwritten):
     runs/<run_id>/attempts/<attempt>/training.json   what was halted, last checkpoint
     runs/<run_id>/attempts/<attempt>/env.json        probe report
@@ -106,6 +107,10 @@ class RunLayout:
     def _shard_key(self, folder: str, dataset: str, index: int, suffix: str) -> str:
         # Every per-shard object: <root>/<folder>/<dataset>/shard-00000<suffix>.
         return f"{self.root}/{folder}/{dataset}/{shard_name(index)}{suffix}"
+
+    def write_once_probe(self, token: str) -> str:
+        """The object preflight writes twice, before anything is halted, to see the second write refused."""
+        return f"{self.root}/probes/write-once-{token}.json"
 
     def attempt_object(self, attempt_id: str, name: str) -> str:
         """A record of one flow attempt (preflight, training, env, plan): reruns add, never overwrite."""

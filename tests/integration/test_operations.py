@@ -6,6 +6,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * runs that send what only the box's config decides (one per vector of docs/security.md) are refused before
   anything runs: by the server at create-flow-run (a parameter the flow does not have, the old whole-config
   payload), or by the flow in one line naming the field (a climbing run id, an output at the protected corpus);
+  and so are runs that would believe a planted store (a config.json no box made, resumed by its run id; an
+  output inside another run's folder, a series' ledger or a dataset's versions), writing nothing under the root;
 * two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
@@ -295,7 +297,55 @@ VECTOR_NAMES = [
     "whole-config",
     "host-part-training",
     "unchecked-training",
+    "planted-config",
+    "planted-config-with-origin",
+    "output-in-a-run",
+    "output-in-a-ledger",
+    "output-in-versions",
 ]
+# What the planted store holds beside the runs the module makes (docs/security.md, "What a run reads back").
+VICTIM_RUN = "victim"
+PLANTED_RUNS = {"planted-config": "planted-a", "planted-config-with-origin": "planted-b"}
+
+
+def _plant_store(store: Path, configs: Path, marks: Path, pidfile: Path) -> None:
+    """An output root as anyone who may write under it could leave it: a finished run, a series' ledger, a
+    published version, and config.json files of runs no box made (one bare, one with an honest run's origin)."""
+    from datagen.app.run_request import RunRequest, bind_request
+    from datagen.output.runs import StoredRunConfig
+
+    victim = store / "runs" / VICTIM_RUN
+    (victim / "completions" / "questions").mkdir(parents=True, exist_ok=True)
+    (victim / "completions" / "questions" / "shard-00000.jsonl").write_text('{"victim": 1}\n')
+    (victim / "manifest.json").write_text('{"victim": "complete"}\n')
+    (store / "series" / "nightly" / "ledger").mkdir(parents=True, exist_ok=True)
+    (store / "series" / "nightly" / "ledger" / "night-1.jsonl").write_text('{"prompt_id": "p1"}\n')
+    (store / "datasets" / "drafter-demo").mkdir(parents=True, exist_ok=True)
+    (store / "datasets" / "drafter-demo" / "v0001.json").write_text('{"version": 1}\n')
+    hostile = {
+        "kind": "pidfile",
+        "pidfile": str(pidfile),
+        "restart_after_run": True,
+        "restart_command": ["touch", str(marks / "planted-restart")],
+    }
+    for name, run_id in PLANTED_RUNS.items():
+        honest, origin = bind_request(RunRequest(config="demo-worker", run_id=run_id), configs, resume=False)
+        forged = honest.model_validate(
+            {
+                **honest.model_dump(mode="json"),
+                "training": hostile,
+                "fleet": {"engine": "external", "external_urls": ["http://127.0.0.1:9"]},
+            }
+        )
+        planted = StoredRunConfig(
+            run_id=run_id,
+            config_hash=forged.config_hash(),
+            created_at=datetime.now().astimezone(),
+            config=forged.model_dump(mode="json"),
+            origin=origin if name == "planted-config-with-origin" else None,
+        )
+        (store / "runs" / run_id).mkdir(parents=True)
+        (store / "runs" / run_id / "config.json").write_text(planted.model_dump_json())
 
 
 def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str, Vector]:
@@ -308,6 +358,7 @@ def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str
     }
     corpus = str(stack.clone / "datagen" / "samples")  # demo-worker's protected prefix
     whole = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
+    store = stack.clone / "runs" / "_demo" / "store"  # demo-worker's output root
     host_part = {"run_id": "host-vector", "host": "box-a", "attempt_id": "attempt-1"}
     return {
         "restart-command": Vector(manual, {**base, "training": restart}, "'training'"),
@@ -343,6 +394,31 @@ def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str
         "unchecked-training": Vector(
             manual, {**base, "run_id": "unchecked", "training": restart}, "'training'", unchecked=True
         ),
+        # A planted store: a config.json no box made, under the config's own root, resumed by its run id...
+        **{
+            name: Vector(manual, {**base, "run_id": run_id}, "run_id: ", flow=True)
+            for name, run_id in PLANTED_RUNS.items()
+        },
+        # ... and an output inside a root's layout: a finished run's completions, a series' ledger, a dataset's
+        # versions (with the run id a later run of the dataset would adopt).
+        "output-in-a-run": Vector(
+            manual,
+            {**base, "run_id": "intruder-a", "output": f"{store}/runs/{VICTIM_RUN}/completions"},
+            "output: ",
+            flow=True,
+        ),
+        "output-in-a-ledger": Vector(
+            manual,
+            {**base, "run_id": "intruder-b", "output": f"{store}/series/nightly/ledger"},
+            "output: ",
+            flow=True,
+        ),
+        "output-in-versions": Vector(
+            manual,
+            {**base, "run_id": "intruder-c", "output": f"{store}/datasets/drafter-demo"},
+            "output: ",
+            flow=True,
+        ),
     }
 
 
@@ -360,6 +436,9 @@ def vectors(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     pidfile.write_text(str(found.sleeper.pid))
     corpus = stack.clone / "datagen" / "samples"  # demo-worker's protected prefix
     before = _tree_digest(corpus)
+    store = stack.clone / "runs" / "_demo" / "store"  # demo-worker's output root
+    _plant_store(store, stack.clone / "configs", found.marks, pidfile)
+    stored = _tree_digest(store)
     try:
         found.sent = _vectors(stack, found.marks, secret, pidfile)
         assert list(found.sent) == VECTOR_NAMES
@@ -379,6 +458,8 @@ def vectors(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
             found.ends[name] = (state, str(stack.flow_run(flow_run_id)["state"]["message"]), log)
         time.sleep(2)  # a restart would be detached: give it the time to show
         assert _tree_digest(corpus) == before, "a run wrote into the protected corpus"
+        # Nothing written under the output root: no run folder, no ledger or version changed or added.
+        assert _tree_digest(store) == stored, "a refused run wrote under the output root"
         yield found
     finally:
         found.sleeper.kill()

@@ -193,11 +193,11 @@ def test_a_stored_config_the_box_config_does_not_make_is_never_believed(tmp_path
         resolve_request(_request(run_id="other"), configs)
     wild = origin.model_copy(update={"choices": {"fleet": {"env": {"LD_PRELOAD": "x"}}}})
     _plant(store, "wild", honest.model_copy(update={"run_id": "wild"}), wild)
-    with pytest.raises(ConfigError, match="run_id: the choices recorded in the config.json of run wild"):
+    with pytest.raises(ConfigError, match=r"run_id: the choices recorded in the config\.json of run wild"):
         resolve_request(_request(run_id="wild"), configs)
     (store / "runs" / "junk").mkdir()
     (store / "runs" / "junk" / "config.json").write_text('{"run_id": "junk"}')
-    with pytest.raises(ConfigError, match="run_id: .* is not a config.json datagen writes"):
+    with pytest.raises(ConfigError, match=r"run_id: .* is not a config\.json datagen writes"):
         resolve_request(_request(run_id="junk"), configs)
 
 
