@@ -600,11 +600,11 @@ def _expand(
 
     Args:
         config: Name of a config of the box: configs/<name>.yaml in the worker's checkout.
-        run_id: Run id; an existing run's id resumes it with its stored config.json.
+        run_id: Run id; an existing run's id resumes it: its config made again from the same box config.
         max_prompts: Cap every dataset's quota at this many prompts (a quick or test run).
         series: Expansion series: take prompts no earlier run of the series took, publish the next version.
-        output: Output root instead of the config's: its `output` or a folder under it or under one of its
-            `output_roots`.
+        output: Output root instead of the config's: its `output` or one of its `output_roots`, or a new
+            folder directly under one (a name, not runs, series or datasets).
         sampling: Sampling defaults to change (a dataset's own sampling in the config still wins).
         datasets: Run only these of the config's datasets (by name); all when unset.
         retry_failed: With the run_id of a run that ended Failed: send again its failed requests whose

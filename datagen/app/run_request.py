@@ -86,8 +86,8 @@ class RunRequest(BaseModel):
     series: Slug | None = Field(default=None, description="Expansion series, e.g. nightly.")
     output: str | None = Field(
         default=None,
-        description="Output root instead of the config's: its `output` or a folder under it, or under one "
-        "of its `output_roots`.",
+        description="Output root instead of the config's: its `output` or one of its `output_roots`, or a "
+        "new folder directly under one (a name, not runs, series or datasets).",
     )
     sampling: SamplingChoice | None = Field(default=None, description="Sampling defaults to change.")
     datasets: list[Slug] | None = Field(
