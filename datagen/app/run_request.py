@@ -513,8 +513,8 @@ def _rebind(
         raise _refusal(
             [
                 f"run_id: the stored config.json of run {run_id} is not what {_box_file(origin.config)} with "
-                f"its recorded choices makes ({', '.join(changed) or 'its hash'} differ): this box did not "
-                "write it; start a new run id"
+                f"its recorded choices makes here ({', '.join(changed) or 'its hash'} differ): it was written "
+                "elsewhere (another checkout or box, or by hand), so it is not resumed; start a new run id"
             ]
         )
     return config

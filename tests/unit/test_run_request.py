@@ -179,7 +179,7 @@ def test_a_stored_config_the_box_config_does_not_make_is_never_believed(tmp_path
         resolve_request(_request(run_id="forged"), configs)
     assert str(refused.value).startswith(
         "Run parameters refused, nothing started: run_id: the stored config.json of run forged is not what "
-        "configs/run.yaml with its recorded choices makes (training.restart_after_run, "
+        "configs/run.yaml with its recorded choices makes here (training.restart_after_run, "
         "training.restart_command differ)"
     )
     # Another config's name, or choices no run may make.
