@@ -1,8 +1,10 @@
-"""Run identity: run ids, the run's first object (``config.json``), and the refusal of a changed config.
+"""Run identity: run ids, the run's ``config.json``, and the refusal of a changed config.
 
 A run is identified by its id; what it produces is defined by its config hash. ``config.json`` is written
-once, first, with the resolved config and its hash. Any later attempt under the same id must carry the
-same hash, or it is refused before anything is stopped or started.
+once, before any output of the run (only preflight's write-once probe precedes it), with the resolved config,
+its hash and, for a run started through a deployment, its origin (the box config and the choices it was made
+from). Any later attempt under the same id must carry the same hash, or it is refused before anything is
+stopped or started.
 """
 
 from __future__ import annotations
