@@ -79,8 +79,9 @@ def _printable_argument(value: object) -> object:
 class PrintableArguments(logging.Filter):
     """Makes a record's arguments printable in place, so a value a caller chose stays on its log line.
 
-    The message's format string is datagen's own (facts are logged as ``key=%s``); the values filled into it
-    are what a caller may have chosen. Attach it to a logger (records made there) or a handler.
+    The message's format string is the program's own; the values filled into it (or a message given without
+    arguments, such as the worker's line naming a flow run) are what a caller may have chosen. The worker's
+    logging configuration (``deployments/logging.yml``) puts it on every handler.
     """
 
     def filter(self, record: logging.LogRecord) -> bool:

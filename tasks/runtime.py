@@ -26,7 +26,6 @@ from datagen.errors import (
     TooManyFailuresError,
     TrainingEnvironmentChangedError,
 )
-from datagen.escape import PrintableArguments
 from datagen.host.gpu_lock import (
     GpuLockHolder,
     HostGpuLock,
@@ -157,10 +156,6 @@ def hand_back_if_gpus_free() -> RestartRecord | None:
         lock.release()
 
 
-# The loggers of Prefect's run loggers (``get_run_logger`` in a flow and in a task).
-RUN_LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
-
-
 class _StampRunId(logging.Handler):
     """Gives datagen records logged outside the run's context (threads) the flow run id, first in line.
 
@@ -186,13 +181,6 @@ def forward_thread_logs(flow_run_id: str) -> Iterator[None]:
     """
     logger = logging.getLogger(DATAGEN_LOGGER)
     stamp = _StampRunId(flow_run_id)
-    # Values a caller chose (an output URL, a run's name) stay on their own line: first in line too, and on
-    # the run loggers the flow and its tasks log through.
-    printable = PrintableArguments()
-    stamp.addFilter(printable)
-    run_loggers = [logging.getLogger(name) for name in RUN_LOGGERS]
-    for run_logger in run_loggers:
-        run_logger.addFilter(printable)
     added_api: APILogHandler | None = None
     if not any(isinstance(handler, APILogHandler) for handler in logger.handlers):
         # PREFECT_LOGGING_EXTRA_LOGGERS=datagen was not set: attach Prefect's handler for this run.
@@ -206,8 +194,6 @@ def forward_thread_logs(flow_run_id: str) -> Iterator[None]:
         yield
     finally:
         logger.removeHandler(stamp)
-        for run_logger in run_loggers:
-            run_logger.removeFilter(printable)
         if added_api is not None:
             logger.removeHandler(added_api)
 

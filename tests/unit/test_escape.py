@@ -1,4 +1,4 @@
-"""Text a caller chose is shown as text: markdown artifacts render it escaped (logs: test_log_lines.py)."""
+"""Text a caller chose is shown as text: markdown artifacts render it escaped."""
 
 from __future__ import annotations
 

@@ -212,6 +212,7 @@ def test_output_is_never_inside_a_roots_layout(tmp_path: Path) -> None:
         root / "runs",
         root / "a" / "b",
         root / "Upper",
+        root / "new\n12:00:00.000 | INFO | forged",
         "s3://bucket/shared/runs/victim",
         "s3://bucket/shared/x/y",
     ):
