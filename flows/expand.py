@@ -57,6 +57,7 @@ from datagen.errors import (
     TrainingNotRestartedError,
     UnfixableStorageError,
 )
+from datagen.escape import printable
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import check_failed_share, retryable_failures
@@ -156,11 +157,12 @@ def given_run_name(name: str | None) -> str | None:
 
     Prefect names every flow run at creation and records no flag saying who chose it: a name one of its
     generators could have produced (:func:`tasks.run_names.is_generated_run_name`) counts as Prefect's, and so
-    does ours, ``expand-<run id>``, from an earlier attempt.
+    does ours, ``expand-<run id>``, from an earlier attempt. Control characters in it are shown as their
+    escapes (the name is renamed to that at the run's start), so the name never forges a log line.
     """
     if not name or is_generated_run_name(name) or name.startswith("expand-"):
         return None
-    return name
+    return printable(name)
 
 
 def _flow_run_name() -> str:
@@ -641,11 +643,11 @@ def _expand(
 
     Args:
         config: Name of a config of the box: configs/<name>.yaml in the worker's checkout.
-        run_id: Run id; an existing run's id resumes it with its stored config.json.
+        run_id: Run id; an existing run's id resumes it: its config made again from the same box config.
         max_prompts: Cap every dataset's quota at this many prompts (a quick or test run).
         series: Expansion series: take prompts no earlier run of the series took, publish the next version.
-        output: Output root instead of the config's: its `output` or a folder under it or under one of its
-            `output_roots`.
+        output: Output root instead of the config's: its `output` or one of its `output_roots`, or a new
+            folder directly under one (a name, not runs, series or datasets).
         sampling: Sampling defaults to change (a dataset's own sampling in the config still wins).
         datasets: Run only these of the config's datasets (by name); all when unset.
         retry_failed: With the run_id of a run that ended Failed: send again its failed requests whose
@@ -772,7 +774,7 @@ def _run(resolved: ResolvedRun, flow_run_id: str, gpu_lock: contextlib.ExitStack
     gpu_lock.enter_context(hold_run_lease(config.run_id))
     enter_stage(logger, Stage.PREFLIGHT, run_id=config.run_id)
     preflight_report = preflight(config, store)
-    run = open_run(config, store)
+    run = open_run(config, store, resolved.origin)
     layout = run.layout
     context = RunContext(config, store, run, attempt_id)
     if read_manifest(store, layout) is not None:

@@ -21,7 +21,7 @@ from datagen.errors import OutputExistsError
 from datagen.host.training import HaltRecord, RestartRecord
 from datagen.output.layout import RunLayout
 from datagen.output.manifest import RunManifest
-from datagen.output.runs import RunHandle
+from datagen.output.runs import RunHandle, RunOrigin
 from datagen.output.store import Store
 from datagen.records import PreparedDataset, ShardSummary
 from tasks.common import TRANSIENT_RETRIES
@@ -56,9 +56,9 @@ def check_prompts(context: RunContext, prepared: list[PreparedDataset], unprepar
     cache_policy=NO_CACHE,
     **TRANSIENT_RETRIES,
 )
-def open_run(config: RunConfig, store: Store) -> RunHandle:
-    """Write the run's config.json first (or check it on a rerun); refuse a changed config."""
-    run = datagen.output.runs.open_run(store, config)
+def open_run(config: RunConfig, store: Store, origin: RunOrigin | None = None) -> RunHandle:
+    """Write the run's config.json first, with what a deployment's run was made from (or check it on a rerun)."""
+    run = datagen.output.runs.open_run(store, config, origin)
     get_run_logger().info(
         "run run_id=%s resumed=%s config_hash=%s output=%s",
         run.run_id,
@@ -85,11 +85,13 @@ def write_attempt_record(context: RunContext, name: str, value: Any) -> str:
 def _training_notes_over_attempts(store: Store, layout: RunLayout) -> list[str]:
     """The notes of every attempt's halt (``training.json``) and restart (``training-restart.json``), once each."""
     notes: list[str] = []
-    for key in store.list(layout.attempts_prefix):
-        if key.endswith(f"/{TRAINING_RECORD}"):
-            notes += HaltRecord.model_validate(store.read_json(key)).notes
-        elif key.endswith(f"/{TRAINING_RESTART_RECORD}"):
-            notes += RestartRecord.model_validate(store.read_json(key)).notes
+    # One level (attempts/<attempt>/), whole keys only: nothing nested deeper is read as an attempt's record.
+    for folder in store.list_level(layout.attempts_prefix).folders:
+        halt, restart = f"{folder}/{TRAINING_RECORD}", f"{folder}/{TRAINING_RESTART_RECORD}"
+        if store.exists(halt):
+            notes += HaltRecord.model_validate(store.read_json(halt)).notes
+        if store.exists(restart):
+            notes += RestartRecord.model_validate(store.read_json(restart)).notes
     return list(dict.fromkeys(notes))
 
 

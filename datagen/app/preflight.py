@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -17,14 +18,15 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import DatasetConfig, RunConfig
-from datagen.errors import DatagenError, PreflightError, StorageUnreachableError
+from datagen.errors import DatagenError, OutputExistsError, PreflightError, StorageUnreachableError
+from datagen.escape import markdown_code, markdown_text
 from datagen.output.layout import RunLayout
 from datagen.output.runs import check_run_config, read_stored_config
 from datagen.output.s3 import S3Backend
 from datagen.output.s3_client import S3Credentials, error_facts, is_transient_status, make_s3_client
 from datagen.output.store import Store, normalise_url, overlaps
 from datagen.prompts.mix import validate_mix
-from datagen.records import PreparedDataset
+from datagen.records import PreparedDataset, utc_now
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,8 @@ PREFLIGHT_S3_READ_ATTEMPTS = 5
 PREFLIGHT_SERVER_CONNECT_TIMEOUT_S = 3.0
 PREFLIGHT_SERVER_READ_TIMEOUT_S = 5.0
 HTTP_NOT_FOUND = 404
+# Random bytes in the name of the write-once probe: two preflights never try the same object.
+WRITE_ONCE_PROBE_TOKEN_BYTES = 6
 # Any of these in a local directory means it holds a tokenizer (fast, sentencepiece or BPE vocabulary).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -75,9 +79,11 @@ class PreflightReport(BaseModel):
 
     def to_markdown(self) -> str:
         """A checklist for a Prefect artifact."""
-        lines = [f"# Preflight of run `{self.run_id}`", ""]
+        lines = [f"# Preflight of run {markdown_code(self.run_id)}", ""]
+        # A check's detail names paths and URLs a run's caller chose (its output): shown as text, never markdown.
         lines += [
-            f"- {'✅' if check.ok else '⏭️' if check.skipped else '❌'} **{check.name}** {check.detail}"
+            f"- {'✅' if check.ok else '⏭️' if check.skipped else '❌'} **{markdown_text(check.name)}** "
+            f"{markdown_text(check.detail)}"
             for check in self.checks
         ]
         return "\n".join(lines) + "\n"
@@ -241,6 +247,30 @@ def _check_output_location(config: RunConfig, store: Store) -> str:
 def _check_run_identity(config: RunConfig, store: Store) -> str:
     stored = check_run_config(store, config)
     return "new run" if stored is None else f"resuming run created {stored.created_at.isoformat()}"
+
+
+def _check_write_once(config: RunConfig, store: Store) -> str:
+    # Write-once rests on the store refusing to replace an object (S3: a PutObject with `If-None-Match: *`
+    # answered 412; locally: a hard link that fails when the name exists). A store that ignores the condition
+    # overwrites silently, so it is tried for real: a probe object under the run's folder, written twice with
+    # different bytes; the second write must be refused. The probe stays (write-once itself; the manifest
+    # lists it).
+    assert config.run_id is not None
+    layout = RunLayout(config.run_id)
+    if store.exists(layout.manifest):
+        return "not tried: the run is complete (nothing is written into a run that has its manifest)"
+    token = f"{utc_now():%Y%m%d-%H%M%S}-{secrets.token_hex(WRITE_ONCE_PROBE_TOKEN_BYTES)}"
+    key = layout.write_once_probe(token)
+    store.write_json(key, {"probe": "write-once", "token": token, "write": 1})
+    try:
+        store.write_json(key, {"probe": "write-once", "token": token, "write": 2})
+    except OutputExistsError:
+        return f"an overwrite of {store.url(key)} was refused"
+    raise DatagenError(
+        f"the store overwrote {store.url(key)}, which existed: it ignores conditional writes, so nothing it "
+        "holds is write-once; use a store that honours them (S3's PutObject with If-None-Match: * answered "
+        "412 PreconditionFailed when the object exists), or a local folder"
+    )
 
 
 def _check_datasets(config: RunConfig, store: Store) -> str:
@@ -491,6 +521,7 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("mix", _check_mix, False),
     ("output location", _check_output_location, False),
     ("run identity", _check_run_identity, True),
+    ("write-once", _check_write_once, True),
     ("datasets readable", _check_datasets, False),
     ("model and tokenizer", _check_model, False),
     ("engine", _check_engine, False),
@@ -501,6 +532,10 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("training job", _check_training, True),
     ("gpu lock", _check_gpu_lock, False),
 ]
+
+
+# Checks that write, and the checks that must pass first: nothing is written for a run refused anyway.
+NEEDS: dict[str, tuple[str, ...]] = {"write-once": ("output location", "run identity")}
 
 
 # Checks of the box that generates. In a multi-host run each host part runs them on its own box (with its
@@ -567,6 +602,11 @@ def run_preflight(
                 name=name, ok=False, skipped=True, detail="not checked: the output is unreachable"
             )
             report.checks.append(skipped)
+            continue
+        failed = [check.name for check in report.checks if not check.ok and check.name in NEEDS.get(name, ())]
+        if failed:
+            detail = f"not tried: {', '.join(failed)} failed (nothing is written for a refused run)"
+            report.checks.append(Check(name=name, ok=False, skipped=True, detail=detail))
             continue
         try:
             detail, ok = check(config, store), True

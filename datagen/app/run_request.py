@@ -14,6 +14,7 @@ Every refusal is one line that names the parameter and the fix, never a file's c
 
 from __future__ import annotations
 
+import hashlib
 import os
 import posixpath
 from collections.abc import Mapping
@@ -38,7 +39,8 @@ from datagen.config import (
 )
 from datagen.engines import exact_tokens_enabled
 from datagen.errors import ConfigError
-from datagen.output.runs import make_run_id, read_stored_config
+from datagen.output.layout import LAYOUT_FOLDERS
+from datagen.output.runs import RunOrigin, StoredRunConfig, make_run_id, read_stored_config
 from datagen.output.store import Store
 from datagen.prompts.mix import validate_mix
 
@@ -92,8 +94,8 @@ class RunRequest(BaseModel):
     series: Slug | None = Field(default=None, description="Expansion series, e.g. nightly.")
     output: str | None = Field(
         default=None,
-        description="Output root instead of the config's: its `output` or a folder under it, or under one "
-        "of its `output_roots`.",
+        description="Output root instead of the config's: its `output` or one of its `output_roots`, or a "
+        "new folder directly under one (a name, not runs, series or datasets).",
     )
     sampling: SamplingChoice | None = Field(default=None, description="Sampling defaults to change.")
     datasets: list[Slug] | None = Field(
@@ -248,25 +250,36 @@ def read_box_config(name: str, folder: Path) -> dict[str, Any]:
         ConfigError: No such config, unreadable, not YAML (its line and column named, never its text), or
             not a mapping.
     """
+    return _read_box_file(name, folder)[0]
+
+
+def _box_file(name: str) -> str:
+    return f"{CONFIGS_FOLDER}/{name}{CONFIG_SUFFIX}"
+
+
+def _read_box_file(name: str, folder: Path) -> tuple[dict[str, Any], str]:
+    """The data of the box's config ``name`` (relative paths resolved) and the sha256 of the bytes it came from.
+
+    One read: the hash a run records is the hash of exactly what it was resolved from.
+    """
     if not is_valid_slug(name) or name not in config_names(folder):
         raise _refusal(_unknown_config(name, folder))
     file = folder / f"{name}{CONFIG_SUFFIX}"
+    raw = file.read_bytes()
     try:
-        data = yaml.safe_load(file.read_text())
+        data = yaml.safe_load(raw)
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         raise ConfigError(
-            f"config: {CONFIGS_FOLDER}/{name}{CONFIG_SUFFIX} on this box is not valid YAML{where}: its "
-            "operator must fix the file",
+            f"config: {_box_file(name)} on this box is not valid YAML{where}: its operator must fix the file",
             config=name,
         ) from None
     if not isinstance(data, dict):
         raise ConfigError(
-            f"config: {CONFIGS_FOLDER}/{name}{CONFIG_SUFFIX} on this box must hold a mapping at the top level",
-            config=name,
+            f"config: {_box_file(name)} on this box must hold a mapping at the top level", config=name
         )
-    return resolve_relative_paths(data, config_folder(file))
+    return resolve_relative_paths(data, config_folder(file)), hashlib.sha256(raw).hexdigest()
 
 
 def _normalised_location(location: str) -> str | None:
@@ -291,14 +304,27 @@ def _is_under(location: str, root: str) -> bool:
     return location == root or location.startswith(root.rstrip("/") + "/")
 
 
-def check_output_choice(output: str, config: RunConfig) -> str:
-    """The ``output`` a run chose, normalised, when it lies under a root the config allows.
+def _is_root_or_folder_of(location: str, root: str) -> bool:
+    """Whether ``location`` is ``root`` or a slug folder directly under it that is none of the layout's own."""
+    if location == root:
+        return True
+    if not _is_under(location, root):
+        return False
+    name = location[len(root.rstrip("/")) + 1 :]
+    return is_valid_slug(name) and name not in LAYOUT_FOLDERS
 
-    Allowed: the config's ``output`` and its ``output_roots`` (or a folder under one), never at or under a
-    ``protected_prefixes`` entry (the existing training data).
+
+def check_output_choice(output: str, config: RunConfig) -> str:
+    """The ``output`` a run chose, normalised, when it is a root the config allows or a new folder of one.
+
+    Allowed: the config's ``output`` and its ``output_roots``, or one folder directly under one of them whose
+    name is a slug and none of the layout's top-level folders (``runs``, ``series``, ``datasets``): so a run's
+    output never lies inside another run's folder, a series' ledger or a dataset's versions. Never at, under
+    or above a ``protected_prefixes`` entry (the existing training data).
 
     Raises:
-        ConfigError: Not an absolute path or URL, outside every allowed root, or under a protected prefix.
+        ConfigError: Not an absolute path or URL, outside every allowed root, inside a root's layout, or
+            overlapping a protected prefix.
     """
     chosen = _normalised_location(output)
     if chosen is None:
@@ -309,8 +335,8 @@ def check_output_choice(output: str, config: RunConfig) -> str:
     if not any(_is_under(chosen, root) for root in roots):
         raise _refusal(
             [
-                "output: not under an output root this box allows; choose the config's output or a folder "
-                f"under one of: {', '.join(roots)} (its operator adds roots to output_roots)"
+                "output: not under an output root this box allows; choose the config's output, or one of "
+                f"these roots or a folder directly under one: {', '.join(roots)} (its operator adds roots to output_roots)"
             ]
         )
     for prefix in config.protected_prefixes:
@@ -321,6 +347,15 @@ def check_output_choice(output: str, config: RunConfig) -> str:
                     "output: overlaps a protected prefix of the config (the existing training data): choose another"
                 ]
             )
+    if not any(_is_root_or_folder_of(chosen, root) for root in roots):
+        # Deeper would reach into a root's layout: another run's folder, a series' ledger, a dataset's versions.
+        raise _refusal(
+            [
+                "output: choose an output root itself or one folder directly under it (a name of lowercase "
+                f"letters, digits, '.', '_' or '-', other than {', '.join(LAYOUT_FOLDERS)}), never a folder "
+                "inside a root's runs, series or datasets"
+            ]
+        )
     return chosen
 
 
@@ -375,14 +410,19 @@ def _parse_box_config(data: dict[str, Any], name: str) -> RunConfig:
         ) from None
 
 
+# The request's fields that are choices on top of the box config (what a run's origin records).
+CHOICE_FIELDS: Final = ("max_prompts", "series", "output", "sampling", "datasets")
+
+
 def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -> RunConfig:
     """The config a run request names: the box's config file, with the request's choices applied.
 
     Args:
         request: The validated run parameters.
         folder: The box's configs folder (``configs/`` of the worker's checkout).
-        resume: When the run id exists under the output root, return its stored ``config.json`` (a run's
-            config never changes). False for a multi-host run's host part, which takes its serving config
+        resume: When the run id exists under the output root, make its config again from the box config and
+            the choices its ``config.json`` recorded, refusing a run not made that way (see
+            :func:`bind_request`). False for a multi-host run's host part, which takes its serving config
             from its own box's file.
 
     Returns:
@@ -390,10 +430,22 @@ def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -
 
     Raises:
         ConfigError: One line naming the parameter and the fix (unknown config, output outside the allowed
-            roots or at a protected prefix, an unknown dataset, choices that would change an existing run, a
-            choice over a ceiling of the config's ``run_choices``).
+            roots, inside a root's layout or at a protected prefix, an unknown dataset, choices that would
+            change an existing run, a stored run the box config does not make, a choice over a ceiling of the
+            config's ``run_choices``).
     """
-    data = read_box_config(request.config, folder)
+    return bind_request(request, folder, resume=resume)[0]
+
+
+def bind_request(request: RunRequest, folder: Path, *, resume: bool = True) -> tuple[RunConfig, RunOrigin]:
+    """The config a run request names and the origin its ``config.json`` records (:func:`resolve_request`).
+
+    A run id that exists is resumed only when its ``config.json`` says it was made from the same box config,
+    by name, whose file is unchanged (its sha256), and when that file with the recorded choices makes the
+    same config again (its hash). The config returned is then the one made from the box's file, never the one
+    in the store: what executes, names a place or leaves the box comes from the operator's file alone.
+    """
+    data, sha256 = _read_box_file(request.config, folder)
     base = _parse_box_config(data, request.config)
     if request.output is not None:
         data = {**data, "output": check_output_choice(request.output, base)}
@@ -409,7 +461,11 @@ def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -
                         "new run id"
                     ]
                 )
-            return parse_run_config(stored.config, source=f"stored config.json of run {run_id}")
+            return _rebind(request, folder, str(run_id), stored, sha256), _stored_origin(stored)
+    choices = request.model_dump(mode="json", include=set(CHOICE_FIELDS), exclude_none=True)
+    if "output" in choices:
+        choices["output"] = data["output"]
+    origin = RunOrigin(config=request.config, config_sha256=sha256, choices=choices)
     if request.datasets is not None:
         data = _apply_datasets(data, request.datasets)
     if request.max_prompts is not None:
@@ -432,7 +488,93 @@ def resolve_request(request: RunRequest, folder: Path, *, resume: bool = True) -
     )
     if problems:
         raise _refusal(problems)
-    return resolved
+    return resolved, origin
+
+
+def _stored_origin(stored: StoredRunConfig) -> RunOrigin:
+    assert stored.origin is not None, "checked by _rebind"
+    return stored.origin
+
+
+def _rebind(
+    request: RunRequest, folder: Path, run_id: str, stored: StoredRunConfig, sha256: str
+) -> RunConfig:
+    """An existing run's config made again from the box's file and its recorded choices, or a refusal."""
+    origin = stored.origin
+    if origin is None or stored.run_id != run_id:
+        raise _refusal(
+            [
+                f"run_id: run {run_id} was not started from one of the box's configs by name (its config.json "
+                "records none): only the box's operator resumes it, with datagen run --config on the box; "
+                "start a new run id"
+            ]
+        )
+    if origin.config != request.config:
+        raise _refusal(
+            [f"config: run {run_id} was made from config {origin.config}: resume it with that config"]
+        )
+    again = _recorded_request(origin, run_id)
+    if origin.config_sha256 != sha256:
+        changed = _changed_fields(again, folder, stored)
+        raise _refusal(
+            [
+                f"config: {_box_file(origin.config)} changed since run {run_id} was created (sha256 "
+                f"{origin.config_sha256[:12]} then, {sha256[:12]} now; "
+                + (
+                    f"fields that now resolve differently: {', '.join(changed)}"
+                    if changed
+                    else "no field of the run's config resolves differently"
+                )
+                + "): a run's config never changes; restore the file to resume the run, or start a new run id"
+            ]
+        )
+    config = bind_request(again, folder, resume=False)[0]
+    if config.config_hash() != stored.config_hash:
+        changed = _changed_fields(again, folder, stored)
+        raise _refusal(
+            [
+                f"run_id: the stored config.json of run {run_id} is not what {_box_file(origin.config)} with "
+                f"its recorded choices makes here ({', '.join(changed) or 'its hash'} differ): it was written "
+                "elsewhere (another checkout or box, or by hand), so it is not resumed; start a new run id"
+            ]
+        )
+    return config
+
+
+def _recorded_request(origin: RunOrigin, run_id: str) -> RunRequest:
+    """The request a run was made with, from its recorded origin (refused when no request could say it)."""
+    try:
+        return RunRequest.model_validate({**origin.choices, "config": origin.config, "run_id": run_id})
+    except ValidationError:
+        raise _refusal(
+            [
+                f"run_id: the choices recorded in the config.json of run {run_id} are no run's choices: this "
+                "box did not write it; start a new run id"
+            ]
+        ) from None
+
+
+def _changed_fields(request: RunRequest, folder: Path, stored: StoredRunConfig) -> list[str]:
+    """The config fields where ``request`` made from the box's file now differs from the stored config.
+
+    Only field names of the freshly made config are named (a stored file's own keys never reach a message).
+    """
+    try:
+        fresh = bind_request(request, folder, resume=False)[0].model_dump(mode="json")
+    except ConfigError:
+        return []
+    return _differences(fresh, stored.config, "")
+
+
+def _differences(fresh: Any, stored: Any, path: str) -> list[str]:
+    if isinstance(fresh, dict) and isinstance(stored, dict) and path.count(".") < 1:
+        found: list[str] = []
+        for key, value in fresh.items():
+            if key in {"run_id", "output_roots", "hosts", "multi_host"}:
+                continue
+            found += _differences(value, stored.get(key), f"{path}.{key}" if path else key)
+        return found
+    return [] if fresh == stored else [path]
 
 
 @dataclass(frozen=True)
@@ -447,11 +589,14 @@ class ResolvedRun:
         hosts: What a multi-host run's host parts are sent (each box resolves the same config by its name);
             None when the config is no box config by name, so hosts could not resolve it.
         retry_failed: Send the run's retryable failures again.
+        origin: The box config and choices a deployment's run was made from (recorded in a new run's
+            ``config.json``); None for the box operator's run.
     """
 
     config: RunConfig
     hosts: HostRequest | None = None
     retry_failed: bool = False
+    origin: RunOrigin | None = None
 
     def __post_init__(self) -> None:
         if self.config.run_id is None:
@@ -482,9 +627,13 @@ def resolve_run(request: RunRequest, folder: Path, generated_run_id: str) -> Res
     Raises:
         ConfigError: As :func:`resolve_request`.
     """
-    config = with_run_id(resolve_request(request, folder), generated_run_id)
+    config, origin = bind_request(request, folder)
+    config = with_run_id(config, generated_run_id)
     return ResolvedRun(
-        config=config, hosts=HostRequest.of(request, config), retry_failed=bool(request.retry_failed)
+        config=config,
+        hosts=HostRequest.of(request, config),
+        retry_failed=bool(request.retry_failed),
+        origin=origin,
     )
 
 
@@ -563,6 +712,7 @@ __all__ = [
     "ResolvedRun",
     "RunRequest",
     "SamplingChoice",
+    "bind_request",
     "box_config_name",
     "check_output_choice",
     "config_names",

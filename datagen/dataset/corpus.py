@@ -33,7 +33,7 @@ from datagen.config import TokenizeConfig
 from datagen.dataset.merge import write_tokenized_parts
 from datagen.dataset.versions import CompletionSourceRef, DatasetVersion, TokenizedPartRef, claim_version
 from datagen.errors import DatasetError
-from datagen.output.layout import RunLayout
+from datagen.output.layout import RunLayout, dataset_versions_prefix, parse_dataset_version
 from datagen.output.manifest import HASH_CHUNK_BYTES
 from datagen.output.store import Store
 from datagen.progress import WorkProgress, report_work
@@ -320,12 +320,11 @@ def _publish(
 ) -> AdoptedCorpus:
     """Write the manifest at the next free version number of ``name`` (an identical one is reused)."""
     numbers: list[int] = []
-    prefix = f"datasets/{name}"
-    for key in output.list(prefix):
-        match = re.search(r"/v(?P<version>\d+)\.json$", key)
-        if match is None:
+    for key in output.list_level(dataset_versions_prefix(name)).objects:
+        number = parse_dataset_version(name, key)
+        if number is None:
             continue
-        numbers.append(int(match["version"]))
+        numbers.append(number)
         stored = DatasetVersion.model_validate(json.loads(output.read_bytes(key)))
         if (
             stored.adopted_from == corpus_url

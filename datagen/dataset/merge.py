@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -45,18 +44,12 @@ from datagen.dataset.versions import (
     read_base_version,
 )
 from datagen.errors import OutputExistsError, TokenizeError
-from datagen.output.layout import RunLayout
+from datagen.output.layout import RunLayout, dataset_versions_prefix, parse_dataset_version
 from datagen.output.store import Store
 from datagen.progress import WorkProgress, report_work
 from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
-
-_SHARD_KEY = re.compile(
-    r"/completions/(?P<dataset>[^/]+)/shard-(?P<index>\d+)(?:\.retry-(?P<round>\d+))?\.jsonl$"
-)
-_VERSION_KEY = re.compile(r"/v(?P<version>\d+)\.json$")
-_PART_KEY = re.compile(r"/part-(?P<index>\d+)\.parquet$")
 
 
 class TokenizeSummary(BaseModel):
@@ -302,15 +295,17 @@ def _finished_shards(store: Store, layout: RunLayout) -> tuple[dict[str, int], l
     """
     found: list[tuple[int, str, int]] = []
     incomplete: list[str] = []
-    for key, size in store.list_sizes(layout.completions_prefix).items():
-        match = _SHARD_KEY.search(key)
-        if match is None:
-            continue
-        retry_round = int(match["round"] or 0)
-        if store.exists(layout.shard_done(match["dataset"], int(match["index"]), retry_round)):
-            found.append((retry_round, key, size))
-        else:
-            incomplete.append(key)
+    # One level at a time, whole keys only: a folder nested below a dataset's shards is never read.
+    for folder in store.list_level(layout.completions_prefix).folders:
+        for key, size in store.list_level(folder).objects.items():
+            shard = layout.parse_completions(key)
+            if shard is None:
+                continue
+            dataset, index, retry_round = shard
+            if store.exists(layout.shard_done(dataset, index, retry_round)):
+                found.append((retry_round, key, size))
+            else:
+                incomplete.append(key)
     finished = {key: size for _, key, size in sorted(found)}
     if incomplete:
         logger.warning(
@@ -324,7 +319,8 @@ def _existing_parts(store: Store, layout: RunLayout, rows_per_part: int) -> list
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    keys = [key for key in store.list(f"{layout.root}/tokenized") if _PART_KEY.search(key)]
+    level = store.list_level(f"{layout.root}/tokenized").objects
+    keys = [key for key in level if layout.parse_tokenized_part(key) is not None]
     parts: list[_ExistingPart] = []
     for position, key in enumerate(keys):
         if key != layout.tokenized_part(position):
@@ -378,13 +374,12 @@ def _write_dataset_version(
 ) -> tuple[str, DatasetVersion]:
     """Write the next free version of the dataset (or return this run's version from an earlier attempt)."""
     name = config.tokenize.dataset_name
-    prefix = f"datasets/{name}"
     numbers: list[int] = []
-    for key in store.list(prefix):
-        match = _VERSION_KEY.search(key)
-        if match is None:
+    for key in store.list_level(dataset_versions_prefix(name)).objects:
+        number = parse_dataset_version(name, key)
+        if number is None:
             continue
-        numbers.append(int(match["version"]))
+        numbers.append(number)
         stored = store.read_json(key)
         if isinstance(stored, dict) and stored.get("run_id") == layout.run_id:
             # An interrupted attempt of this run already published its version: reuse it, never add a second.

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError
+from datagen.escape import markdown_block, markdown_code, markdown_location, markdown_text
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
 from datagen.progress import output_tokens_per_s
@@ -151,17 +152,20 @@ class RunReport(BaseModel):
     def to_markdown(self, locations: RunLocations | None = None) -> str:
         """A readable report: where it landed (when given), headline figures, the table, failures, rejections."""
         lines = [
-            f"# datagen run `{self.run_id}`",
+            f"# datagen run {markdown_code(self.run_id)}",
             "",
             *(locations.markdown() if locations else []),
-            f"- engine: **{self.engine}**, servers: **{self.servers}**",
+            f"- engine: **{markdown_text(self.engine)}**, servers: **{self.servers}**",
             f"- generation wall time: **{self.generation_wall_s:.1f} s** over {self.generation_attempts} "
             "attempt(s), "
             f"throughput: **{self.output_tokens_per_s:.1f} output tok/s**",
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
-            *([f"- hosts: {', '.join(self.hosts)}"] if self.hosts else []),
-            *[f"- **host lost: {name}** ({reason})" for name, reason in sorted(self.lost_hosts.items())],
+            *([f"- hosts: {', '.join(markdown_text(host) for host in self.hosts)}"] if self.hosts else []),
+            *[
+                f"- **host lost: {markdown_text(name)}** ({markdown_text(reason)})"
+                for name, reason in sorted(self.lost_hosts.items())
+            ],
             f"- tokenized rows: **{self.totals.tokenized_rows}**"
             + (
                 f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else ""
@@ -173,7 +177,7 @@ class RunReport(BaseModel):
         for item in self.datasets:
             share = self.mix.get(item.dataset, 0.0)
             lines.append(
-                f"| {item.dataset} | {item.prompts} | {sum(item.rejections.values())} | {item.requests} | "
+                f"| {markdown_text(item.dataset)} | {item.prompts} | {sum(item.rejections.values())} | {item.requests} | "
                 f"{item.completions} | {item.failures} | {item.completion_tokens} | {item.tokenized_rows} | "
                 f"{share:.1%} |"
             )
@@ -186,23 +190,23 @@ class RunReport(BaseModel):
         lines += self._mix_markdown()
         if total.failure_reasons:
             lines += ["", "## Failures by reason", ""]
-            lines += [f"- {reason}: {count}" for reason, count in sorted(total.failure_reasons.items())]
+            lines += [_count_line(reason, count) for reason, count in sorted(total.failure_reasons.items())]
         if total.rejections:
             lines += ["", "## Rejected dataset rows by reason", ""]
-            lines += [f"- {reason}: {count}" for reason, count in sorted(total.rejections.items())]
+            lines += [_count_line(reason, count) for reason, count in sorted(total.rejections.items())]
         if total.finish_reasons:
             lines += ["", "## Finish reasons", ""]
-            lines += [f"- {reason}: {count}" for reason, count in sorted(total.finish_reasons.items())]
+            lines += [_count_line(reason, count) for reason, count in sorted(total.finish_reasons.items())]
         dropped = self.tokenize.get("dropped_by_reason") or {}
         if dropped:
             lines += ["", "## Completions not tokenized, by reason", ""]
-            lines += [f"- {reason}: {count}" for reason, count in sorted(dropped.items())]
+            lines += [_count_line(reason, count) for reason, count in sorted(dropped.items())]
         if self.training_job:
             lines += ["", "## Training job", ""]
-            lines += [f"- {note}" for note in self.training_job]
+            lines += [f"- {markdown_text(note)}" for note in self.training_job]
         if self.training:
             block = [wrapped for line in self.training for wrapped in command_block_lines(line)]
-            lines += ["", "## Training on this version", "", "```bash", *block, "```"]
+            lines += ["", "## Training on this version", "", *markdown_block(block, "bash")]
         return "\n".join(lines) + "\n"
 
     def _mix_markdown(self) -> list[str]:
@@ -226,7 +230,7 @@ class RunReport(BaseModel):
         for row in self.mix_by_category:
             target = "-" if row.target_prompts is None else str(row.target_prompts)
             lines.append(
-                f"| {row.category} | {target} | {share(row.target_share)} | {row.prompts} | "
+                f"| {markdown_text(row.category)} | {target} | {share(row.target_share)} | {row.prompts} | "
                 f"{share(row.prompt_share)} | {row.shortfall} | {row.rows} | {share(row.row_share)} | "
                 f"{row.existing_rows} | {row.combined_rows} | {share(row.combined_share)} |"
             )
@@ -234,7 +238,7 @@ class RunReport(BaseModel):
         if short:
             lines += ["", "Datasets short of their quota (not enough valid prompts):", ""]
             lines += [
-                f"- {item.dataset}: {item.prompts} of {item.quota} (short by {item.shortfall})"
+                f"- {markdown_text(item.dataset)}: {item.prompts} of {item.quota} (short by {item.shortfall})"
                 for item in short
             ]
         return lines
@@ -335,9 +339,9 @@ def build_report(
     )
 
 
-def _location(value: str) -> str:
-    """A link when a browser can open it (http/https), else code (a local path, an ``s3://`` URL)."""
-    return f"[{value}]({value})" if value.startswith(("http://", "https://")) else f"`{value}`"
+def _count_line(reason: str, count: int) -> str:
+    """One ``- reason: count`` bullet; a reason may be a server's or a dataset's text, so it is shown as text."""
+    return f"- {markdown_text(reason)}: {count}"
 
 
 class RunLocations(BaseModel):
@@ -359,14 +363,14 @@ class RunLocations(BaseModel):
     def markdown(self) -> list[str]:
         """The report's "where it landed" bullets (its first lines, before the headline figures)."""
         lines = [
-            f"- run folder: {_location(self.run_folder)}",
-            f"- report: {_location(self.report_md)}",
-            f"- manifest: {_location(self.manifest)}",
+            f"- run folder: {markdown_location(self.run_folder)}",
+            f"- report: {markdown_location(self.report_md)}",
+            f"- manifest: {markdown_location(self.manifest)}",
         ]
         if self.dataset_version_url:
-            lines.append(f"- dataset version: {_location(self.dataset_version_url)}")
+            lines.append(f"- dataset version: {markdown_location(self.dataset_version_url)}")
         if self.export_command:
-            lines.append(f"- export: `{self.export_command}`")
+            lines.append(f"- export: {markdown_code(self.export_command)}")
         return lines
 
     def message(self) -> str:
@@ -460,20 +464,21 @@ def record_generation_window(store: Store, layout: RunLayout, window: Generation
         store.write_json(layout.attempt_object(window.attempt_id, GENERATION_RECORD), window)
 
 
+def _generation_windows(store: Store, layout: RunLayout) -> list[GenerationWindow]:
+    """The generation record of every attempt folder of the run (one level: attempts/<attempt>/)."""
+    keys = (f"{folder}/{GENERATION_RECORD}" for folder in store.list_level(layout.attempts_prefix).folders)
+    return [GenerationWindow.model_validate(store.read_json(key)) for key in keys if store.exists(key)]
+
+
 def hosts_over_attempts(store: Store, layout: RunLayout) -> tuple[list[str], dict[str, str]]:
     """Multi-host runs: every host that served in any attempt, and every host lost (with why), by name."""
     served: set[str] = set()
     lost: dict[str, str] = {}
-    for key in store.list(layout.attempts_prefix):
-        if key.endswith("/" + GENERATION_RECORD):
-            window = GenerationWindow.model_validate(store.read_json(key))
-            served.update(window.hosts)
-            lost.update(
-                {
-                    name: f"{reason} (attempt {window.attempt_id})"
-                    for name, reason in window.lost_hosts.items()
-                }
-            )
+    for window in _generation_windows(store, layout):
+        served.update(window.hosts)
+        lost.update(
+            {name: f"{reason} (attempt {window.attempt_id})" for name, reason in window.lost_hosts.items()}
+        )
     return sorted(served), lost
 
 
@@ -483,9 +488,5 @@ def generation_time_over_attempts(store: Store, layout: RunLayout) -> tuple[floa
     A resumed run's completions come from several attempts; its throughput is their tokens over this sum,
     not over the last attempt's time (which may be zero when only the merge was left).
     """
-    windows = [
-        GenerationWindow.model_validate(store.read_json(key))
-        for key in store.list(layout.attempts_prefix)
-        if key.endswith("/" + GENERATION_RECORD)
-    ]
+    windows = _generation_windows(store, layout)
     return sum(window.wall_s for window in windows), len(windows)

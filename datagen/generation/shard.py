@@ -80,7 +80,7 @@ from datagen.records import (
 
 logger = logging.getLogger(__name__)
 
-PART_NAME = re.compile(r"(?:^|/)(completions|failures)-(\d+)\.jsonl$")
+PART_NAME = re.compile(r"(completions|failures)-(\d+)\.jsonl")
 # Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
 SEED_MODULUS = 2**31
 
@@ -391,10 +391,9 @@ def read_parts(
     parts = ShardParts()
     located = []
     prefix = layout.shard_parts_prefix(dataset, index, retry_round)
-    for key in store.list(prefix):
-        if "/" in key[len(prefix) :].strip("/"):
-            continue  # a retry round's folder below this round's parts
-        match = PART_NAME.search(key)
+    # One level (a retry round's folder below this round's parts is not this round's), whole names only.
+    for key in store.list_level(prefix).objects:
+        match = PART_NAME.fullmatch(key.removeprefix(f"{prefix}/"))
         if match:
             located.append((int(match.group(2)), match.group(1), key))
     known = known or {}

@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.engines import engine_class
+from datagen.escape import markdown_code
 from datagen.host.cuda_env import CudaToolkit, TorchInfo, jit_env_fixes
 
 # Memory a GPU may show as used with nothing of ours on it (driver context, monitoring agents).
@@ -106,7 +107,7 @@ class EnvReport(ReportModel):
     def to_markdown(self) -> str:
         """A human-readable report (Prefect artifact, runbook)."""
         lines = [
-            f"# Environment of `{self.hostname}`",
+            f"# Environment of {markdown_code(self.hostname)}",
             "",
             f"- platform: {self.platform}, python {self.python_version}",
             f"- driver: {self.driver_version or 'n/a'}, CUDA (driver): {self.cuda_driver_version or 'n/a'}, "

@@ -35,6 +35,7 @@ from datagen.engines.model_size import BYTES_PER_GIB, ModelShape, read_model_sha
 from datagen.engines.router import router_launch, router_problems
 from datagen.engines.tune_result import TuneResult, load_tune_result
 from datagen.errors import PlanError
+from datagen.escape import markdown_block, markdown_code
 from datagen.host.env_report import IDLE_GPU_MEMORY_MIB, EnvReport
 from datagen.host.gpu_groups import PlanMode, gpu_groups
 from datagen.host.ports import choose_ports, client_url, url_host, url_port
@@ -109,7 +110,8 @@ class ServerPlan(BaseModel):
         lines = [
             f"# Server plan: {len(self.servers)} x {self.engine} ({self.mode})",
             "",
-            f"Model name in requests: `{self.served_model_name}`; readiness: `GET {self.health_path}`",
+            f"Model name in requests: {markdown_code(self.served_model_name)}; readiness: "
+            f"{markdown_code(f'GET {self.health_path}')}",
             "",
             "## Why",
             "",
@@ -124,7 +126,7 @@ class ServerPlan(BaseModel):
             lines.append(f"### {title}: {server.url} (GPUs: {gpus})")
             lines.append("")
             if server.launch is not None:
-                lines += ["```bash", server.launch.shell_block(), "```"]
+                lines += markdown_block(server.launch.shell_block().splitlines(), "bash")
             else:
                 lines.append("external: not started by datagen")
             if server.log_path:

@@ -2,7 +2,8 @@
 
 Keys are relative to the output root (a local directory or ``s3://bucket/prefix``)::
 
-    runs/<run_id>/config.json                       first object: the resolved config (run identity)
+    runs/<run_id>/probes/write-once-<token>.json    preflight's proof that the store refuses an overwrite
+    runs/<run_id>/config.json                       the resolved config (run identity), before any output
     runs/<run_id>/attempts/<attempt>/preflight.json  one folder per flow attempt (never overwritten):
     runs/<run_id>/attempts/<attempt>/training.json   what was halted, last checkpoint
     runs/<run_id>/attempts/<attempt>/env.json        probe report
@@ -32,16 +33,28 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     datasets/<name>/v0001.json                      dataset versions (old shards referenced, never rewritten)
     datasets/<name>/exports/<digest>/train.jsonl    a version's rows as the drafter trainers read them
     datasets/<name>/exports/<digest>.json           that export's record, written after the rows
+
+The layout is a schema: a reader lists one folder level at a time (``Store.list_level``) and takes a key only
+when it is exactly the key this module builds for what it reads (the ``parse_*`` functions). Anything else
+found under a root (a stray file, a folder nested below another's objects) is never read as a run's object.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
-from typing import overload
+from typing import Final, overload
 
 SHARD_DIGITS = 5
 VERSION_DIGITS = 4
 RETRY_DIGITS = 4
+# The folders at the top of an output root: everything datagen writes lies in one of them.
+LAYOUT_FOLDERS: Final = ("runs", "series", "datasets")
+
+_SHARD_FILE = re.compile(r"shard-(?P<index>\d+)(?:\.retry-(?P<round>\d+))?\.jsonl")
+_PART_FILE = re.compile(r"part-(?P<index>\d+)\.parquet")
+_VERSION_FILE = re.compile(r"v(?P<version>\d+)\.json")
+_RUN_LEDGER_FILE = re.compile(r"(?P<run_id>[a-z0-9][a-z0-9._-]{0,79})\.jsonl")
 
 
 def retry_suffix(retry_round: int) -> str:
@@ -94,6 +107,10 @@ class RunLayout:
     def _shard_key(self, folder: str, dataset: str, index: int, suffix: str) -> str:
         # Every per-shard object: <root>/<folder>/<dataset>/shard-00000<suffix>.
         return f"{self.root}/{folder}/{dataset}/{shard_name(index)}{suffix}"
+
+    def write_once_probe(self, token: str) -> str:
+        """The object preflight writes twice, before anything is halted, to see the second write refused."""
+        return f"{self.root}/probes/write-once-{token}.json"
 
     def attempt_object(self, attempt_id: str, name: str) -> str:
         """A record of one flow attempt (preflight, training, env, plan): reruns add, never overwrite."""
@@ -153,6 +170,23 @@ class RunLayout:
         """One Parquet part of tokenized training rows."""
         return f"{self.root}/tokenized/part-{index:0{SHARD_DIGITS}d}.parquet"
 
+    def parse_completions(self, key: str) -> tuple[str, int, int] | None:
+        """``(dataset, shard index, retry round)`` when ``key`` is exactly one of this run's completions files."""
+        dataset, _, name = key.removeprefix(f"{self.completions_prefix}/").partition("/")
+        match = _SHARD_FILE.fullmatch(name)
+        if match is None:
+            return None
+        found = (dataset, int(match["index"]), int(match["round"] or 0))
+        return found if self.completions(*found) == key else None
+
+    def parse_tokenized_part(self, key: str) -> int | None:
+        """The part's index when ``key`` is exactly one of this run's tokenized parts."""
+        match = _PART_FILE.fullmatch(key.removeprefix(f"{self.root}/tokenized/"))
+        if match is None:
+            return None
+        index = int(match["index"])
+        return index if self.tokenized_part(index) == key else None
+
     def hosts_object(self, attempt_id: str, name: str, host: str | None = None) -> str:
         """A multi-host handshake object of one parent attempt: the parent's (no ``host``) or a host's."""
         folder = f"{self.root}/hosts/{attempt_id}"
@@ -169,9 +203,31 @@ def series_ledger(series: str, run_id: str) -> str:
     return f"{series_ledger_prefix(series)}/{run_id}.jsonl"
 
 
+def parse_series_ledger(series: str, key: str) -> str | None:
+    """The run id when ``key`` is exactly the ledger file of one run of ``series``."""
+    match = _RUN_LEDGER_FILE.fullmatch(key.removeprefix(f"{series_ledger_prefix(series)}/"))
+    if match is None:
+        return None
+    return match["run_id"] if series_ledger(series, match["run_id"]) == key else None
+
+
+def dataset_versions_prefix(name: str) -> str:
+    """The folder of dataset ``name``'s version manifests, e.g. ``datasets/drafter-expansion``."""
+    return f"datasets/{name}"
+
+
+def parse_dataset_version(name: str, key: str) -> int | None:
+    """The version number when ``key`` is exactly a version manifest of dataset ``name``."""
+    match = _VERSION_FILE.fullmatch(key.removeprefix(f"{dataset_versions_prefix(name)}/"))
+    if match is None:
+        return None
+    number = int(match["version"])
+    return number if dataset_version(name, number) == key else None
+
+
 def dataset_version(name: str, version: int) -> str:
     """The key of one dataset version manifest, e.g. ``datasets/drafter-expansion/v0001.json``."""
-    return f"datasets/{name}/v{version:0{VERSION_DIGITS}d}.json"
+    return f"{dataset_versions_prefix(name)}/v{version:0{VERSION_DIGITS}d}.json"
 
 
 def dataset_export(name: str, digest: str) -> tuple[str, str]:

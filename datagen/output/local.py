@@ -17,6 +17,7 @@ from typing import IO
 from datagen.errors import (
     OutputExistsError,
 )
+from datagen.output.objects import Level
 
 TEMP_PREFIX = ".tmp-"
 
@@ -100,3 +101,22 @@ class LocalBackend:
                 if stat.S_ISREG(status.st_mode):
                     sizes[str(path.relative_to(self.root))] = status.st_size
         return dict(sorted(sizes.items()))
+
+    def list_level(self, prefix: str) -> Level:
+        """The files directly in folder ``prefix`` (sizes) and its subfolders; temporary files skipped."""
+        base = self._path(prefix)
+        objects: dict[str, int] = {}
+        folders: list[str] = []
+        if not base.is_dir():
+            return Level(objects, folders)
+        for path in base.iterdir():
+            if path.name.startswith(TEMP_PREFIX):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                status = path.lstat()
+                key = str(path.relative_to(self.root))
+                if stat.S_ISREG(status.st_mode):
+                    objects[key] = status.st_size
+                elif stat.S_ISDIR(status.st_mode):
+                    folders.append(key)
+        return Level(dict(sorted(objects.items())), sorted(folders))

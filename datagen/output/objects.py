@@ -22,6 +22,17 @@ def size_text(size: int) -> str:
 
 
 @dataclass(frozen=True)
+class Level:
+    """One level of a listing: the objects directly in a folder (with sizes) and its subfolders.
+
+    Keys are relative to the store root; a folder is named without its trailing slash.
+    """
+
+    objects: dict[str, int]
+    folders: list[str]
+
+
+@dataclass(frozen=True)
 class ObjectInfo:
     """What was written: the key, its full URL and its size."""
 
@@ -59,6 +70,10 @@ class Backend(Protocol):
 
     def list_sizes(self, prefix: str) -> dict[str, int]:
         """Every key under ``prefix`` (recursively, sorted) with its size in bytes, from the listing alone."""
+        ...
+
+    def list_level(self, prefix: str) -> Level:
+        """The objects directly in folder ``prefix`` and its subfolders, one level only, each sorted."""
         ...
 
     def url(self, key: str) -> str:

@@ -1,8 +1,10 @@
-"""Run identity: run ids, the run's first object (``config.json``), and the refusal of a changed config.
+"""Run identity: run ids, the run's ``config.json``, and the refusal of a changed config.
 
 A run is identified by its id; what it produces is defined by its config hash. ``config.json`` is written
-once, first, with the resolved config and its hash. Any later attempt under the same id must carry the
-same hash, or it is refused before anything is stopped or started.
+once, before any output of the run (only preflight's write-once probe precedes it), with the resolved config,
+its hash and, for a run started through a deployment, its origin (the box config and the choices it was made
+from). Any later attempt under the same id must carry the same hash, or it is refused before anything is
+stopped or started.
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ import logging
 import secrets
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from datagen.config import RunConfig, is_valid_slug
+from datagen.config import RunConfig, Slug, is_valid_slug
 from datagen.errors import ConfigError, OutputExistsError, RunConfigMismatchError
 from datagen.output.layout import RunLayout
 from datagen.output.s3_client import S3Credentials
@@ -24,10 +26,36 @@ from datagen.records import utc_now
 logger = logging.getLogger(__name__)
 
 RUN_ID_RANDOM_HEX = 12
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+class RunOrigin(BaseModel):
+    """How a run started through a deployment was made: the box config it picked by name, and its choices.
+
+    Recorded in ``config.json`` when the run is created, so that a resume can make the config again from the
+    box's own file instead of believing what the store holds.
+
+    Attributes:
+        config: The name of the box config (``configs/<name>.yaml`` of the worker's checkout).
+        config_sha256: The sha256 of that file's bytes when the run was created.
+        choices: The run's choices on top of it (``max_prompts``, ``series``, ``output``, ``sampling``,
+            ``datasets``), as the request gave them (``output`` normalised).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: Slug
+    config_sha256: str = Field(pattern=SHA256_PATTERN)
+    choices: dict[str, Any]
 
 
 class StoredRunConfig(BaseModel):
-    """The content of ``config.json``."""
+    """The content of ``config.json``.
+
+    Attributes:
+        origin: The box config and choices the run was made from; None for a run of the box's operator
+            (``datagen run --config``), which only the operator resumes.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -35,6 +63,7 @@ class StoredRunConfig(BaseModel):
     config_hash: str
     created_at: dt.datetime
     config: dict[str, Any]
+    origin: RunOrigin | None = None
 
 
 class RunHandle(BaseModel):
@@ -85,7 +114,8 @@ def read_stored_config(store: Store, run_id: str) -> StoredRunConfig | None:
 
     Raises:
         ConfigError: ``run_id`` is no valid run id: checked before any key is built from it, so an id such
-            as ``../x`` never reads outside the run's folder.
+            as ``../x`` never reads outside the run's folder; or the stored file is no ``config.json`` of
+            datagen's.
     """
     if not is_valid_slug(run_id):
         raise ConfigError(
@@ -95,7 +125,14 @@ def read_stored_config(store: Store, run_id: str) -> StoredRunConfig | None:
     key = RunLayout(run_id).config
     if not store.exists(key):
         return None
-    return StoredRunConfig.model_validate(store.read_json(key))
+    try:
+        return StoredRunConfig.model_validate(store.read_json(key))
+    except (ValidationError, ValueError):
+        raise ConfigError(
+            f"run_id: {store.url(key)} is not a config.json datagen writes: this run id cannot be resumed; "
+            "start a new run id (the box's operator may look at that folder)",
+            run_id=run_id,
+        ) from None
 
 
 def check_run_config(store: Store, config: RunConfig) -> StoredRunConfig | None:
@@ -124,11 +161,17 @@ def check_run_config(store: Store, config: RunConfig) -> StoredRunConfig | None:
     return stored
 
 
-def open_run(store: Store, config: RunConfig) -> RunHandle:
+def open_run(store: Store, config: RunConfig, origin: RunOrigin | None = None) -> RunHandle:
     """Create the run (write ``config.json`` first) or resume it after checking its config.
 
     Two processes opening the same new run at once cannot both create it: the exclusive create decides,
     and the loser re-reads and checks the winner's config.
+
+    Args:
+        store: The run's store.
+        config: The run's resolved config.
+        origin: What a deployment's run was made from, recorded in a new run's ``config.json`` (None: the
+            box's operator's run).
 
     Raises:
         RunConfigMismatchError: The run exists with another config.
@@ -143,6 +186,7 @@ def open_run(store: Store, config: RunConfig) -> RunHandle:
             config_hash=config.config_hash(),
             created_at=utc_now(),
             config=config.model_dump(mode="json"),
+            origin=origin,
         )
         try:
             store.write_json(layout.config, candidate)

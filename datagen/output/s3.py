@@ -21,6 +21,7 @@ from datagen.errors import (
     StorageError,
     TransientStorageError,
 )
+from datagen.output.objects import Level
 from datagen.output.s3_client import (
     HTTP_NOT_FOUND,
     HTTP_PRECONDITION_FAILED,
@@ -277,6 +278,26 @@ class S3Backend:
         items: list[tuple[str, int]] = self._call("list", prefix, every_key)
         start = len(self.prefix) + 1 if self.prefix else 0
         return dict(sorted((key[start:], size) for key, size in items))
+
+    def list_level(self, prefix: str) -> Level:
+        """The objects directly under ``prefix`` (sizes) and its subfolders: one level (``Delimiter='/'``)."""
+        full = self._key(prefix).rstrip("/") + "/"
+        paginator = self.client.get_paginator("list_objects_v2")
+
+        def one_level() -> tuple[list[tuple[str, int]], list[str]]:
+            objects: list[tuple[str, int]] = []
+            folders: list[str] = []
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=full, Delimiter="/"):
+                objects += [(str(item["Key"]), int(item["Size"])) for item in page.get("Contents", [])]
+                folders += [str(item["Prefix"]) for item in page.get("CommonPrefixes", [])]
+            return objects, folders
+
+        objects, folders = self._call("list", prefix, one_level)
+        start = len(self.prefix) + 1 if self.prefix else 0
+        return Level(
+            dict(sorted((key[start:], size) for key, size in objects if not key.endswith("/"))),
+            sorted(folder[start:].rstrip("/") for folder in folders),
+        )
 
 
 class _ResumingBody(io.RawIOBase):

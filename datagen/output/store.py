@@ -38,7 +38,7 @@ from datagen.errors import (
     StorageError,
 )
 from datagen.output.local import LocalBackend
-from datagen.output.objects import Backend, ObjectInfo
+from datagen.output.objects import Backend, Level, ObjectInfo
 from datagen.output.s3 import S3Backend
 from datagen.output.s3_client import S3Credentials
 
@@ -194,6 +194,14 @@ class Store:
     def list_sizes(self, prefix: str) -> dict[str, int]:
         """Every key under ``prefix`` (sorted) with its size in bytes, read from the listing (no object is read)."""
         return self.backend.list_sizes(prefix)
+
+    def list_level(self, prefix: str) -> Level:
+        """The objects directly in folder ``prefix`` (with sizes) and its subfolders: one level, never deeper.
+
+        What a reader of the layout lists, so that nothing stored below the folders it expects (another run's
+        layout under a run's folder, say) is ever seen.
+        """
+        return self.backend.list_level(prefix)
 
 
 def _loads(data: bytes) -> Any:

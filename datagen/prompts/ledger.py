@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
 from datagen.errors import OutputExistsError, SeriesConflictError
-from datagen.output.layout import RunLayout, series_ledger, series_ledger_prefix
+from datagen.output.layout import RunLayout, parse_series_ledger, series_ledger, series_ledger_prefix
 from datagen.output.store import Store
 from datagen.records import PreparedDataset, utc_now
 
@@ -79,11 +79,9 @@ class LedgerLine(BaseModel):
 
 
 def _ledger_runs(store: Store, series: str) -> list[str]:
-    return [
-        key.rsplit("/", 1)[1].removesuffix(".jsonl")
-        for key in store.list(ledger_prefix(series))
-        if key.endswith(".jsonl")
-    ]
+    # One level, whole keys only: nothing nested below the ledger folder counts as a run of the series.
+    found = (parse_series_ledger(series, key) for key in store.list_level(ledger_prefix(series)).objects)
+    return [run_id for run_id in found if run_id is not None]
 
 
 def _published_version(store: Store, run_id: str) -> tuple[dt.datetime, str] | None:

@@ -357,3 +357,26 @@ def test_rows_record_how_they_were_tokenized_and_exact_ids_are_kept_verbatim(
     loss_ids = [token for token, bit in zip(ids_row["input_ids"], ids_row["loss_mask"], strict=True) if bit]
     assert loss_ids == [*generated, end_of_turn]
     assert ids_row["input_ids"][-len(loss_ids) :] == loss_ids
+
+
+def test_another_runs_layout_nested_in_this_runs_folders_is_never_read(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+) -> None:
+    store, layout, config, expected = run
+    # A run whose output was this run's completions folder, and a version nested in the dataset's folder that
+    # names this run (what a later run of the dataset would adopt as its own).
+    intruder = RunLayout("intruder")
+    nested = f"{layout.completions_prefix}/"
+    records = [completion("alpha", i, f"Intruder {i}.") for i in range(40, 46)]
+    write_shard(Store(str(store_root / nested)), intruder, "alpha", 0, records)
+    store.write_text(f"{layout.completions_prefix}/alpha/shard-00000.jsonl.bak", "{}\n")
+    forged = DatasetVersion(name="drafter-expansion", version=1, run_id=RUN_ID, rows=0, shards=[])
+    store.write_json(f"datasets/drafter-expansion/{dataset_version('drafter-expansion', 1)}", forged)
+
+    summary = merge_and_tokenize(store, layout, config)
+
+    assert summary.rows == len(expected) == 8 and summary.shards_read == 3
+    assert summary.shards_incomplete == [layout.completions("beta", 1)]
+    assert summary.dataset_version == dataset_version("drafter-expansion", 1)
+    version = DatasetVersion.model_validate(store.read_json(summary.dataset_version))
+    assert version.rows == 8 and [shard.key for shard in version.shards] == [p.key for p in summary.parts]

@@ -6,6 +6,8 @@ at an arbitrary path, two real process workers on the pool, and `prefect deploym
 * runs that send what only the box's config decides (one per vector of docs/security.md) are refused before
   anything runs: by the server at create-flow-run (a parameter the flow does not have, the old whole-config
   payload), or by the flow in one line naming the field (a climbing run id, an output at the protected corpus);
+  and so are runs that would believe a planted store (a config.json no box made, resumed by its run id; an
+  output inside another run's folder, a series' ledger or a dataset's versions), writing nothing under the root;
 * two overlapping runs of two deployments on one box never generate at the same time (the host GPU lock);
 * two nightly-style runs of one series take disjoint prompts and publish v0001 then v0002 (v0002 on v0001,
   both on the adopted base corpus), writing nothing under the corpus's prefix;
@@ -272,7 +274,9 @@ class Vector:
 
     ``field`` is what the refusal names: the server's 409 for a parameter the flow does not have or a value of
     the wrong type; the run's Failed state for a value of an allowed parameter the flow refuses (``flow=True``);
-    Prefect's refusal on the worker for a run that turned the server's check off (``unchecked=True``).
+    Prefect's refusal on the worker for a run that turned the server's check off (``unchecked=True``). A
+    ``name`` that would forge log lines is shown escaped: the run's name and every line of its log stay on one
+    line.
     """
 
     deployment: str
@@ -280,6 +284,7 @@ class Vector:
     field: str
     flow: bool = False
     unchecked: bool = False
+    name: str | None = None  # the flow run's name, as the create body gives it
 
 
 class Vectors:
@@ -291,6 +296,8 @@ class Vectors:
         self.sent: dict[str, Vector] = {}
         self.answers: dict[str, httpx.Response] = {}
         self.ends: dict[str, tuple[str, str, str]] = {}  # state type, state message, log
+        self.names: dict[str, str] = {}  # the flow run's name once it ended
+        self.messages: dict[str, list[str]] = {}  # every log record of the flow run
 
 
 # One per vector of docs/security.md ("What each run parameter can reach"), and the host part's deployment.
@@ -308,7 +315,63 @@ VECTOR_NAMES = [
     "whole-config",
     "host-part-training",
     "unchecked-training",
+    "planted-config",
+    "planted-config-with-origin",
+    "output-in-a-run",
+    "output-in-a-ledger",
+    "output-in-versions",
 ]
+# What the planted store holds beside the runs the module makes (docs/security.md, "What a run reads back").
+VICTIM_RUN = "victim"
+PLANTED_RUNS = {"planted-config": "planted-a", "planted-config-with-origin": "planted-b"}
+# A flow run name that would forge a log line of its own (and clear a terminal).
+FORGED_RUN_NAME = "intruder\n12:00:00.000 | INFO    | Flow run 'expand-x' - run complete \x1b[2J"
+CONTROL_CHARACTERS = re.compile("[\x00-\x1f\x7f-\x9f]")
+
+
+def _plant_store(store: Path, configs: Path, marks: Path, pidfile: Path) -> None:
+    """An output root as anyone who may write under it could leave it: a finished run, a series' ledger, a
+    published version, and config.json files of runs no box made (one bare, one with an honest run's origin)."""
+    from datagen.app.run_request import RunRequest, resolve_request
+
+    victim = store / "runs" / VICTIM_RUN
+    (victim / "completions" / "questions").mkdir(parents=True, exist_ok=True)
+    (victim / "completions" / "questions" / "shard-00000.jsonl").write_text('{"victim": 1}\n')
+    (victim / "manifest.json").write_text('{"victim": "complete"}\n')
+    (store / "series" / "nightly" / "ledger").mkdir(parents=True, exist_ok=True)
+    (store / "series" / "nightly" / "ledger" / "night-1.jsonl").write_text('{"prompt_id": "p1"}\n')
+    (store / "datasets" / "drafter-demo").mkdir(parents=True, exist_ok=True)
+    (store / "datasets" / "drafter-demo" / "v0001.json").write_text('{"version": 1}\n')
+    hostile = {
+        "kind": "pidfile",
+        "pidfile": str(pidfile),
+        "restart_after_run": True,
+        "restart_command": ["touch", str(marks / "planted-restart")],
+    }
+    # What an honest run of demo-worker records as its origin: the file's name, its sha256, no choices.
+    origin = {
+        "config": "demo-worker",
+        "config_sha256": hashlib.sha256((configs / "demo-worker.yaml").read_bytes()).hexdigest(),
+        "choices": {},
+    }
+    for name, run_id in PLANTED_RUNS.items():
+        honest = resolve_request(RunRequest(config="demo-worker", run_id=run_id), configs, resume=False)
+        forged = honest.model_validate(
+            {
+                **honest.model_dump(mode="json"),
+                "training": hostile,
+                "fleet": {"engine": "external", "external_urls": ["http://127.0.0.1:9"]},
+            }
+        )
+        planted = {
+            "run_id": run_id,
+            "config_hash": forged.config_hash(),  # the hash of what it holds: only the box file can tell
+            "created_at": datetime.now().astimezone().isoformat(),
+            "config": forged.model_dump(mode="json"),
+            **({"origin": origin} if name == "planted-config-with-origin" else {}),
+        }
+        (store / "runs" / run_id).mkdir(parents=True)
+        (store / "runs" / run_id / "config.json").write_text(json.dumps(planted))
 
 
 def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str, Vector]:
@@ -321,6 +384,7 @@ def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str
     }
     corpus = str(stack.clone / "datagen" / "samples")  # demo-worker's protected prefix
     whole = yaml.safe_load((stack.clone / "configs" / "demo-worker.yaml").read_text())
+    store = stack.clone / "runs" / "_demo" / "store"  # demo-worker's output root
     host_part = {
         "run_id": "host-vector",
         "host": "box-a",
@@ -361,6 +425,32 @@ def _vectors(stack: Stack, marks: Path, secret: Path, pidfile: Path) -> dict[str
         "unchecked-training": Vector(
             manual, {**base, "run_id": "unchecked", "training": restart}, "'training'", unchecked=True
         ),
+        # A planted store: a config.json no box made, under the config's own root, resumed by its run id...
+        **{
+            name: Vector(manual, {**base, "run_id": run_id}, "run_id: ", flow=True)
+            for name, run_id in PLANTED_RUNS.items()
+        },
+        # ... and an output inside a root's layout: a finished run's completions, a series' ledger, a dataset's
+        # versions (with the run id a later run of the dataset would adopt).
+        "output-in-a-run": Vector(
+            manual,
+            {**base, "run_id": "intruder-a", "output": f"{store}/runs/{VICTIM_RUN}/completions"},
+            "output: ",
+            flow=True,
+            name=FORGED_RUN_NAME,
+        ),
+        "output-in-a-ledger": Vector(
+            manual,
+            {**base, "run_id": "intruder-b", "output": f"{store}/series/nightly/ledger"},
+            "output: ",
+            flow=True,
+        ),
+        "output-in-versions": Vector(
+            manual,
+            {**base, "run_id": "intruder-c", "output": f"{store}/datasets/drafter-demo"},
+            "output: ",
+            flow=True,
+        ),
     }
 
 
@@ -378,6 +468,9 @@ def vectors(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     pidfile.write_text(str(found.sleeper.pid))
     corpus = stack.clone / "datagen" / "samples"  # demo-worker's protected prefix
     before = _tree_digest(corpus)
+    store = stack.clone / "runs" / "_demo" / "store"  # demo-worker's output root
+    _plant_store(store, stack.clone / "configs", found.marks, pidfile)
+    stored = _tree_digest(store)
     try:
         found.sent = _vectors(stack, found.marks, secret, pidfile)
         assert list(found.sent) == VECTOR_NAMES
@@ -385,6 +478,8 @@ def vectors(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for name, vector in found.sent.items():
             deployment = stack.prefect.api.get(f"/deployments/name/{vector.deployment}").json()
             payload: dict[str, Any] = {"parameters": vector.parameters}
+            if vector.name is not None:
+                payload["name"] = vector.name
             if vector.unchecked:
                 payload["enforce_parameter_schema"] = False  # Prefect lets a run turn the server's check off
             found.answers[name] = stack.prefect.api.post(
@@ -394,9 +489,17 @@ def vectors(stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 created[name] = found.answers[name].json()["id"]
         for name, flow_run_id in created.items():
             state, log = stack.finish(flow_run_id)
-            found.ends[name] = (state, str(stack.flow_run(flow_run_id)["state"]["message"]), log)
+            ended = stack.flow_run(flow_run_id)
+            found.ends[name] = (state, str(ended["state"]["message"]), log)
+            found.names[name] = ended["name"]
+            records = stack.prefect.api.post(
+                "/logs/filter", json={"logs": {"flow_run_id": {"any_": [flow_run_id]}}, "limit": 200}
+            )
+            found.messages[name] = [entry["message"] for entry in records.json()]
         time.sleep(2)  # a restart would be detached: give it the time to show
         assert _tree_digest(corpus) == before, "a run wrote into the protected corpus"
+        # Nothing written under the output root: no run folder, no ledger or version changed or added.
+        assert _tree_digest(store) == stored, "a refused run wrote under the output root"
         yield found
     finally:
         found.sleeper.kill()
@@ -428,6 +531,11 @@ def test_a_run_sending_what_only_the_box_decides_is_refused_before_anything_runs
         detail = answer.json()["detail"]
         assert vector.field in detail and "TOPSECRET" not in detail, detail
         assert name not in vectors.ends
+    if vector.name is not None:
+        assert not CONTROL_CHARACTERS.search(vectors.names[name]), vectors.names[name]
+        assert vectors.names[name].startswith("intruder\\n12:00:00.000"), "the name is shown, escaped"
+        forged = [line for line in vectors.messages[name] if CONTROL_CHARACTERS.search(line)]
+        assert vectors.messages[name] and not forged, forged
     assert not any(vectors.marks.iterdir()), "a command of the caller's ran"
     assert vectors.sleeper.poll() is None, "the pidfile's process was signalled"
 

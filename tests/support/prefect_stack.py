@@ -322,9 +322,14 @@ class PrefectStack:
     ) -> subprocess.Popen[bytes]:
         """Start ``prefect worker start --pool POOL --limit 1`` in ``cwd`` (not the checkout, on purpose).
 
-        With ``work_queue`` the worker polls only that queue of the pool (one box of a multi-host run).
+        With ``work_queue`` the worker polls only that queue of the pool (one box of a multi-host run). A worker
+        given its checkout (``PYTHONPATH``) logs with the checkout's ``deployments/logging.yml``, as the box's
+        service does.
         """
         cwd.mkdir(parents=True, exist_ok=True)
+        logging_settings = Path(env.get("PYTHONPATH", "")) / "deployments" / "logging.yml"
+        if "PYTHONPATH" in env and logging_settings.is_file():
+            env.setdefault("PREFECT_LOGGING_SETTINGS_PATH", str(logging_settings))
         queue = ["--work-queue", work_queue] if work_queue else []
         worker = subprocess.Popen(
             [

@@ -13,6 +13,9 @@ upstream server or injects one fault:
 * ``truncate``: forwards the request, sends S3's headers and the first half of the body, then resets the
   connection (a download cut short mid-stream; without a body it behaves like ``reset_after``).
 
+It can also leave chosen request headers out of everything it forwards (``drop_headers``): with
+``if-none-match`` it stands in for an S3-compatible store that ignores conditional writes.
+
 Faults come from a scripted queue first (``inject_next``, deterministic tests), then from seeded random
 ``rates``. Apart from faults, ``add_delay`` holds matching requests for some seconds before they are handled
 (a slow S3: a test can tell from :class:`DelayRule` when a request is being held, and drive a run into the
@@ -163,14 +166,24 @@ class S3FaultProxy:
         upstream: ``http://host:port`` of the real S3 server.
         rates: Probability of each fault (keys from ``FAULTS``) for requests without a scripted fault.
         seed: Seed of the fault choice, so a run repeats.
+        drop_headers: Request headers (lower case) never forwarded: e.g. ``if-none-match``, to stand in for an
+            S3-compatible store that ignores conditional writes and overwrites.
     """
 
-    def __init__(self, upstream: str, *, rates: dict[str, float] | None = None, seed: int = 0) -> None:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        rates: dict[str, float] | None = None,
+        seed: int = 0,
+        drop_headers: frozenset[str] = frozenset(),
+    ) -> None:
         host_port = upstream.removeprefix("http://").rstrip("/")
         host, _, port = host_port.partition(":")
         self.upstream_host = host
         self.upstream_port = int(port)
         self.rates = dict(rates or {})
+        self.drop_headers = frozenset(name.lower() for name in drop_headers)
         unknown = set(self.rates) - set(FAULTS)
         if unknown or sum(self.rates.values()) > 1.0:
             raise ValueError(f"rates must use {FAULTS} and sum to at most 1: {self.rates}")
@@ -323,7 +336,7 @@ class S3FaultProxy:
                     self.upstream_host, self.upstream_port, timeout=SOCKET_TIMEOUT_S
                 )
                 try:
-                    response = _forward(upstream, request)
+                    response = _forward(upstream, request, self.drop_headers)
                 finally:
                     upstream.close()
                 with self._lock:
@@ -383,11 +396,13 @@ class S3FaultProxy:
         return "ok"
 
 
-def _forward(upstream: http.client.HTTPConnection, request: _Request) -> bytes:
-    """Send ``request`` upstream and return the full response, re-framed with a Content-Length."""
+def _forward(
+    upstream: http.client.HTTPConnection, request: _Request, drop_headers: frozenset[str] = frozenset()
+) -> bytes:
+    """Send ``request`` upstream (less ``drop_headers``) and return the full response, re-framed with a length."""
     upstream.putrequest(request.method, request.target, skip_host=True, skip_accept_encoding=True)
     for name, value in request.headers:
-        if name.lower() not in HOP_BY_HOP and name.lower() != "content-length":
+        if name.lower() not in HOP_BY_HOP | drop_headers and name.lower() != "content-length":
             upstream.putheader(name, value)
     if request.body or request.method in {"PUT", "POST"}:
         upstream.putheader("Content-Length", str(len(request.body)))

@@ -29,6 +29,7 @@ SHARED_MODULES = frozenset(
         "templates",
         "processes",
         "literals",
+        "escape",
         "progress",
     }
 )

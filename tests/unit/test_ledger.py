@@ -125,3 +125,18 @@ def test_two_runs_of_one_series_at_once_are_stopped_before_generating(tmp_path: 
     with pytest.raises(SeriesConflictError, match="took 4 of the same prompts"):
         write_ledger(store, configs[1], entries[1], [prepared[1]])
     assert store.exists(ledger_key("nightly", "box-a"))
+
+
+def test_files_nested_below_a_series_ledger_are_no_runs_of_the_series(tmp_path: Path) -> None:
+    _prompts(tmp_path / "q.jsonl", 12)
+    store = Store(str(tmp_path / "store"))
+    first, _ = _prepare_night(store, _config(tmp_path, "night-1"))
+    # A run whose output was the ledger folder: its own runs/... files land below the ledger.
+    nested = Store(str(tmp_path / "store" / "series" / "nightly" / "ledger"))
+    nested.write_text("runs/intruder/prompts/q/shard-00000.jsonl", '{"prompt_id": "x"}\n')
+    nested.write_text("intruder.jsonl.partial", "")
+
+    second, entry = _prepare_night(store, _config(tmp_path, "night-2"))
+
+    assert entry.earlier_runs == ["night-1"]
+    assert len(second) == 4 and not first & second

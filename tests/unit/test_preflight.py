@@ -308,3 +308,66 @@ def test_a_box_gpu_lock_this_user_cannot_open_is_refused_with_the_fix(
         get_settings.cache_clear()
     (problem,) = [line for line in raised.value.problems if "GPU lock" in line]
     assert str(not_a_folder / "datagen") in problem and "DATAGEN_LOCK_DIR" in problem
+
+
+@pytest.fixture()
+def s3_output(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A bucket of the session's moto server, with the environment that points the store at it."""
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    bucket = f"preflight-{time.monotonic_ns()}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    return bucket
+
+
+def _point_store_at(endpoint: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from datagen.settings import get_settings
+
+    monkeypatch.setenv("DATAGEN_S3_ENDPOINT_URL", endpoint)
+    get_settings.cache_clear()
+
+
+def test_preflight_proves_the_store_refuses_an_overwrite_before_anything_is_halted(
+    tmp_path: Path, tiny_model_dir: Path, s3_endpoint: str, s3_output: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import boto3
+
+    from datagen.output.layout import RunLayout
+    from datagen.settings import get_settings
+    from tests.support.s3_proxy import S3FaultProxy
+
+    output = f"s3://{s3_output}/expansion"
+    config = _config(tmp_path, tiny_model_dir, output=output)
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    probes = f"expansion/{RunLayout('pre-1').root}/probes/"
+    try:
+        # moto's real behaviour: the second conditional put is answered 412, and the run may go on.
+        _point_store_at(s3_endpoint, monkeypatch)
+        report = run_preflight(config)
+        (check,) = [check for check in report.checks if check.name == "write-once"]
+        assert check.ok and "was refused" in check.detail
+        listed = client.list_objects_v2(Bucket=s3_output, Prefix=probes).get("Contents", [])
+        assert len(listed) == 1, "the probe object stays, for the manifest to list"
+
+        # A store that ignores If-None-Match (the proxy drops it): the second put overwrites, the run is refused.
+        with S3FaultProxy(s3_endpoint, drop_headers=frozenset({"if-none-match"})) as ignoring:
+            _point_store_at(ignoring.url, monkeypatch)
+            with pytest.raises(PreflightError) as raised:
+                run_preflight(config)
+    finally:
+        get_settings.cache_clear()
+    (problem,) = raised.value.problems
+    assert problem.startswith("write-once: the store overwrote s3://")
+    assert "use a store that honours them" in problem and "\n" not in problem
+
+
+def test_a_local_output_proves_exclusive_create_the_same_way(tmp_path: Path, tiny_model_dir: Path) -> None:
+    config = _config(tmp_path, tiny_model_dir)
+    report = run_preflight(config)
+    (check,) = [check for check in report.checks if check.name == "write-once"]
+    assert check.ok, check.detail
+    (probe,) = (tmp_path / "out" / "runs" / "pre-1" / "probes").iterdir()
+    assert probe.read_text().count('"write": 1') == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +13,15 @@ from datagen.app.run_request import (
     HostPartRequest,
     HostRequest,
     RunRequest,
+    bind_request,
     config_names,
     parse_run_request,
     resolve_config_file,
     resolve_request,
 )
+from datagen.config import RunConfig, TrainingJobConfig
 from datagen.errors import ConfigError
-from datagen.output.runs import open_run
+from datagen.output.runs import RunOrigin, StoredRunConfig, open_run
 from datagen.output.store import Store
 
 
@@ -108,22 +111,119 @@ def test_output_under_an_allowed_root_but_at_a_protected_prefix_is_refused(tmp_p
             resolve_request(_request(output=str(chosen)), configs)
 
 
-def test_a_run_id_alone_resumes_the_stored_config(tmp_path: Path) -> None:
+def _create(configs: Path, request: RunRequest) -> RunConfig:
+    """Create a run as a deployment's run does: resolved from the box config, its origin recorded."""
+    config, origin = bind_request(request, configs)
+    open_run(Store(config.output), config, origin)
+    return config
+
+
+def test_a_run_id_alone_resumes_the_config_made_again_from_the_box_file(tmp_path: Path) -> None:
     configs = tmp_path / "configs"
     _write(configs, output=str(tmp_path / "store"))
-    original = resolve_request(_request(run_id="r1", max_prompts=7), configs)
-    open_run(Store(original.output), original)
-    # The file changed since, but the run keeps its stored config.
-    _write(configs, output=str(tmp_path / "store"), seed=99)
+    original = _create(configs, _request(run_id="r1", max_prompts=7))
 
     resumed = resolve_request(_request(run_id="r1"), configs)
     assert resumed.config_hash() == original.config_hash()
     assert [d.max_prompts for d in resumed.datasets] == [7, 7]
     with pytest.raises(ConfigError, match="config never changes"):
         resolve_request(_request(run_id="r1", max_prompts=3), configs)
+
+
+def test_a_run_resumed_after_its_box_config_changed_is_refused_naming_the_file_and_what_changed(
+    tmp_path: Path,
+) -> None:
+    configs = tmp_path / "configs"
+    _write(configs, output=str(tmp_path / "store"))
+    _create(configs, _request(run_id="r1"))
+    _write(configs, output=str(tmp_path / "store"), seed=99)
+
+    with pytest.raises(ConfigError) as refused:
+        resolve_request(_request(run_id="r1"), configs)
+    message = str(refused.value)
+    assert message.startswith("Run parameters refused, nothing started: config: configs/run.yaml changed")
+    assert "fields that now resolve differently: seed" in message and "\n" not in message
     # A host part takes its serving config from its own box's file, not from the store.
     fresh = resolve_request(HostRequest(config="run", run_id="r1"), configs, resume=False)
     assert fresh.seed == 99
+
+
+def _plant(store: Path, run_id: str, config: RunConfig, origin: RunOrigin | None) -> None:
+    """A config.json written by anyone who can write under the root: a hash that matches what it holds."""
+    folder = store / "runs" / run_id
+    folder.mkdir(parents=True)
+    stored = StoredRunConfig(
+        run_id=run_id,
+        config_hash=config.config_hash(),
+        created_at=dt.datetime.now(dt.UTC),
+        config=config.model_dump(mode="json"),
+        origin=origin,
+    )
+    (folder / "config.json").write_text(stored.model_dump_json())
+
+
+def test_a_stored_config_the_box_config_does_not_make_is_never_believed(tmp_path: Path) -> None:
+    configs = tmp_path / "configs"
+    store = tmp_path / "store"
+    _write(configs, output=str(store))
+    honest, origin = bind_request(_request(run_id="forged"), configs)
+    restart = {"kind": "none", "restart_after_run": True, "restart_command": ["touch", "/tmp/x"]}
+    forged = honest.model_copy(update={"training": TrainingJobConfig.model_validate(restart)})
+
+    # No origin: what the operator's CLI writes, or a file planted by hand.
+    _plant(store, "no-origin", forged.model_copy(update={"run_id": "no-origin"}), None)
+    with pytest.raises(ConfigError, match=r"refused, nothing started: run_id: run no-origin was not started"):
+        resolve_request(_request(run_id="no-origin"), configs)
+    # An origin copied from an honest run, but a config of its own.
+    _plant(store, "forged", forged, origin)
+    with pytest.raises(ConfigError) as refused:
+        resolve_request(_request(run_id="forged"), configs)
+    assert str(refused.value).startswith(
+        "Run parameters refused, nothing started: run_id: the stored config.json of run forged is not what "
+        "configs/run.yaml with its recorded choices makes here (training.restart_after_run, "
+        "training.restart_command differ)"
+    )
+    # Another config's name, or choices no run may make.
+    _plant(
+        store,
+        "other",
+        honest.model_copy(update={"run_id": "other"}),
+        origin.model_copy(update={"config": "x"}),
+    )
+    with pytest.raises(ConfigError, match="config: run other was made from config x"):
+        resolve_request(_request(run_id="other"), configs)
+    wild = origin.model_copy(update={"choices": {"fleet": {"env": {"LD_PRELOAD": "x"}}}})
+    _plant(store, "wild", honest.model_copy(update={"run_id": "wild"}), wild)
+    with pytest.raises(ConfigError, match=r"run_id: the choices recorded in the config\.json of run wild"):
+        resolve_request(_request(run_id="wild"), configs)
+    (store / "runs" / "junk").mkdir()
+    (store / "runs" / "junk" / "config.json").write_text('{"run_id": "junk"}')
+    with pytest.raises(ConfigError, match=r"run_id: .* is not a config\.json datagen writes"):
+        resolve_request(_request(run_id="junk"), configs)
+
+
+def test_output_is_never_inside_a_roots_layout(tmp_path: Path) -> None:
+    configs = tmp_path / "configs"
+    root = tmp_path / "store"
+    _write(configs, output=str(root), output_roots=["s3://bucket/shared"])
+    for inside in (
+        root / "runs" / "victim" / "completions",
+        root / "series" / "nightly" / "ledger",
+        root / "datasets" / "drafter-expansion",
+        root / "runs",
+        root / "a" / "b",
+        root / "Upper",
+        root / "new\n12:00:00.000 | INFO | forged",
+        "s3://bucket/shared/runs/victim",
+        "s3://bucket/shared/x/y",
+    ):
+        with pytest.raises(ConfigError) as refused:
+            resolve_request(_request(output=str(inside)), configs)
+        assert str(refused.value).startswith(
+            "Run parameters refused, nothing started: output: choose an output root itself or one folder"
+        ), inside
+    assert resolve_request(_request(output=str(root)), configs).output == str(root)
+    assert resolve_request(_request(output="s3://bucket/shared/x"), configs).output == "s3://bucket/shared/x"
 
 
 def test_unknown_datasets_and_empty_subsets_are_refused_naming_the_configs_datasets(tmp_path: Path) -> None:

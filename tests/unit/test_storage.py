@@ -241,3 +241,16 @@ def test_clients_share_the_service_model_but_each_resolves_its_own_credentials(
         "AKIAPROFILE",
     ]
     assert first._loader is profiled._loader
+
+
+def test_a_level_lists_one_folder_never_what_lies_deeper(store: Store) -> None:
+    store.write_text("runs/r/completions/a/shard-00000.jsonl", "{}\n")
+    store.write_text("runs/r/completions/a/runs/x/completions/a/shard-00000.jsonl", "{}\n")
+    store.write_text("runs/r/completions/notes.txt", "stray")
+    level = store.list_level("runs/r/completions")
+    assert level.objects == {"runs/r/completions/notes.txt": 5}
+    assert level.folders == ["runs/r/completions/a"]
+    inner = store.list_level("runs/r/completions/a/")
+    assert list(inner.objects) == ["runs/r/completions/a/shard-00000.jsonl"]
+    assert inner.folders == ["runs/r/completions/a/runs"]
+    assert store.list_level("runs/nothing-here").objects == {}
