@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.app.preview import CostPreview
 from datagen.config import DatasetConfig, RunConfig
 from datagen.errors import DatagenError, PreflightError, StorageUnreachableError
 from datagen.output.layout import RunLayout
@@ -65,6 +66,7 @@ class PreflightReport(BaseModel):
 
     run_id: str
     checks: list[Check] = Field(default_factory=list)
+    preview: CostPreview | None = Field(default=None, description="The run's expected cost on this box.")
 
     @property
     def problems(self) -> list[str]:
@@ -80,6 +82,8 @@ class PreflightReport(BaseModel):
             f"- {'✅' if check.ok else '⏭️' if check.skipped else '❌'} **{check.name}** {check.detail}"
             for check in self.checks
         ]
+        if self.preview is not None:
+            lines += ["", self.preview.to_markdown()]
         return "\n".join(lines) + "\n"
 
 
