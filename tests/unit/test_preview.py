@@ -99,7 +99,10 @@ def test_history_of_the_same_model_gives_the_rate_answer_lengths_and_overheads()
     assert preview.gpus == 8  # the last run's fleet
     chat, math = preview.datasets
     assert (chat.mean_answer_tokens, chat.answer_source) == (pytest.approx(1500.0), "measured")
-    assert (math.answer_source, math.mean_answer_tokens) == ("assumed", ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS * 2048)
+    assert (math.answer_source, math.mean_answer_tokens) == (
+        "assumed",
+        ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS * 2048,
+    )
     assert preview.overheads.measured
     assert preview.overheads.fleet_start_s == pytest.approx(300.0)
     assert preview.overheads.total_s == pytest.approx(60 + 300 + 10 + 30)
