@@ -202,6 +202,7 @@ def tune(
     if output is not None:
         output.write_text(tune_result_json(result), encoding="utf-8")
         typer.echo(f"written to {output}: set fleet.tune_result: {output} to plan with it")
+    _record_tune(result, model)
 
 
 @app.command("tiny-model")
@@ -576,3 +577,11 @@ def plan_cost(
         return
     for line in preview.lines():
         typer.echo(line)
+
+
+def _record_tune(result: Any, model: str) -> None:
+    """Add the tune's best rate to this box's history, which `datagen plan` and preflight's preview read."""
+    from datagen.app.history import append_record, tune_record
+    from datagen.settings import get_settings
+
+    append_record(get_settings().state_dir, tune_record(result, model))

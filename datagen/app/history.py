@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import Field, ValidationError
 
+from datagen.engines.tune_result import TuneResult
 from datagen.records import Record, utc_now
 
 logger = logging.getLogger(__name__)
@@ -123,6 +124,24 @@ def read_history(state_dir: str | Path) -> list[BoxRecord]:
     return sorted(records, key=lambda record: record.recorded_at)
 
 
-def matching(records: Iterable[BoxRecord], model: str, engine: str) -> list[BoxRecord]:
-    """The records of ``model`` on ``engine``, oldest first."""
-    return [record for record in records if record.model == model and record.engine == engine]
+def tune_record(result: TuneResult, model: str) -> BoxRecord:
+    """The history record of a ``datagen tune``: its best rate over the servers it measured."""
+    best = next(
+        (point for point in result.curve if point.inflight_per_server == result.best_inflight_per_server),
+        None,
+    )
+    return BoxRecord(
+        kind="tune",
+        model=model,
+        engine=result.engine,
+        plan=f"tune {len(result.urls)} server(s)",
+        output_tokens=best.output_tokens if best else 0,
+        generation_wall_s=best.wall_s if best else 0.0,
+        output_tokens_per_s=result.best_output_tokens_per_s,
+    )
+
+
+def matching(records: Iterable[BoxRecord], model: str | set[str], engine: str) -> list[BoxRecord]:
+    """The records of ``model`` (a name or any of several: a path and a served name) on ``engine``, oldest first."""
+    names = {model} if isinstance(model, str) else model
+    return [record for record in records if record.model in names and record.engine == engine]

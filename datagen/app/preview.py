@@ -244,7 +244,9 @@ def estimate_cost(
         The preview.
     """
     model, engine = config.model.path, config.fleet.engine
-    records = matching(history, model, engine)
+    # A run records the model's path; a tune, the name its servers answered to.
+    names = {model, *([config.model.served_name] if config.model.served_name else [])}
+    records = matching(history, names, engine)
     if gpus is None:
         held = [record.gpus for record in records if record.kind == "run" and record.gpus]
         gpus = held[-1] if held else None

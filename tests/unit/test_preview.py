@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from datagen.app.history import BoxRecord, DatasetAnswers, append_record, plan_key, read_history
+from datagen.app.history import BoxRecord, DatasetAnswers, append_record, plan_key, read_history, tune_record
 from datagen.app.preview import (
     ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS,
     DEFAULT_FLEET_START_S,
@@ -17,6 +17,7 @@ from datagen.app.preview import (
     estimate_cost,
 )
 from datagen.config import RunConfig, parse_run_config
+from datagen.engines.tune_result import TunePoint, TuneResult
 
 MODEL = "/models/qwen"
 
@@ -143,3 +144,29 @@ def test_history_records_are_appended_by_concurrent_writers_and_read_back_whole(
 
     assert sorted(record.output_tokens_per_s for record in records) == [1000.0 + index for index in range(16)]
     assert not [path for path in (tmp_path / "history").iterdir() if path.name.endswith(".tmp")]
+
+
+def test_a_tune_of_the_served_name_gives_the_rate_when_no_run_measured_one() -> None:
+    tuned = TuneResult(
+        engine="sglang",
+        urls=["http://a", "http://b"],
+        max_tokens=512,
+        best_inflight_per_server=64,
+        best_output_tokens_per_s=7000.0,
+        curve=[
+            TunePoint(
+                inflight_per_server=64,
+                requests=10,
+                output_tokens=5000,
+                wall_s=1.0,
+                output_tokens_per_s=7000.0,
+            )
+        ],
+        measured_with="client",
+    )
+    served = config(model={"path": MODEL, "served_name": "qwen"})
+
+    preview = estimate_cost(served, [tune_record(tuned, "qwen")], gpus=2)
+
+    assert (preview.rate_source, preview.output_tokens_per_s) == ("measured", 7000.0)
+    assert "tune" in preview.rate_detail
