@@ -50,6 +50,7 @@ from datagen.config.prompts import (
 )
 from datagen.config.run import RunConfig
 from datagen.config.training import TrainingJobConfig, TrainingJobKind
+from datagen.config.window import WindowConfig
 from datagen.config.ui_json import (
     UI_JSON_KIND_KEY,
     UI_MAPPING,
@@ -97,6 +98,7 @@ __all__ = [
     "TokenizeConfig",
     "TrainingJobConfig",
     "TrainingJobKind",
+    "WindowConfig",
     "check_run_id_option",
     "config_folder",
     "format_validation_error",

@@ -16,6 +16,7 @@ from datagen.config.model import ModelConfig
 from datagen.config.multihost import HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.prompts import SHARE_SUM_TOLERANCE, DatasetConfig, ExistingCorpusConfig, MixConfig
 from datagen.config.training import TrainingJobConfig
+from datagen.config.window import WindowConfig
 from datagen.errors import ConfigError
 from datagen.records import SamplingParams
 
@@ -74,6 +75,12 @@ class RunConfig(StrictModel):
         "servers join one dispatcher. Empty: this host only. See docs/operations.md (multi-host runbook).",
     )
     multi_host: MultiHostConfig = Field(default_factory=MultiHostConfig)
+    window: WindowConfig = Field(
+        default_factory=WindowConfig,
+        description="How long training may stay stopped (`max_hours`) or until when (`until`); the run stops "
+        "admitting requests in time for those in flight, the fleet's stop and training's restart to fit. See "
+        "docs/operations.md.",
+    )
 
     @field_validator("datasets")
     @classmethod
@@ -205,6 +212,8 @@ class RunConfig(StrictModel):
             # Where the run generates changes no output: a resume may use other (or fewer) hosts.
             "hosts": True,
             "multi_host": True,
+            # How long one attempt may generate changes no answer: the next attempt continues the rest.
+            "window": True,
         }
         if self.series is None:
             exclude["series"] = True
