@@ -50,7 +50,6 @@ from datagen.config.prompts import (
 )
 from datagen.config.run import RunConfig
 from datagen.config.training import TrainingJobConfig, TrainingJobKind
-from datagen.config.window import WindowConfig
 from datagen.config.ui_json import (
     UI_JSON_KIND_KEY,
     UI_MAPPING,
@@ -59,6 +58,7 @@ from datagen.config.ui_json import (
     UNWRAP_UI_JSON,
     unwrap_ui_json,
 )
+from datagen.config.window import WindowConfig
 from datagen.records import SamplingParams
 
 __all__ = [
