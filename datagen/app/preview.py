@@ -73,12 +73,18 @@ class Overheads(BaseModel):
     fleet_start_s: float = DEFAULT_FLEET_START_S
     fleet_stop_s: float = DEFAULT_FLEET_STOP_S
     training_restart_s: float = DEFAULT_TRAINING_RESTART_S
+    other_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="The rest of the paused time besides generating: the probe, the plan, the prompts' last "
+        "checks (measured: paused time minus generation and the four steps above).",
+    )
     measured: bool = Field(default=False, description="At least one figure comes from the box's history.")
 
     @property
     def before_generation_s(self) -> float:
         """From the halt until the first request can be sent."""
-        return self.training_halt_s + self.fleet_start_s
+        return self.training_halt_s + self.fleet_start_s + self.other_s
 
     @property
     def after_generation_s(self) -> float:
@@ -214,11 +220,21 @@ def _answer_tokens(records: Sequence[BoxRecord], dataset: str, max_tokens: int) 
 def measured_overheads(records: Sequence[BoxRecord]) -> Overheads:
     """The medians of the recent records' measured overheads; a default wherever none was measured."""
     recent = _recent([record for record in records if record.kind == "run"])
+    steps = ("training_halt_s", "fleet_start_s", "fleet_stop_s", "training_restart_s")
     figures: dict[str, float] = {}
-    for name in ("training_halt_s", "fleet_start_s", "fleet_stop_s", "training_restart_s"):
+    for name in steps:
         values = [value for record in recent if (value := getattr(record, name)) is not None]
         if values:
             figures[name] = statistics.median(values)
+    rest = [
+        record.training_paused_s
+        - record.generation_wall_s
+        - sum(getattr(record, name) or 0.0 for name in steps)
+        for record in recent
+        if record.training_paused_s is not None
+    ]
+    if rest:
+        figures["other_s"] = max(0.0, statistics.median(rest))
     return Overheads(**figures, measured=bool(figures))
 
 

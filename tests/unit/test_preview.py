@@ -170,3 +170,13 @@ def test_a_tune_of_the_served_name_gives_the_rate_when_no_run_measured_one() -> 
 
     assert (preview.rate_source, preview.output_tokens_per_s) == ("measured", 7000.0)
     assert "tune" in preview.rate_detail
+
+
+def test_the_paused_time_beyond_the_measured_steps_is_an_overhead_of_its_own() -> None:
+    record = run_record(1000.0).model_copy(update={"training_paused_s": 1000.0, "generation_wall_s": 500.0})
+
+    preview = estimate_cost(config(), [record])
+
+    # 1000 s paused = 500 s generating + 60 halt + 300 start + 10 stop + 30 restart + 100 s of the rest.
+    assert preview.overheads.other_s == 100.0
+    assert preview.overheads.total_s == 500.0
