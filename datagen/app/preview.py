@@ -304,7 +304,9 @@ def fleet_gpus(config: RunConfig) -> int | None:
     The configured servers times their tensor parallelism when both are set, else every GPU nvidia-smi lists
     (the planner's default uses them all); external servers and a box without GPUs hold none.
     """
-    if config.fleet.engine == "external":
+    from datagen.engines import engine_class
+
+    if not engine_class(config.fleet.engine).launches_processes:
         return 0
     if config.fleet.num_servers and config.fleet.tensor_parallel:
         return config.fleet.num_servers * config.fleet.tensor_parallel
