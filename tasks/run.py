@@ -40,7 +40,7 @@ def preflight(config: RunConfig, store: Store) -> PreflightReport:
     """
     report = datagen.app.preflight.run_preflight(config, credentials=store.credentials)
     try:
-        report.preview = datagen.app.preview.preview_on_this_box(config)
+        report.preview = datagen.app.preview.preview_on_this_box(config, count_unbounded=True)
     except Exception as error:  # an estimate never refuses a run
         get_run_logger().warning("cost preview unavailable error=%r", error)
     for line in report.preview.lines() if report.preview else []:

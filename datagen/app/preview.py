@@ -346,7 +346,7 @@ def preview_on_this_box(
         config: The resolved run config.
         prompts_by_dataset: The prepared prompts per dataset, when known.
         count_unbounded: Read the datasets without a quota to count their prompts (else their count stays
-            unknown and the figures are a lower bound): the CLI does, preflight leaves it to the preparation.
+            unknown and the figures are a lower bound): the CLI and preflight do, before anything is halted.
     """
     from datagen.app.history import read_history
     from datagen.settings import get_settings
