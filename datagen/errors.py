@@ -337,3 +337,7 @@ class TooManyFailuresError(DatagenError, RuntimeError):
     def __init__(self, message: str, *, retryable: int = 0, **context: Any) -> None:
         super().__init__(message, retryable=retryable, **context)
         self.retryable = retryable
+
+
+class WindowClosingError(DatagenError, TimeoutError):
+    """Admission stopped because the run's generation window is closing; the next attempt sends the rest."""

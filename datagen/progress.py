@@ -48,6 +48,10 @@ class GenerationProgress(BaseModel):
     failed: int = 0
     output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
     elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
+    gpus: int = Field(default=0, ge=0, description="GPUs the fleet holds (0: none counted).")
+    training_paused_s: float | None = Field(
+        default=None, ge=0, description="Time since training was halted (None: not halted by this attempt)."
+    )
     answered_here: int | None = Field(
         default=None,
         description="Requests this attempt answered (None: all of ``answered``). A resumed run's stored answers "
@@ -89,6 +93,11 @@ class GenerationProgress(BaseModel):
             f"{format_duration(self.elapsed_s)} elapsed"
         )
 
+    def cost_line(self) -> str:
+        """What the run has cost training so far: ``paused 1 h 2 min · 8.3 GPU-h``."""
+        paused = self.training_paused_s or 0.0
+        return f"paused {format_duration(paused)} · {self.gpus * paused / 3600:.1f} GPU-h"
+
     def card(self, detail: str = "") -> str:
         """The same figures as short Markdown lines, the essentials first, for the progress artifact's card.
 
@@ -100,6 +109,7 @@ class GenerationProgress(BaseModel):
             f"**{self.percent:.1f}%** · {self.answered}/{self.total} answered",
             f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text}",
             f"{self.failed} failed · {format_duration(self.elapsed_s)} elapsed",
+            *([self.cost_line()] if self.training_paused_s is not None else []),
             *([detail] if detail else []),
         ]
         return "\n\n".join(lines)

@@ -208,6 +208,7 @@ def _summary_from_report(report: RunReport, store: Store, layout: RunLayout, com
         dataset_version_url=report.tokenize.get("dataset_version_url"),
         training=report.training,
         training_job=report.training_job,
+        accounting=report.accounting,  # GPU-hours and paused training, for the Completed message
     )
 
 

@@ -8,6 +8,7 @@ when configured. The caller holds the box's GPU lock (:func:`tasks.runtime.hold_
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +16,13 @@ from pathlib import Path
 from prefect import get_run_logger
 from pydantic import BaseModel
 
+from datagen.app.accounting import ServingTimes
 from datagen.config import RunConfig
 from datagen.errors import TrainingNotRestartedError
 from datagen.host.fleet import Fleet
 from datagen.host.plan import ServerPlan
 from datagen.progress import Stage, enter_stage
+from datagen.records import utc_now
 from datagen.settings import get_settings, server_api_key
 from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
 from tasks.runtime import HostGpus
@@ -80,10 +83,15 @@ def serve_on_this_box(
     logger = get_run_logger()
     fleet: Fleet | None = None
     serving: Serving | None = None
+    # When the GPUs were taken from training and what each step took: the report's accounting and the box's
+    # history (the next run's cost preview) read it.
+    times = ServingTimes(halted_at=utc_now(), training_halted=config.training.kind != "none")
     try:
         # Inside the try: a signal mid-halt still hands training back (once it has stopped).
         enter_stage(logger, Stage.HALT_TRAINING, kind=config.training.kind)
+        step = time.monotonic()
         halt = halt_training(config.training, gpus.halt_record, run_id)
+        times.training_halt_s = time.monotonic() - step
         record("training", halt)
         enter_stage(logger, Stage.PROBE)
         env = probe_environment()
@@ -99,15 +107,20 @@ def serve_on_this_box(
             api_key=server_api_key(),
         )
         enter_stage(logger, Stage.START_SERVERS, servers=len(plan.servers), engine=plan.engine)
+        step = time.monotonic()
         urls = start_fleet(fleet, fleets_root())
+        times.fleet_start_s = time.monotonic() - step
         fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
         serving = Serving(plan=plan, fleet=fleet, urls=urls)
         yield serving
     finally:
         if fleet is not None:
             enter_stage(logger, Stage.STOP_SERVERS)
+            step = time.monotonic()
             stop_fleet(fleet)
+            times.fleet_stop_s = time.monotonic() - step
         # The GPUs are free now: merge and tokenize need none, so training need not wait for them.
+        step = time.monotonic()
         try:
             restarted = hand_back_gpus(gpus.halt_record)
         except TrainingNotRestartedError as held_back:
@@ -116,5 +129,11 @@ def serve_on_this_box(
             restarted = None
             if serving is not None:
                 serving.held_back.append(held_back)
+        times.training_restart_s = time.monotonic() - step
+        times.handed_back_at = utc_now()
         if restarted is not None:
             (record_restart or record)("training-restart", restarted)
+        try:
+            record("serving-times", times)
+        except Exception as error:  # the accounting loses one attempt; the run's outcome must not change
+            logger.warning("serving times not recorded error=%r", error)

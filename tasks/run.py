@@ -9,7 +9,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+import datagen.app.accounting
+import datagen.app.history
 import datagen.app.preflight
+import datagen.app.preview
 import datagen.dataset.report
 import datagen.output.manifest
 import datagen.output.runs
@@ -24,6 +27,7 @@ from datagen.output.manifest import RunManifest
 from datagen.output.runs import RunHandle, RunOrigin
 from datagen.output.store import Store
 from datagen.records import PreparedDataset, ShardSummary
+from datagen.settings import get_settings
 from tasks.common import TRANSIENT_RETRIES
 from tasks.context import RunContext
 
@@ -35,6 +39,12 @@ def preflight(config: RunConfig, store: Store) -> PreflightReport:
     The output and s3:// datasets are checked with the run's store's credentials.
     """
     report = datagen.app.preflight.run_preflight(config, credentials=store.credentials)
+    try:
+        report.preview = datagen.app.preview.preview_on_this_box(config, count_unbounded=True)
+    except Exception as error:  # an estimate never refuses a run
+        get_run_logger().warning("cost preview unavailable error=%r", error)
+    for line in report.preview.lines() if report.preview else []:
+        get_run_logger().info("preview %s", line)
     create_markdown_artifact(
         report.to_markdown(), key="preflight", description="Checks run before halting training"
     )
@@ -128,11 +138,15 @@ def write_report(
         lost_hosts=lost_hosts,
         training_job=training_job,
     )
+    accounting = datagen.app.accounting.account_run(store, layout, report.totals.completion_tokens)
+    report = report.model_copy(update={"accounting": accounting})
     try:
         store.write_json(layout.report_json, report)
     except OutputExistsError:
         # An earlier attempt (or a concurrent process on this run) reported first: its report stands.
         report = RunReport.model_validate(store.read_json(layout.report_json))
+    else:
+        _append_box_history(context, report)
     locations = datagen.dataset.report.run_locations(store, layout, report)
     with contextlib.suppress(OutputExistsError):
         store.write_text(layout.report_md, report.to_markdown(locations))
@@ -143,6 +157,18 @@ def write_report(
         report.to_markdown(locations), key="datagen-report", description=f"Report of run {run.run_id}"
     )
     return report
+
+
+def _append_box_history(context: RunContext, report: RunReport) -> None:
+    """Add the run to this box's history (once: by the attempt that stored the report); never fails the run."""
+    try:
+        record = datagen.app.accounting.history_record(
+            context.config, context.store, context.run.layout, report
+        )
+        if record is not None:
+            datagen.app.history.append_record(get_settings().state_dir, record)
+    except Exception as error:  # the next preview loses one measurement; the run's outcome must not change
+        get_run_logger().warning("box history not appended error=%r", error)
 
 
 @task(name="manifest", task_run_name="manifest-{context.run_id}", cache_policy=NO_CACHE)

@@ -226,6 +226,7 @@ def tune(
     if output is not None:
         output.write_text(tune_result_json(result), encoding="utf-8")
         typer.echo(f"written to {output}: set fleet.tune_result: {output} to plan with it")
+    _record_tune(result, model)
 
 
 @app.command("tiny-model")
@@ -578,3 +579,37 @@ def main(start_flow: StartFlow) -> None:
 
     """
     app(obj=start_flow)
+
+
+@app.command("plan")
+def plan_cost(
+    config: Annotated[Path, typer.Option("--config", "-c", help="Run configuration (YAML).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the preview as JSON.")] = False,
+) -> None:
+    """Show what a run of this config would cost (prompts, output tokens, hours, GPU-hours): halts nothing.
+
+    Figures come from this box's history of earlier runs and `datagen tune`s of the same model and engine;
+    without history, from the datasets' max_tokens and the planner's rate, marked as such.
+    """
+    from datagen.app.preview import preview_on_this_box
+    from datagen.app.run_request import resolve_config_file
+    from datagen.errors import ConfigError
+
+    try:
+        resolved = resolve_config_file(config)
+    except ConfigError as error:
+        _fail(str(error), EXIT_CONFIG_ERROR)
+    preview = preview_on_this_box(resolved, count_unbounded=True)
+    if as_json:
+        typer.echo(preview.model_dump_json(indent=2))
+        return
+    for line in preview.lines():
+        typer.echo(line)
+
+
+def _record_tune(result: Any, model: str) -> None:
+    """Add the tune's best rate to this box's history, which `datagen plan` and preflight's preview read."""
+    from datagen.app.history import append_record, tune_record
+    from datagen.settings import get_settings
+
+    append_record(get_settings().state_dir, tune_record(result, model))

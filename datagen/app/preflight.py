@@ -17,6 +17,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from datagen.app.preview import CostPreview
 from datagen.config import DatasetConfig, RunConfig
 from datagen.errors import DatagenError, OutputExistsError, PreflightError, StorageUnreachableError
 from datagen.escape import markdown_code, markdown_text
@@ -69,6 +70,7 @@ class PreflightReport(BaseModel):
 
     run_id: str
     checks: list[Check] = Field(default_factory=list)
+    preview: CostPreview | None = Field(default=None, description="The run's expected cost on this box.")
 
     @property
     def problems(self) -> list[str]:
@@ -86,6 +88,8 @@ class PreflightReport(BaseModel):
             f"{markdown_text(check.detail)}"
             for check in self.checks
         ]
+        if self.preview is not None:
+            lines += ["", self.preview.to_markdown()]
         return "\n".join(lines) + "\n"
 
 

@@ -61,6 +61,7 @@ from datagen.config.ui_json import (
     UNWRAP_UI_JSON,
     unwrap_ui_json,
 )
+from datagen.config.window import WindowConfig
 from datagen.records import SamplingParams
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "TokenizeConfig",
     "TrainingJobConfig",
     "TrainingJobKind",
+    "WindowConfig",
     "check_run_id_option",
     "config_folder",
     "format_validation_error",

@@ -17,6 +17,7 @@ from datagen.config.model import ModelConfig
 from datagen.config.multihost import HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.prompts import SHARE_SUM_TOLERANCE, DatasetConfig, ExistingCorpusConfig, MixConfig
 from datagen.config.training import TrainingJobConfig
+from datagen.config.window import WindowConfig
 from datagen.errors import ConfigError
 from datagen.records import SamplingParams
 
@@ -79,6 +80,12 @@ class RunConfig(StrictModel):
         default_factory=RunChoicesConfig,
         description="Ceilings on what a deployed run may choose, and the work queues it may run on. See "
         "docs/security.md.",
+    )
+    window: WindowConfig = Field(
+        default_factory=WindowConfig,
+        description="How long training may stay stopped (`max_hours`) or until when (`until`); the run stops "
+        "admitting requests in time for those in flight, the fleet's stop and training's restart to fit. See "
+        "docs/operations.md.",
     )
 
     @field_validator("datasets")
@@ -213,6 +220,8 @@ class RunConfig(StrictModel):
             "multi_host": True,
             # Ceilings and allowed queues only refuse runs.
             "run_choices": True,
+            # How long one attempt may generate changes no answer: the next attempt continues the rest.
+            "window": True,
         }
         if self.series is None:
             exclude["series"] = True

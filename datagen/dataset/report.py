@@ -92,6 +92,50 @@ class DatasetReport(GenerationCounts):
     tokenized_rows: int = 0
 
 
+class RunAccounting(BaseModel):
+    """What the run cost the training job, measured, beside what the preview expected.
+
+    Computed from the attempts' records (:mod:`datagen.app.accounting`); every figure sums all attempts.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    gpus: int = Field(default=0, ge=0, description="GPUs the fleet held (the largest of any attempt).")
+    gpu_hours: float = Field(default=0.0, ge=0, description="GPUs held from halt to restart, in hours.")
+    training_paused_s: float = Field(default=0.0, ge=0, description="Halt to restart of training, summed.")
+    generation_wall_s: float = Field(default=0.0, ge=0, description="Of which the GPUs generated.")
+    generating_share: float | None = Field(
+        default=None, ge=0, description="Generation wall time over the paused time (None: nothing paused)."
+    )
+    output_tokens_per_gpu_hour: float | None = Field(default=None, ge=0)
+    estimated_training_paused_s: float | None = Field(
+        default=None, ge=0, description="The preview's estimate before the first halt."
+    )
+    estimated_gpu_hours: float | None = Field(default=None, ge=0)
+    estimated_output_tokens_per_s: float | None = Field(default=None, ge=0)
+
+    def lines(self) -> list[str]:
+        """The accounting as short lines: measured first, the estimate beside it."""
+        estimate = (
+            f" (estimated {self.estimated_training_paused_s / 3600:.2f} h)"
+            if self.estimated_training_paused_s is not None
+            else ""
+        )
+        gpu_estimate = (
+            f" (estimated {self.estimated_gpu_hours:.2f})" if self.estimated_gpu_hours is not None else ""
+        )
+        share = "-" if self.generating_share is None else f"{self.generating_share:.1%}"
+        per_gpu_hour = (
+            "-" if self.output_tokens_per_gpu_hour is None else f"{self.output_tokens_per_gpu_hour:,.0f}"
+        )
+        return [
+            f"training paused: {self.training_paused_s / 3600:.2f} h{estimate}",
+            f"GPU-hours: {self.gpu_hours:.2f} on {self.gpus} GPU(s){gpu_estimate}",
+            f"GPUs generating: {share} of the paused time",
+            f"output tokens per GPU-hour: {per_gpu_hour}",
+        ]
+
+
 class RunReport(BaseModel):
     """The whole run in numbers."""
 
@@ -127,6 +171,10 @@ class RunReport(BaseModel):
     training_job: list[str] = Field(
         default_factory=list,
         description="What the halts and restarts of the training job could not do or check, over every attempt.",
+    )
+    accounting: RunAccounting | None = Field(
+        default=None,
+        description="GPU-hours, paused training and the preview's estimate (None: not measured).",
     )
 
     def table_rows(self) -> list[dict[str, Any]]:
@@ -201,6 +249,9 @@ class RunReport(BaseModel):
         if dropped:
             lines += ["", "## Completions not tokenized, by reason", ""]
             lines += [_count_line(reason, count) for reason, count in sorted(dropped.items())]
+        if self.accounting is not None:
+            lines += ["", "## Cost", ""]
+            lines += [f"- {markdown_text(line)}" for line in self.accounting.lines()]
         if self.training_job:
             lines += ["", "## Training job", ""]
             lines += [f"- {markdown_text(note)}" for note in self.training_job]
@@ -418,6 +469,10 @@ class RunSummary(BaseModel):
     training_job: list[str] = Field(
         default_factory=list, description="What the halt and restart of training could not do or check."
     )
+    accounting: RunAccounting | None = Field(
+        default=None,
+        description="GPU-hours and paused training, with the preview's estimate (from the report).",
+    )
 
     def locations(self) -> RunLocations:
         """Where the run landed."""
@@ -437,6 +492,8 @@ class RunSummary(BaseModel):
             else f"{self.completions} completions of {self.requests} requests ({self.failures} failed), "
             f"{self.tokenized_rows} training rows, {self.output_tokens_per_s:.1f} output tok/s"
         )
+        if self.accounting is not None and not self.already_complete:
+            head += "; " + ", ".join(self.accounting.lines())
         return f"{head}; {self.locations().message()}"
 
 

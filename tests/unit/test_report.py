@@ -172,3 +172,80 @@ def test_the_report_says_where_everything_landed(tmp_path: Path) -> None:
     assert "- manifest: `s3://b/m.json`" in remote.markdown()
     assert locations.message().startswith(f"run folder {run_folder}; report ")
     assert locations.message().endswith(f"export: datagen export {version}")
+
+
+def test_the_accounting_sums_every_attempts_paused_time_beside_the_preflights_estimate(
+    tmp_path: Path,
+) -> None:
+    import datetime as dt
+
+    from datagen.app.accounting import ServingTimes, account_run
+    from datagen.app.history import plan_key
+    from datagen.app.preflight import PreflightReport
+    from datagen.app.preview import estimate_cost
+    from datagen.dataset.report import RunSummary
+
+    store, layout = Store(str(tmp_path)), RunLayout("r-1")
+    halted = dt.datetime(2026, 1, 1, 1, 0, tzinfo=dt.UTC)
+    plan = {
+        "engine": "sglang",
+        "mode": "dp",
+        "served_model_name": "m",
+        "servers": [
+            {
+                "index": index,
+                "host": "127.0.0.1",
+                "port": 30000 + index,
+                "gpu_ids": [index],
+                "url": f"http://h:{index}",
+            }
+            for index in range(4)
+        ],
+    }
+    preview = estimate_cost(_config(tmp_path), [], gpus=4, prompts_by_dataset={"d": 100})
+    store.write_json(
+        layout.attempt_object("a1", "preflight.json"), PreflightReport(run_id="r-1", preview=preview)
+    )
+    for attempt, hours, generating_s in (("a1", 1.0, 3000.0), ("a2", 0.5, 1200.0)):
+        end = halted + dt.timedelta(hours=hours)
+        store.write_json(
+            layout.attempt_object(attempt, "serving-times.json"),
+            ServingTimes(halted_at=halted, handed_back_at=end),
+        )
+        store.write_json(layout.attempt_object(attempt, "plan.json"), plan)
+        record_generation_window(
+            store, layout, GenerationWindow(attempt_id=attempt, wall_s=generating_s, servers=4)
+        )
+
+    accounting = account_run(store, layout, output_tokens=600_000)
+
+    assert accounting is not None
+    assert (accounting.gpus, accounting.training_paused_s) == (4, 5400.0)
+    assert accounting.gpu_hours == 6.0
+    assert accounting.generating_share == 4200.0 / 5400.0
+    assert accounting.output_tokens_per_gpu_hour == 100_000.0
+    assert accounting.estimated_training_paused_s == preview.training_paused_s
+    assert plan_key("dp", 4, 1) == "dp 4 x tp 1"
+    summary = RunSummary(
+        run_id="r-1",
+        run_url="u",
+        already_complete=False,
+        prompts=1,
+        requests=1,
+        completions=1,
+        failures=0,
+        tokenized_rows=1,
+        output_tokens_per_s=1.0,
+        dataset_version=None,
+        report_url="r",
+        manifest_url="m",
+        accounting=accounting,
+    )
+    assert "training paused: 1.50 h (estimated" in summary.state_message()
+    assert "GPU-hours: 6.00 on 4 GPU(s)" in summary.state_message()
+
+
+def test_the_progress_card_says_what_the_run_has_cost_training_so_far() -> None:
+    progress = GenerationProgress(answered=1, total=2, elapsed_s=60.0, gpus=8, training_paused_s=5400.0)
+    assert "paused 1 h 30 min · 12.0 GPU-h" in progress.card()
+    assert "GPU-h" not in GenerationProgress(answered=1, total=2).card()
