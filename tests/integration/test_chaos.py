@@ -41,6 +41,8 @@ KILLS = 4
 STARTUP_KILL_WINDOW_S = (0.5, 3.0)
 GENERATION_KILL_WINDOW_S = (0.0, 2.0)
 GENERATION_START_TIMEOUT_S = 90
+# `datagen run`'s exit code for a run refused before anything started.
+EXIT_REFUSED = 2
 FLOW_TIMEOUT_S = 240
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -323,10 +325,16 @@ def test_two_flow_processes_on_one_run_id_neither_overwrite_nor_duplicate(
         processes = [_start_flow(config, env, log) for log in logs]
         codes = [process.wait(timeout=FLOW_TIMEOUT_S) for process in processes]
     outputs = [log.read_text() for log in logs]
+    # A clear state for each: the run completed (by this process, or by the other one before it looked), or it
+    # was refused at once because the other one runs it (one run id, one runner: exit 2), never a crash.
+    refused = "run_id: run twins is running in another flow run"
     for code, output in zip(codes, outputs, strict=True):
-        # A clear state: the run completed (by this process or the other one), never a crash.
-        assert code == 0, output[-5000:]
-        assert "run twins: done" in output or "run twins: already complete" in output
+        if code == EXIT_REFUSED:
+            assert refused in output and "stage=preflight" not in output, output[-5000:]
+        else:
+            assert code == 0, output[-5000:]
+            assert "run twins: done" in output or "run twins: already complete" in output
+    assert 0 in codes, outputs
 
     end = _snapshot(s3_endpoint, bucket)
     run_prefix = "expansion/runs/twins/"

@@ -53,6 +53,10 @@ HOST_PART_END_BUDGET_S = 30.0
 RUN_TIMEOUT_S = 300.0
 
 
+# The names under which tests put a box's config among the clone's configs/ (known to the deploy).
+BOX_CONFIGS = ("states-worker", "states-hosts")
+
+
 class Stack:
     """A real Prefect server, the `expand-manual` and `expand-host` deployments of a clone of the checkout."""
 
@@ -100,6 +104,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """`prefect server start`, and `datagen deploy` of the two deployments from a clone of the checkout."""
     root = tmp_path_factory.mktemp("states-prefect")
     clone = copy_checkout(REPO, root / "clone")
+    # The configs the tests put among the clone's configs/ exist before the deploy, which offers the checkout's
+    # config names as the only choices (each test writes its box's own content under its name).
+    for name in BOX_CONFIGS:
+        (clone / "configs" / f"{name}.yaml").write_text((clone / "configs" / "demo.yaml").read_text())
     prefect = PrefectStack(home=root / "prefect-home").start()
     try:
         deployed = subprocess.run(
@@ -159,6 +167,7 @@ def test_a_sigkill_on_a_real_prefect_server_then_the_printed_resume_finishes_exa
 
 def _as_box_config(stack: Stack, box: Box, name: str) -> str:
     """Put the box's config among the clone's configs/ (a run picks one by name); returns its name."""
+    assert name in BOX_CONFIGS, f"{name}: deployed configs are {BOX_CONFIGS}"
     path = stack.clone / "configs" / f"{name}.yaml"
     path.write_text(box.config.read_text())
     box.config = path
