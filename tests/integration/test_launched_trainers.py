@@ -99,11 +99,10 @@ def _launch(box: Box, launcher: list[str]) -> tuple[int, int]:
     box.launcher = launcher
     subprocess.Popen(launcher, start_new_session=True, stdin=subprocess.DEVNULL)
     launcher_pid = wait_pid(box.pidfile)
-    deadline = time.monotonic() + 30
-    while not trainers(box.checkpoints):
-        assert time.monotonic() < deadline, "the launcher started no trainer"
-        time.sleep(0.05)
-    (trainer_pid,) = trainers(box.checkpoints)
+    # The trainer writes its own pid once its stop handler is installed: a stop before that would kill it
+    # without a checkpoint, which no operator's halt meets (their trainer has long been running).
+    trainer_pid = wait_pid(box.root / "trainer-own.pid")
+    assert trainers(box.checkpoints) == [trainer_pid]
     return launcher_pid, trainer_pid
 
 

@@ -270,17 +270,16 @@ def test_cmdline_job_stops_only_the_matching_process_that_holds_a_gpu(tmp_path: 
 def test_a_shell_launched_trainer_is_stopped_whole_and_its_gpus_judged_after_its_last_process(
     tmp_path: Path,
 ) -> None:
-    from tests.support.standin_trainers import shell_launcher_argv, trainer_argv, trainers
+    from tests.support.standin_trainers import shell_launcher_argv, trainer_argv, trainers, wait_pid
 
     pidfile, checkpoints = tmp_path / "train.pid", tmp_path / "checkpoints"
     trainer = trainer_argv(sys.executable, tmp_path / "own.pid", checkpoints)
     launcher = subprocess.Popen(shell_launcher_argv(pidfile, trainer), start_new_session=True)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while not (pidfile.exists() and trainers(checkpoints)):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        (child,) = trainers(checkpoints)
+        wait_pid(pidfile, timeout_s=STARTUP_TIMEOUT_S)
+        # Written once the trainer's stop handler is installed (a stop before it would leave no checkpoint).
+        child = wait_pid(tmp_path / "own.pid", timeout_s=STARTUP_TIMEOUT_S)
+        assert trainers(checkpoints) == [child]
         listing = _driver_listing([child])  # the Python child holds the GPU, not the shell
         config = TrainingJobConfig(
             kind="pidfile",
