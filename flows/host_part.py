@@ -19,14 +19,14 @@ import contextlib
 import os
 import socket
 import time
-from typing import Any, cast
+from typing import cast
 
 from prefect import get_run_logger
 from prefect.context import FlowRunContext
 from pydantic import BaseModel
 
 import datagen.app.preflight
-from datagen.app.run_request import HostPartRequest, SamplingChoice, parse_run_request, resolve_request
+from datagen.app.run_request import HostPartRequest, SamplingChoice, checked_request, resolve_request
 from datagen.config import RunConfig, is_valid_slug
 from datagen.errors import PreflightError
 from datagen.output.layout import RunLayout
@@ -40,8 +40,8 @@ from datagen.output.multihost import (
     write_host_object,
 )
 from datagen.output.store import Store
-from flows.expand import CheckedFlow, _stop_servers_hook, box_configs, refuse_if_refused
-from flows.serving import fleet_state_dir, serve_on_this_box
+from flows.checked_flow import CheckedFlow, box_configs
+from flows.serving import fleet_state_dir, serve_on_this_box, stop_servers_hook
 from tasks.cancellation import run_cancellable
 from tasks.context import open_run_store
 from tasks.host_parent import verify_parent
@@ -60,10 +60,6 @@ def _host_flow_run_name() -> str:
     ):
         return "expand-host"  # refused before it starts: the name needs no error
     return f"expand-host-{run_id}-{host}"
-
-
-def _check_host_parameters(parameters: dict[str, Any]) -> None:
-    parse_run_request(parameters, box_configs(), HostPartRequest)
 
 
 def _expand_host(
@@ -116,9 +112,8 @@ def _expand_host(
 
     def body() -> str:
         refuse_caller_retries()  # first: a refusal after it must not be run again
-        refuse_if_refused(config)
+        request = checked_request(config, parameters, box_configs(), HostPartRequest)
         verify_code_version(__file__)
-        request = parse_run_request(parameters, box_configs(), HostPartRequest)
         resolved = resolve_request(request.run_request(), box_configs(), resume=False)
         verify_work_queue(resolved, request.host)
         # Before this box writes or halts anything: a host part serves only the parent that started it.
@@ -133,11 +128,11 @@ def _expand_host(
 
 expand_host = CheckedFlow(
     fn=_expand_host,
-    check=_check_host_parameters,
+    request_model=HostPartRequest,
     name="expand-host",
     flow_run_name=_host_flow_run_name,
-    on_cancellation=[_stop_servers_hook],
-    on_crashed=[_stop_servers_hook],
+    on_cancellation=[stop_servers_hook],
+    on_crashed=[stop_servers_hook],
     validate_parameters=True,
 )
 

@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from prefect import get_run_logger
+from prefect.futures import PrefectFuture
 
-import datagen.engines
 from datagen.app.run_request import HostRequest
 from datagen.config import RunConfig
 from datagen.errors import HostsUnavailableError, OutputExistsError, PreflightError
@@ -41,9 +41,11 @@ from datagen.output.multihost import (
     write_host_object,
 )
 from datagen.output.store import Store
-from datagen.settings import server_api_key
+from datagen.records import PreparedDataset
 from tasks.context import RunContext
 from tasks.multihost import check_hosts, ended_flow_runs, hold_parent_lease, start_host_parts
+from tasks.run import record_generation_time
+from tasks.shard_scheduler import Generated, generate_all
 
 T = TypeVar("T")
 # After the release, how long the parent waits to see every host part end (to log how each ended).
@@ -98,14 +100,11 @@ def run_on_hosts(
             ready = _await_fleets(config, store, layout, attempt_id, waiting, outcome)
             first = ready[0]
             vouches = HostVouches()
-            with Dispatcher(
+            with Dispatcher.for_run(
+                config,
                 first.urls,
                 model=first.served_model_name,
-                engine=config.fleet.engine,
                 max_inflight_per_server=first.max_inflight_per_server,
-                generation=config.generation,
-                api_key=server_api_key(),
-                exact_tokens=datagen.engines.exact_tokens_enabled(config),
                 vouch=vouches.version,
             ) as dispatcher:
                 watch = HostWatch(
@@ -158,6 +157,43 @@ def run_on_hosts(
                 ",".join(outcome.served) or "none",
                 ",".join(outcome.lost) or "none",
             )
+
+
+def generate_on_hosts(
+    context: RunContext,
+    prepared_futures: list[PrefectFuture[PreparedDataset]],
+    request: HostRequest,
+    parent_flow_run_id: str | None,
+    retry_failed: bool,
+) -> Generated:
+    """Generate over every host's servers (``config.hosts``): the host parts halt and serve, this flow sends."""
+    outcome = HostsOutcome()
+    wall_s: float | None = None
+    finished = False
+
+    def generate(dispatcher: Dispatcher) -> Generated:
+        nonlocal wall_s, finished
+        started = time.monotonic()
+        try:
+            generated = generate_all(context, prepared_futures, dispatcher, retry_failed, started)
+            finished = True
+            return generated
+        finally:
+            wall_s = time.monotonic() - started
+
+    try:
+        generated = run_on_hosts(context, request, parent_flow_run_id, generate, outcome)
+    finally:
+        # Recorded once the hosts are released, so a box lost at the very end of generation is named too.
+        if wall_s is not None:
+            record_generation_time(context, wall_s, outcome.servers, finished, outcome.served, outcome.lost)
+    if outcome.lost:
+        get_run_logger().warning(
+            "hosts lost during the run: %s",
+            "; ".join(f"{name} ({reason})" for name, reason in sorted(outcome.lost.items())),
+        )
+    generated.servers, generated.wall_s = outcome.servers, wall_s or 0.0
+    return generated
 
 
 def _join(watch: HostWatch, fleet: HostFleet, outcome: HostsOutcome) -> None:

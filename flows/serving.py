@@ -12,20 +12,24 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from prefect import get_run_logger
+from prefect.client.schemas.objects import FlowRun, State
+from prefect.logging.loggers import flow_run_logger
 from pydantic import BaseModel
 
 from datagen.app.accounting import ServingTimes
 from datagen.config import RunConfig
 from datagen.errors import TrainingNotRestartedError
 from datagen.host.fleet import Fleet
+from datagen.host.fleet_registry import fleet_pidfile, stop_fleet_from_pidfile
 from datagen.host.plan import ServerPlan
 from datagen.progress import Stage, enter_stage
 from datagen.records import utc_now
 from datagen.settings import get_settings, server_api_key
 from tasks.host import halt_training, hand_back_gpus, plan_servers, probe_environment, start_fleet, stop_fleet
-from tasks.runtime import HostGpus
+from tasks.runtime import HostGpus, hand_back_if_gpus_free
 
 # Seconds between checks that restart a server whose process died mid-run.
 FLEET_MONITOR_INTERVAL_S = 5.0
@@ -41,6 +45,19 @@ def fleets_root() -> Path:
 def fleet_state_dir(flow_run_id: str) -> Path:
     """Host-local folder of one flow run's servers (pidfile, logs), known to the hooks too."""
     return fleets_root() / flow_run_id
+
+
+def stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
+    """A flow's cancellation and crash hook: it may run in another process, so it stops servers by the pidfile.
+
+    Then training is handed back when no other run holds the GPUs.
+    """
+    logger = flow_run_logger(flow_run, flow)
+    stopped = stop_fleet_from_pidfile(fleet_pidfile(fleet_state_dir(str(flow_run.id))))
+    logger.warning("stopped servers after %s count=%d", state.type.value, stopped)
+    restarted = hand_back_if_gpus_free()
+    if restarted is not None:
+        logger.warning("training restarted after %s pid=%d", state.type.value, restarted.pid)
 
 
 @dataclass(frozen=True)

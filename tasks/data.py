@@ -10,6 +10,7 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.context import TaskRunContext
+from prefect.futures import PrefectFuture
 
 import datagen.dataset.merge
 import datagen.generation.shard
@@ -227,3 +228,32 @@ def merge_and_tokenize(context: RunContext, shards: list[ShardSummary]) -> dict[
         data.get("dataset_version"),
     )
     return data
+
+
+def prepared_outcomes(
+    config: RunConfig, futures: list[PrefectFuture[PreparedDataset]]
+) -> tuple[list[PreparedDataset], dict[str, str]]:
+    """Wait for every dataset's preparation: the summaries, and why each failed dataset failed."""
+    prepared: list[PreparedDataset] = []
+    unprepared: dict[str, str] = {}
+    for dataset, future in zip(config.datasets, futures, strict=True):
+        try:
+            prepared.append(future.result())
+        except Exception as error:
+            # A dataset after a failed one never starts (it dedupes against it): name the first cause only.
+            if not unprepared:
+                unprepared[dataset.name] = str(error)
+    return prepared, unprepared
+
+
+def stored_shard_summaries(context: RunContext, prepared: list[PreparedDataset]) -> list[ShardSummary] | None:
+    """Every shard's latest stored summary (its highest retry round), or None while any shard is not done."""
+    store, layout = context.store, context.layout
+    shards = [shard for item in prepared for shard in item.shards]
+    if not all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for s in shards):
+        return None
+    summaries = [
+        datagen.generation.shard.latest_shard_summary(store, layout, s.dataset, s.shard_index) for s in shards
+    ]
+    assert all(summary is not None for summary in summaries), "a done shard has its summary"
+    return [summary for summary in summaries if summary is not None]

@@ -184,3 +184,31 @@ def finalize_manifest(context: RunContext, report: RunReport) -> RunManifest:
     )
     get_run_logger().info("manifest objects=%d run_id=%s", len(manifest.objects), run.run_id)
     return manifest
+
+
+def record_generation_time(
+    context: RunContext,
+    wall_s: float,
+    servers: int,
+    finished: bool,
+    hosts: list[str] | None = None,
+    lost_hosts: dict[str, str] | None = None,
+) -> None:
+    """Record how long this attempt generated, also when interrupted (the report's throughput counts every attempt).
+
+    A failure to record is logged, never raised over why generation ended.
+    """
+    window = datagen.dataset.report.GenerationWindow(
+        attempt_id=context.attempt_id,
+        wall_s=wall_s,
+        servers=servers,
+        interrupted=not finished,
+        hosts=list(hosts or []),
+        lost_hosts=dict(lost_hosts or {}),
+    )
+    try:
+        datagen.dataset.report.record_generation_window(context.store, context.layout, window)
+    except Exception as error:  # never mask why generation ended
+        get_run_logger().warning(
+            "generation time not recorded attempt=%s error=%s", context.attempt_id, error
+        )

@@ -10,18 +10,27 @@ generators could have produced exactly it:
   :data:`UI_ADJECTIVES` and an animal of at most six characters from the faker list it bundles
   (:data:`UI_ANIMALS`; ``tests/unit/test_run_form.py`` checks both lists against the installed UI).
 
-Anything else (``nightly-test``, ``qwen 2k smoke``) is a name someone gave.
+Anything else (``nightly-test``, ``qwen 2k smoke``) is a name someone gave, and is kept; the others become
+``expand-<run id>``.
 """
 
 from __future__ import annotations
 
 import functools
+from datetime import UTC
 from pathlib import Path
 from typing import Any, Final
 
 import coolname
 from coolname.loader import load_config
+from prefect.context import FlowRunContext
+from prefect.runtime import flow_run as runtime_flow_run
 from prefect.utilities.names import IGNORE_LIST
+
+from datagen.app.run_request import CheckedParameters
+from datagen.config import RunConfig, is_valid_slug
+from datagen.escape import printable
+from datagen.output.runs import make_run_id
 
 # The two-word pattern of coolname's default config (``"2"``: the cartesian ``adj_any`` x ``subj``).
 _SLUG_PATTERN: Final = "2"
@@ -95,3 +104,53 @@ def is_generated_run_name(name: str) -> bool:
         return True
     adjective, animal = words
     return adjective in UI_ADJECTIVES and animal in UI_ANIMALS and len(animal) <= UI_ANIMAL_MAX_CHARS
+
+
+def generated_run_id() -> str:
+    """The run id of a run started without one: stable for the flow run (its id and creation time)."""
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return make_run_id()
+    created = context.flow_run.created
+    return make_run_id(seed=str(context.flow_run.id), now=created.astimezone(UTC) if created else None)
+
+
+def run_id_of(parameters: dict[str, Any]) -> str | None:
+    """The run id a flow run's parameters give, if any, for its name (never reads the box's configs).
+
+    The operator's flow receives its config resolved, run id included; a deployment's run gives its
+    ``run_id`` parameter, else takes the flow run's own (:func:`generated_run_id`), as its body does.
+    """
+    run_id = parameters.get("run_id")
+    config = parameters.get("config")
+    if not run_id and isinstance(config, RunConfig | dict):  # the operator's flow: a whole config
+        run_id = config.run_id if isinstance(config, RunConfig) else config.get("run_id")
+    return run_id if isinstance(run_id, str) and is_valid_slug(run_id) else None
+
+
+def given_run_name(name: str | None) -> str | None:
+    """The name a person gave the flow run at creation (the run form's Name, ``--flow-run-name``), if any.
+
+    A name one of Prefect's generators could have produced (:func:`is_generated_run_name`) counts as Prefect's,
+    and so does ours, ``expand-<run id>``, from an earlier attempt. Control characters in it are shown as their
+    escapes (the name is renamed to that at the run's start), so the name never forges a log line.
+    """
+    if not name or is_generated_run_name(name) or name.startswith("expand-"):
+        return None
+    return printable(name)
+
+
+def expand_run_name() -> str:
+    """The `expand` flow run's name: the one given at creation when a person gave one, else ``expand-<run id>``.
+
+    ``expand-<run id>`` uses the given run id, else the one the run will generate.
+    """
+    context = FlowRunContext.get()
+    given = given_run_name(context.flow_run.name if context and context.flow_run else None)
+    if given is not None:
+        return given
+    parameters = dict(runtime_flow_run.parameters or {})
+    config = parameters.get("config")
+    if isinstance(config, CheckedParameters) and config.refusal is not None:
+        return "expand-refused"
+    return f"expand-{run_id_of(parameters) or generated_run_id()}"

@@ -20,7 +20,7 @@ import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar, cast
 from uuid import UUID
 
 import yaml
@@ -237,6 +237,44 @@ def parse_run_request(parameters: Mapping[str, Any], folder: Path, model: type[R
     if request.config not in config_names(folder):
         raise _refusal(_unknown_config(request.config, folder))
     return request
+
+
+@dataclass(frozen=True)
+class CheckedParameters(Generic[Request]):
+    """What a flow body receives as its ``config`` parameter once the run's parameters were checked.
+
+    A deployment's flow checks its parameters before Prefect calls the body (``flows/checked_flow.py``) and
+    hands the body the outcome in place of the config's name, so the parameters are parsed once: either the
+    parsed ``request`` or the ``refusal``, which the body raises inside its own failure reporting (one
+    ``run failed:`` line under the flow's own run name).
+    """
+
+    request: Request | None = None
+    refusal: ConfigError | None = None
+
+    def checked(self) -> Request:
+        """The parsed request.
+
+        Raises:
+            ConfigError: The parameters were refused.
+        """
+        if self.refusal is not None:
+            raise self.refusal
+        assert self.request is not None, "checked parameters hold a request or a refusal"
+        return self.request
+
+
+def checked_request(
+    config: object, parameters: Mapping[str, Any], folder: Path, model: type[Request]
+) -> Request:
+    """A flow body's parsed run request: from its checked ``config`` parameter, else parsed here.
+
+    Raises:
+        ConfigError: The parameters are refused.
+    """
+    if isinstance(config, CheckedParameters):
+        return cast(Request, config.checked())
+    return parse_run_request(parameters, folder, model)
 
 
 def _unknown_config(name: str, folder: Path) -> list[str]:

@@ -474,6 +474,30 @@ class RunSummary(BaseModel):
         description="GPU-hours and paused training, with the preview's estimate (from the report).",
     )
 
+    @classmethod
+    def of_report(
+        cls, report: RunReport, store: Store, layout: RunLayout, *, already_complete: bool
+    ) -> RunSummary:
+        """The summary of a run whose report is ``report``, its locations in ``store``."""
+        return cls(
+            run_id=layout.run_id,
+            run_url=store.url(layout.root),
+            already_complete=already_complete,
+            prompts=report.totals.prompts,
+            requests=report.totals.requests,
+            completions=report.totals.completions,
+            failures=report.totals.failures,
+            tokenized_rows=report.totals.tokenized_rows,
+            output_tokens_per_s=report.output_tokens_per_s,
+            dataset_version=report.tokenize.get("dataset_version"),
+            report_url=store.url(layout.report_md),
+            manifest_url=store.url(layout.manifest),
+            dataset_version_url=report.tokenize.get("dataset_version_url"),
+            training=report.training,
+            training_job=report.training_job,
+            accounting=report.accounting,
+        )
+
     def locations(self) -> RunLocations:
         """Where the run landed."""
         return RunLocations(

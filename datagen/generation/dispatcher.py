@@ -34,8 +34,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from types import TracebackType
 
-from datagen.config import GenerationConfig
-from datagen.engines import engine_class
+from datagen.config import GenerationConfig, RunConfig
+from datagen.engines import engine_class, exact_tokens_enabled
 from datagen.generation.dispatch_admission import Admission
 from datagen.generation.dispatch_attempt import RequestSender, failure_record
 from datagen.generation.dispatch_health import ServerHealth
@@ -57,6 +57,7 @@ from datagen.generation.failures import FailureKind, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.retry import GiveUp, RetryPolicy
 from datagen.generation.sglang_generate import require_prompt_tokens
+from datagen.settings import server_api_key
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +137,41 @@ class Dispatcher:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._final_stats: DispatcherStats | None = None
         self._stopped_by: Exception | None = None
+
+    @classmethod
+    def for_run(
+        cls,
+        config: RunConfig,
+        servers: list[str],
+        *,
+        model: str,
+        max_inflight_per_server: int,
+        liveness: Callable[[str], bool] | None = None,
+        vouch: Callable[[str], int | None] | None = None,
+    ) -> Dispatcher:
+        """The dispatcher of a run over ``servers``, on one box or several.
+
+        The run's engine, generation settings and token mode, and the servers' API key, in one place.
+
+        Args:
+            config: The run's config.
+            servers: The servers' base URLs.
+            model: The served model's name.
+            max_inflight_per_server: Requests kept in flight on each server (the plan's).
+            liveness: One box's check that a server's process is alive (its fleet).
+            vouch: Several boxes': the version of a host's word for a server (see the class).
+        """
+        return cls(
+            servers,
+            model=model,
+            engine=config.fleet.engine,
+            max_inflight_per_server=max_inflight_per_server,
+            generation=config.generation,
+            liveness=liveness,
+            vouch=vouch,
+            api_key=server_api_key(),
+            exact_tokens=exact_tokens_enabled(config),
+        )
 
     @property
     def stopped_by(self) -> Exception | None:

@@ -76,7 +76,7 @@ def test_the_progress_artifact_and_the_report_give_one_throughput_for_the_same_n
     tmp_path: Path,
 ) -> None:
     from datagen.generation.dispatch_state import DispatcherStats
-    from flows.expand import _progress
+    from tasks.progress import progress_card
 
     # 4000 output tokens over 40 s of generation. The dispatcher was busy for 25 s of them: its own rate
     # (160 tok/s) is the fleet's, not the run's; the artifact shows the report's figure.
@@ -101,7 +101,7 @@ def test_the_progress_artifact_and_the_report_give_one_throughput_for_the_same_n
         output_tokens=4000,
         tokens_per_s=160.0,
     )
-    progress, description = _progress(20, 20, stats, 40.0)
+    progress, description = progress_card(20, 20, stats, 40.0)
     assert report.output_tokens_per_s == progress.tokens_per_s == output_tokens_per_s(4000, 40.0) == 100.0
     assert "100.0 output tok/s" in description
     assert "100.0 output tok/s" in report.to_markdown()

@@ -19,8 +19,8 @@ from prefect.utilities.callables import parameter_schema
 
 from datagen.app.deploy import PREFECT_FILE, _deploy_copy, configs_note, form_schema
 from datagen.app.run_request import RunRequest, SamplingChoice, config_names
-from flows.expand import _expand, given_run_name
-from tasks.run_names import UI_ADJECTIVES, UI_ANIMAL_MAX_CHARS, UI_ANIMALS
+from flows.expand import _expand
+from tasks.run_names import UI_ADJECTIVES, UI_ANIMAL_MAX_CHARS, UI_ANIMALS, given_run_name
 
 REPO = Path(__file__).resolve().parents[2]
 CLASS_NAMES = {"SamplingChoice", "RunRequest", "HostRequest", "RunConfig", "Parameters"}

@@ -25,10 +25,11 @@ from typing import Any
 import pytest
 import yaml
 
+from datagen.app.run_request import CheckedParameters
 from datagen.errors import ConfigError
 from datagen.output.runs import read_stored_config
 from datagen.output.store import Store
-from flows.expand import RefusedParameters, expand, refuse_if_refused
+from flows.expand import expand
 from flows.host_part import expand_host
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,10 +52,10 @@ def _refused(parameters: dict[str, Any], flow: Any = expand) -> str:
     """The one line the flow refuses ``parameters`` with (its body raises it before anything else)."""
     validated = flow.validate_parameters(parameters)
     refused = validated["config"]
-    assert isinstance(refused, RefusedParameters), validated
+    assert isinstance(refused, CheckedParameters) and refused.request is None, validated
     assert all(value is None for name, value in validated.items() if name != "config"), validated
     with pytest.raises(ConfigError) as raised:
-        refuse_if_refused(refused)
+        refused.checked()
     message = str(raised.value)
     assert "\n" not in message, message
     assert message.startswith("Run parameters refused, nothing started: "), message
@@ -184,7 +185,7 @@ def test_protected_prefixes_cannot_be_shrunk_and_output_cannot_reach_the_corpus(
     assert "protected_prefixes: not a run parameter" in new
     # `output` alone is a choice, but only under the config's output roots, never at a protected prefix.
     from datagen.app.run_request import RunRequest, resolve_request
-    from flows.expand import box_configs
+    from flows.checked_flow import box_configs
 
     with pytest.raises(ConfigError, match="output: not under an output root this box allows"):
         resolve_request(RunRequest(config="demo-worker", output=str(corpus)), box_configs())
@@ -216,3 +217,13 @@ def test_the_allowed_choices_pass() -> None:
     }
     validated = expand.validate_parameters(parameters)
     assert validated["sampling"].temperature == 0.1
+    # The body receives the request parsed once, here: its config name and choices.
+    checked = validated["config"]
+    assert isinstance(checked, CheckedParameters) and checked.refusal is None
+    request = checked.checked()
+    assert (request.config, request.run_id, request.max_prompts, request.datasets) == (
+        "demo-worker",
+        "r1",
+        3,
+        ["metamath"],
+    )

@@ -1,0 +1,64 @@
+"""The end of a run: its failures judged, then merge and tokenize, the report, and the manifest last."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger
+
+from datagen.dataset.report import RunSummary
+from datagen.errors import ShardsFailedError, UnfixableStorageError
+from datagen.generation.failures import check_failed_share
+from datagen.progress import Stage, enter_stage
+from datagen.prompts.ledger import SeriesEntry
+from tasks.context import RunContext
+from tasks.data import merge_and_tokenize
+from tasks.run import finalize_manifest, write_report
+from tasks.shard_scheduler import Generated
+
+
+def publish_run(context: RunContext, generated: Generated, series_entry: SeriesEntry | None) -> RunSummary:
+    """Merge, tokenize, report and write the manifest, or fail the run with why (everything stays stored)."""
+    logger = get_run_logger()
+    run_id = context.run.run_id
+    unfixable = [error for error in generated.errors if isinstance(error, UnfixableStorageError)]
+    if unfixable:
+        raise unfixable[0]  # its own line names the fault and where; the terminal adds the resume command
+    if generated.errors:
+        raise ShardsFailedError(
+            f"{len(generated.errors)} shard(s) failed (first: {generated.errors[0]!r}); everything else is stored "
+            "and a resume does not generate finished requests again",
+            run_id=run_id,
+            failed_shards=len(generated.errors),
+        ) from generated.errors[0]
+    # A run that mostly failed publishes nothing: a 0-row version would read as done (everything stays stored).
+    check_failed_share(context.store, generated.summaries, context.config.generation.max_failed_share)
+    merge_context = context
+    if series_entry is not None:
+        # The series' last version is the base (fixed in series.json when the run opened).
+        tokenize = context.config.tokenize.model_copy(update={"base_version": series_entry.base_version})
+        merge_context = context.with_config(context.config.model_copy(update={"tokenize": tokenize}))
+    enter_stage(logger, Stage.MERGE_AND_TOKENIZE)
+    tokenize_summary = merge_and_tokenize(merge_context, generated.summaries)
+    enter_stage(logger, Stage.REPORT)
+    report = write_report(
+        context,
+        generated.prepared,
+        generated.summaries,
+        tokenize_summary,
+        generated.servers,
+        generated.wall_s,
+    )
+    enter_stage(logger, Stage.MANIFEST)
+    finalize_manifest(context, report)
+    summary = RunSummary.of_report(report, context.store, context.layout, already_complete=False)
+    logger.info(
+        "run complete run_id=%s completions=%d failures=%d tokenized_rows=%d url=%s",
+        summary.run_id,
+        summary.completions,
+        summary.failures,
+        summary.tokenized_rows,
+        summary.run_url,
+    )
+    if generated.held_back:
+        # Every object is stored and the run is complete; only training's restart was held back.
+        raise generated.held_back[0]
+    return summary
