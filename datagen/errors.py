@@ -341,3 +341,20 @@ class TooManyFailuresError(DatagenError, RuntimeError):
 
 class WindowClosingError(DatagenError, TimeoutError):
     """Admission stopped because the run's generation window is closing; the next attempt sends the rest."""
+
+
+class WindowEndedError(DatagenError):
+    """The generation window ended the run before every request was answered; training runs again.
+
+    Everything answered is stored and nothing is published yet: the run's next attempt (the same run id)
+    sends exactly the requests left, then merges and publishes.
+
+    Attributes:
+        unsent: Requests left for the next attempt.
+        requests: The run's requests in all.
+    """
+
+    def __init__(self, message: str, *, unsent: int, requests: int, **context: Any) -> None:
+        super().__init__(message, unsent=unsent, requests=requests, **context)
+        self.unsent = unsent
+        self.requests = requests

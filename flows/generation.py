@@ -24,6 +24,7 @@ from tasks.run import check_prompts, record_generation_time, write_attempt_recor
 from tasks.runtime import HostGpus
 from tasks.series import write_ledger
 from tasks.shard_scheduler import Generated, generate_all
+from tasks.window import watch_window, window_policy
 
 
 def prepare_datasets(
@@ -89,14 +90,19 @@ def generate_on_this_box(
     state_dir = fleet_state_dir(flow_run_id)
     with serve_on_this_box(config, gpus, context.run.run_id, state_dir, record) as serving:
         servers = len(serving.plan.servers)
+        window = window_policy(config, serving.halted_at)
         enter_stage(get_run_logger(), Stage.GENERATE)
-        with Dispatcher.for_run(
-            config,
-            serving.urls,
-            model=serving.plan.served_model_name,
-            max_inflight_per_server=serving.plan.dispatcher_inflight,
-            liveness=serving.fleet.is_alive,
-        ) as dispatcher:
+        with (
+            Dispatcher.for_run(
+                config,
+                serving.urls,
+                model=serving.plan.served_model_name,
+                max_inflight_per_server=serving.plan.dispatcher_inflight,
+                liveness=serving.fleet.is_alive,
+                on_answer=window.observe_answer if window else None,
+            ) as dispatcher,
+            watch_window(window, dispatcher),
+        ):
             serving.fleet.on_server_moved(dispatcher.move_server)
             started = time.monotonic()
             finished = False

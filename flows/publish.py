@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger
 
 from datagen.dataset.report import RunSummary
-from datagen.errors import ShardsFailedError, UnfixableStorageError
+from datagen.errors import ShardsFailedError, UnfixableStorageError, WindowEndedError
 from datagen.generation.failures import check_failed_share
 from datagen.progress import Stage, enter_stage
 from datagen.prompts.ledger import SeriesEntry
@@ -22,6 +22,16 @@ def publish_run(context: RunContext, generated: Generated, series_entry: SeriesE
     unfixable = [error for error in generated.errors if isinstance(error, UnfixableStorageError)]
     if unfixable:
         raise unfixable[0]  # its own line names the fault and where; the terminal adds the resume command
+    if generated.window_closed:
+        # Training runs again (the fleet stopped inside the window); nothing is published until every request is in.
+        raise WindowEndedError(
+            f"the generation window ended with {generated.unsent} requests not yet answered; training runs again "
+            "and every answer is stored (nothing is published yet): the run's next attempt sends only those, "
+            "then publishes",
+            unsent=generated.unsent,
+            requests=generated.requests,
+            run_id=run_id,
+        )
     if generated.errors:
         raise ShardsFailedError(
             f"{len(generated.errors)} shard(s) failed (first: {generated.errors[0]!r}); everything else is stored "

@@ -8,6 +8,7 @@ when configured. The caller holds the box's GPU lock (:func:`tasks.runtime.hold_
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ def stop_servers_hook(flow: Any, flow_run: FlowRun, state: State[Any]) -> None:
 class Serving:
     """The box's servers, up: their plan, their owner, and the URLs requests go to.
 
+    ``halted_at`` is when the halt of training began: a windowed run's window counts from there.
     ``held_back`` is filled on the way out when training was not restarted (its environment changed since the
     halt, or its job still runs): the caller finishes the run (merge, report) and then raises it.
     """
@@ -71,6 +73,7 @@ class Serving:
     plan: ServerPlan
     fleet: Fleet
     urls: list[str]
+    halted_at: dt.datetime
     held_back: list[TrainingNotRestartedError] = field(default_factory=list)
 
 
@@ -128,7 +131,7 @@ def serve_on_this_box(
         urls = start_fleet(fleet, fleets_root())
         times.fleet_start_s = time.monotonic() - step
         fleet.start_monitor(FLEET_MONITOR_INTERVAL_S)
-        serving = Serving(plan=plan, fleet=fleet, urls=urls)
+        serving = Serving(plan=plan, fleet=fleet, urls=urls, halted_at=times.halted_at)
         yield serving
     finally:
         if fleet is not None:

@@ -19,7 +19,7 @@ from prefect.exceptions import ExternalSignal
 from prefect.futures import PrefectFuture
 
 from datagen.config import RunConfig
-from datagen.errors import TrainingNotRestartedError, UnfixableStorageError
+from datagen.errors import TrainingNotRestartedError, UnfixableStorageError, WindowClosingError
 from datagen.generation.dispatcher import Dispatcher
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from tasks.context import RunContext
@@ -44,6 +44,9 @@ class Generated:
         servers: The servers that took part.
         wall_s: How long generation ran (the report's throughput divides by it).
         held_back: Why training was not restarted on the way out, if it was not (raised once the run is complete).
+        requests: The run's requests in all (every prepared dataset's prompts times its samples).
+        unsent: Requests generation ended without sending, when admission stopped (the window closed): those
+            of shards never started and those the cut shards left unanswered; the run's next attempt sends them.
     """
 
     prepared: list[PreparedDataset] = field(default_factory=list)
@@ -52,6 +55,13 @@ class Generated:
     servers: int = 0
     wall_s: float = 0.0
     held_back: list[TrainingNotRestartedError] = field(default_factory=list)
+    unsent: int = 0
+    requests: int = 0
+
+    @property
+    def window_closed(self) -> bool:
+        """The window ended generation: every error is a shard it cut (none failed otherwise)."""
+        return bool(self.errors) and all(isinstance(error, WindowClosingError) for error in self.errors)
 
 
 def samples_per_prompt(config: RunConfig, dataset: str) -> int:
@@ -100,8 +110,7 @@ class ShardScheduler:
     def run(self) -> Generated:
         """Run every shard; a shard's own failure is collected (the run fails at its end), a signal propagates."""
         while self._work_left():
-            if self._storage_fault is None:
-                self._take_prepared(block=not self._pending and not self._running)
+            self._take_prepared(block=self._admitting() and not self._pending and not self._running)
             self._start_shards()
             if self._running:
                 self._collect_finished()
@@ -110,10 +119,25 @@ class ShardScheduler:
         answered = sum(s.completions + s.failures for s in summaries)
         self._progress.report(answered, self.total_requests, len(summaries), len(summaries), force=True)
         self._progress.close()
+        self.generated.requests = self.total_requests
+        if not self._admitting():
+            self._take_prepared(block=True)  # counted as unsent
+            self.generated.unsent = sum(
+                shard.prompts * samples_per_prompt(self.context.config, shard.dataset)
+                for shard in self._pending
+            ) + sum(
+                int(error.context.get("unanswered", 0))
+                for error in self.generated.errors
+                if isinstance(error, WindowClosingError)
+            )
         return self.generated
 
+    def _admitting(self) -> bool:
+        """No fault and no window stopped the dispatcher's admission: new shards may start."""
+        return self._storage_fault is None and self.dispatcher.stopped_by is None
+
     def _work_left(self) -> bool:
-        if self._storage_fault is not None:
+        if not self._admitting():
             return bool(self._running)
         return bool(self._waiting_prepare or self._pending or self._running)
 
@@ -142,7 +166,7 @@ class ShardScheduler:
 
     def _start_shards(self) -> None:
         while (
-            self._storage_fault is None
+            self._admitting()
             and self._pending
             and len(self._running) < self.max_tasks
             and self._backlog() < self.dispatcher.admission_limit

@@ -44,6 +44,7 @@ from datagen.errors import (
     RunInterrupted,
     TooManyFailuresError,
     TrainingNotRestartedError,
+    WindowEndedError,
 )
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ EXIT_DONE = 0
 EXIT_RUN_FAILED = 1
 EXIT_REFUSED = 2
 EXIT_TRAINING_HELD_BACK = 3
+# The generation window ended the run before every request was answered: training runs again, nothing is
+# published yet, and the same command (its run id) continues it.
+EXIT_WINDOW_ENDED = 4
 # The shell's convention for a process ended by a signal: 128 + the signal number.
 SIGNAL_EXIT_BASE = 128
 INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -274,6 +278,14 @@ def run_in_terminal(
                 f"so far is stored. Resume with: {resume_command}"
             )
             return EXIT_RUN_FAILED, None
+        except WindowEndedError as ended:
+            _FILE_ONLY.info("window ended", exc_info=True)
+            _echo_error(
+                f"datagen: run {run_id}: the generation window ended with {ended.unsent} of {ended.requests} "
+                f"requests not yet answered; training runs again, every answer is stored. Continue with: "
+                f"{resume_command}"
+            )
+            return EXIT_WINDOW_ENDED, None
         except TrainingNotRestartedError as held_back:
             logging.getLogger(__name__).info("training held back", exc_info=True)
             _echo_error(f"datagen: run {run_id} is complete and stored, but {held_back}")

@@ -81,6 +81,8 @@ class Dispatcher:
             ``ADMISSION_SLOTS_FACTOR`` times the fleet's slots (at least ``ADMISSION_MIN_REQUESTS``).
         exact_tokens: Send SGLang ``/generate`` requests (the prompt's token ids, which every request must carry)
             and keep the answers' ``output_ids``, instead of OpenAI chat completions.
+        on_answer: Told each answer's duration in seconds, on the dispatcher's loop (a windowed run's drain
+            allowance is measured so); it must not block.
 
     Example:
         >>> with Dispatcher(urls, model=m, engine="sglang", max_inflight_per_server=64,
@@ -102,6 +104,7 @@ class Dispatcher:
         api_key: str | None = None,
         admission_limit: int | None = None,
         exact_tokens: bool = False,
+        on_answer: Callable[[float], None] | None = None,
     ) -> None:
         if max_inflight_per_server < 1:
             raise ValueError("max_inflight_per_server must be at least 1")
@@ -110,6 +113,7 @@ class Dispatcher:
         self.max_inflight_per_server = max_inflight_per_server
         self.generation = generation
         self.exact_tokens = exact_tokens
+        self._on_answer = on_answer
         rules = engine_class(engine)
         self._table = ServerTable([_normalise(url) for url in servers], max_inflight_per_server)
         self._admission = Admission(
@@ -148,6 +152,7 @@ class Dispatcher:
         max_inflight_per_server: int,
         liveness: Callable[[str], bool] | None = None,
         vouch: Callable[[str], int | None] | None = None,
+        on_answer: Callable[[float], None] | None = None,
     ) -> Dispatcher:
         """The dispatcher of a run over ``servers``, on one box or several.
 
@@ -160,6 +165,7 @@ class Dispatcher:
             max_inflight_per_server: Requests kept in flight on each server (the plan's).
             liveness: One box's check that a server's process is alive (its fleet).
             vouch: Several boxes': the version of a host's word for a server (see the class).
+            on_answer: Told each answer's duration (a windowed run's policy).
         """
         return cls(
             servers,
@@ -171,6 +177,7 @@ class Dispatcher:
             vouch=vouch,
             api_key=server_api_key(),
             exact_tokens=exact_tokens_enabled(config),
+            on_answer=on_answer,
         )
 
     @property
@@ -404,6 +411,8 @@ class Dispatcher:
             counters.completed += 1
             counters.output_tokens += outcome.record.usage.completion_tokens
             counters.last_result_at = time.monotonic()
+            if self._on_answer is not None:
+                self._on_answer(outcome.record.latency_s)
             self._admission.resolve(job, outcome.record)
             return
         if isinstance(outcome, Final):

@@ -59,6 +59,7 @@ from datagen.errors import (
     StorageError,
     TransientRequestError,
     UnfixableStorageError,
+    WindowClosingError,
     is_transient,
     unfixable_storage_error,
 )
@@ -615,8 +616,17 @@ def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter, stopped_by: 
     if unserved[FailureKind.ADMISSION_STOPPED] and isinstance(stopped_by, UnfixableStorageError):
         # The fault that stopped admission is this shard's too: the operator must act before any rerun.
         raise UnfixableStorageError(stopped_by.message, **stopped_by.context)
-    # No live server is fatal until the fleet is back; a dispatcher that closed mid-shard is transient.
     count = sum(unserved.values())
+    if isinstance(stopped_by, WindowClosingError):
+        # The run's window ended this attempt: nothing failed, the run's next attempt sends these.
+        raise WindowClosingError(
+            f"shard {writer.dataset}/{writer.index}: the generation window closed with {count} requests "
+            "unanswered; every other result is checkpointed",
+            dataset=writer.dataset,
+            shard=writer.index,
+            unanswered=count,
+        )
+    # No live server is fatal until the fleet is back; a dispatcher that closed mid-shard is transient.
     error: type[NoLiveServersError | TransientRequestError] = TransientRequestError
     what, fix = f"the dispatcher closed before {count} requests finished", "Rerun the shard"
     if unserved[FailureKind.NO_LIVE_SERVERS]:

@@ -1,0 +1,123 @@
+"""A run with a generation window stops in time, stores what it answered, and its next attempt sends the rest.
+
+Real `datagen run` processes (the CLI's own Prefect API server) against one slow OpenAI-compatible server that
+stays up across both attempts. The first attempt's window (seconds) is shorter than the work: admission stops
+early enough that the fleet stops and training is handed back before the window ends (the box's history gives
+the measured stop and restart times), the run exits 4 with the one command that continues it, and nothing is
+published. The second attempt, the window taken out of the config (it is no part of the run's identity), sends
+only what was left, and every request is stored exactly once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+from datagen.app.history import BoxRecord, append_record
+from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.run_configs import external_run_config, write_prompts
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS = 96
+IN_FLIGHT = 4
+ANSWER_DELAY_S = 0.25
+# Shorter than the work (PROMPTS x ANSWER_DELAY_S / IN_FLIGHT = 6 s of answers after the fleet is up).
+WINDOW_S = 5.0
+CLI_TIMEOUT_S = 300
+RUN_ID = "window-1"
+
+
+def _run(config: Path, state: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "DATAGEN_STATE_DIR": str(state),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    env.pop("PREFECT_API_URL", None)
+    command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), "--run-id", RUN_ID]
+    return subprocess.run(
+        command, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
+    )
+
+
+def _stored(run_root: Path, folder: str) -> list[str]:
+    return [
+        f"{row['prompt_id']}/{row['sample_index']}"
+        for file in sorted((run_root / folder).rglob("*.jsonl"))
+        for row in map(json.loads, file.read_text().splitlines())
+    ]
+
+
+def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_exactly_the_rest(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    # This box stops its fleet and restarts training in a fraction of a second (an external server, no job).
+    append_record(
+        state,
+        BoxRecord(
+            kind="run",
+            model=str(tiny_model_dir),
+            engine="external",
+            plan="external 1 x tp 1",
+            output_tokens_per_s=100.0,
+            fleet_stop_s=0.1,
+            training_restart_s=0.1,
+        ),
+    )
+    with FaultServer(FaultPlan(base_delay_s=ANSWER_DELAY_S)) as server:
+        config = external_run_config(
+            tmp_path / "run.yaml",
+            server_url=server.url,
+            model_dir=tiny_model_dir,
+            prompts=write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Window question"),
+            dataset="windowed",
+            shard_size=8,
+            in_flight=IN_FLIGHT,
+            output=str(tmp_path / "out"),
+            protected=str(tmp_path / "train"),
+            generation={"checkpoint_interval_s": 0.2},
+        )
+        data = yaml.safe_load(config.read_text())
+        windowed = tmp_path / "windowed.yaml"
+        windowed.write_text(yaml.safe_dump({**data, "window": {"max_hours": WINDOW_S / 3600}}))
+
+        ended = _run(windowed, state)
+        assert ended.returncode == 4, ended.stdout[-3000:] + ended.stderr[-3000:]
+        last = ended.stderr.strip().splitlines()[-1]
+        assert "the generation window ended with" in last and f"of {PROMPTS} requests" in last, last
+        assert last.endswith(f"--run-id {RUN_ID}") or f"--run-id {RUN_ID}" in last, last
+        run_root = tmp_path / "out" / "runs" / RUN_ID
+        assert not (run_root / "manifest.json").exists(), "a window-ended run is not complete"
+        assert not (tmp_path / "out" / "datasets").exists(), "nothing is published before every request is in"
+        (times_file,) = (run_root / "attempts").rglob("serving-times.json")
+        times = json.loads(times_file.read_text())
+        halted = dt.datetime.fromisoformat(times["halted_at"])
+        handed_back = dt.datetime.fromisoformat(times["handed_back_at"])
+        assert (handed_back - halted).total_seconds() <= WINDOW_S, times
+        first = _stored(run_root, "completions")
+        assert len(first) == len(set(first)) < PROMPTS, "the window ended the attempt before the work did"
+
+        sent = len(server.chat_requests())
+        data.pop("window", None)
+        config.write_text(yaml.safe_dump(data))
+        finished = _run(config, state)
+        assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+        resent = [request.body["messages"][-1]["content"] for request in server.chat_requests()[sent:]]
+        # Only what the window left is sent again: the unsent, and at most the requests in flight at the cut.
+        assert len(resent) <= PROMPTS - len(first) + IN_FLIGHT, (len(resent), len(first))
+
+    answered = _stored(run_root, "completions")
+    assert len(answered) == len(set(answered)) == PROMPTS, (
+        "every request stored exactly once over both attempts"
+    )
+    assert not _stored(run_root, "failures")
+    assert (run_root / "manifest.json").exists()
+    (version,) = (tmp_path / "out" / "datasets").rglob("v0001.json")
+    assert json.loads(version.read_text())["rows"] == PROMPTS
