@@ -95,7 +95,9 @@ def run(
         run_in_terminal,
         run_log_path,
     )
-    from datagen.errors import ConfigError, PreflightError
+    from datagen.errors import ConfigError, PreflightError, StorageError
+    from datagen.output.runs import open_store
+    from datagen.prompts.ledger import read_series_entry
     from datagen.settings import get_settings
 
     start_flow = _flow_starter(ctx)
@@ -106,9 +108,25 @@ def run(
             output=output,
             max_prompts=max_prompts,
             datasets=[name.strip() for name in datasets.split(",")] if datasets is not None else None,
+            # A series' next run continues the series' unfinished run first (its run id, resumed).
+            continue_series=run_id is None,
         )
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
+    except StorageError as error:
+        _fail(f"datagen: the series' ledger could not be read: {error}", EXIT_CONFIG_ERROR)
+    continued = (
+        run_id is None
+        and resolved.series is not None
+        and resolved.run_id is not None
+        and read_series_entry(open_store(resolved), resolved.run_id) is not None
+    )
+    if continued:
+        typer.echo(
+            f"continuing run {resolved.run_id} of series {resolved.series}: it took prompts it has not "
+            "published yet; new prompts wait for the series' next run",
+            err=True,
+        )
     try:
         # Before Prefect starts (seconds): an S3 endpoint that does not answer at all is refused at once.
         check_output_reachable(resolved)
