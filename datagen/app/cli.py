@@ -101,37 +101,36 @@ def run(
     from datagen.settings import get_settings
 
     start_flow = _flow_starter(ctx)
+    chosen: dict[str, Any] = {
+        "run_id": run_id,
+        "output": output,
+        "max_prompts": max_prompts,
+        "datasets": [name.strip() for name in datasets.split(",")] if datasets is not None else None,
+    }
     try:
-        resolved = resolve_config_file(
-            config,
-            run_id=run_id,
-            output=output,
-            max_prompts=max_prompts,
-            datasets=[name.strip() for name in datasets.split(",")] if datasets is not None else None,
-            # A series' next run continues the series' unfinished run first (its run id, resumed).
-            continue_series=run_id is None,
-        )
+        resolved = resolve_config_file(config, **chosen)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
-    except StorageError as error:
-        _fail(f"datagen: the series' ledger could not be read: {error}", EXIT_CONFIG_ERROR)
-    continued = (
-        run_id is None
-        and resolved.series is not None
-        and resolved.run_id is not None
-        and read_series_entry(open_store(resolved), resolved.run_id) is not None
-    )
-    if continued:
-        typer.echo(
-            f"continuing run {resolved.run_id} of series {resolved.series}: it took prompts it has not "
-            "published yet; new prompts wait for the series' next run",
-            err=True,
-        )
     try:
         # Before Prefect starts (seconds): an S3 endpoint that does not answer at all is refused at once.
         check_output_reachable(resolved)
     except PreflightError as error:
         _fail(f"datagen: {error}", EXIT_CONFIG_ERROR)
+    if run_id is None and resolved.series is not None:
+        # A series' next run continues the series' unfinished run first (its run id, resumed).
+        try:
+            resolved = resolve_config_file(config, **chosen, continue_series=True)
+            continued = read_series_entry(open_store(resolved), str(resolved.run_id)) is not None
+        except ConfigError as error:
+            _fail(str(error), EXIT_CONFIG_ERROR)
+        except StorageError as error:
+            _fail(f"datagen: the series' ledger could not be read: {error}", EXIT_CONFIG_ERROR)
+        if continued:
+            typer.echo(
+                f"continuing run {resolved.run_id} of series {resolved.series}: it took prompts it has not "
+                "published yet; new prompts wait for the series' next run",
+                err=True,
+            )
     assert resolved.run_id is not None
     resume = f"datagen run --config {config} --run-id {resolved.run_id}"
     if output:

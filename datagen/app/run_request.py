@@ -764,7 +764,7 @@ def resolve_config_file(
     config = parse_run_config(data, source=str(path))
     validate_mix(config)
     exact_tokens_enabled(config)
-    if continue_series:
+    if continue_series and config.run_id is None and config.series is not None:
         config = continue_series_config(config, open_store(config))
     return with_run_id(config)
 
