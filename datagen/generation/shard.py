@@ -16,9 +16,11 @@ Storage is the truth, checked first and written last:
 
 Requests that ended unfinished (:func:`~datagen.generation.failures.fate`: the fleet was unavailable, the
 dispatcher was closed, or admission stopped) are not results of the request: they are not checkpointed, and
-the shard raises :class:`~datagen.errors.NoLiveServersError`, :class:`~datagen.errors.TransientRequestError` or
-the storage fault that stopped admission after checkpointing everything else, so a rerun sends exactly those
-requests again instead of marking the shard done with them as failures.
+the shard raises :class:`~datagen.errors.NoLiveServersError`, :class:`~datagen.errors.TransientRequestError`,
+the storage fault that stopped admission, or :class:`~datagen.errors.WindowClosingError` when the generation
+window stopped it (not transient: retrying the shard would only meet the closed admission) after checkpointing
+everything else, so a rerun sends exactly those requests again instead of marking the shard done with them as
+failures.
 
 Parts are never deleted: they are write-once objects like everything else, small next to the final
 files, and they are what makes an interrupted shard resumable. Cleaning them up is left to retention
@@ -59,6 +61,7 @@ from datagen.errors import (
     StorageError,
     TransientRequestError,
     UnfixableStorageError,
+    WindowClosingError,
     is_transient,
     unfixable_storage_error,
 )
@@ -615,6 +618,17 @@ def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter, stopped_by: 
     if unserved[FailureKind.ADMISSION_STOPPED] and isinstance(stopped_by, UnfixableStorageError):
         # The fault that stopped admission is this shard's too: the operator must act before any rerun.
         raise UnfixableStorageError(stopped_by.message, **stopped_by.context)
+    if isinstance(stopped_by, WindowClosingError):
+        # The window closed: its unsent and cut requests are the next attempt's. Not transient: a retry of the
+        # shard now would only meet the closed admission again, and its delays would hold training's restart.
+        raise WindowClosingError(
+            f"shard {writer.dataset}/{writer.index}: the generation window closed with {sum(unserved.values())} "
+            "requests unanswered; every other result is checkpointed. The next run of the series, or a resume "
+            "by run id, sends only these.",
+            dataset=writer.dataset,
+            shard=writer.index,
+            unanswered=sum(unserved.values()),
+        )
     # No live server is fatal until the fleet is back; a dispatcher that closed mid-shard is transient.
     count = sum(unserved.values())
     error: type[NoLiveServersError | TransientRequestError] = TransientRequestError
