@@ -57,6 +57,14 @@ class GenerationProgress(BaseModel):
         description="Requests this attempt answered (None: all of ``answered``). A resumed run's stored answers "
         "count in ``answered`` but took none of ``elapsed_s``: the ETA's rate leaves them out.",
     )
+    window_left_s: float | None = Field(
+        default=None,
+        description="Time left until the window ends and training must run again (None: no window).",
+    )
+    window_closing: bool = Field(
+        default=False,
+        description="Admission stopped for the window's end: no new request, the requests in flight finish.",
+    )
 
     @property
     def percent(self) -> float:
@@ -86,17 +94,39 @@ class GenerationProgress(BaseModel):
         return "done" if eta == 0 else ("unknown" if eta is None else format_duration(eta))
 
     def line(self) -> str:
-        """One line, the essentials first (the log line): ``62.5% · 200/320 answered · ...``."""
-        return (
-            f"{self.percent:.1f}% · {self.answered}/{self.total} answered · "
-            f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text} · {self.failed} failed · "
-            f"{format_duration(self.elapsed_s)} elapsed"
+        """One line, the essentials first (the log line): ``62.5% · 200/320 answered · ...``.
+
+        The cost so far and the window follow when the flow filled them.
+        """
+        return " · ".join(
+            [
+                f"{self.percent:.1f}% · {self.answered}/{self.total} answered",
+                f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text} · {self.failed} failed",
+                f"{format_duration(self.elapsed_s)} elapsed",
+                *self.cost_lines(),
+            ]
         )
+
+    @property
+    def gpu_hours(self) -> float:
+        """GPU-hours the run has held so far: the fleet's GPUs times the time training has been stopped."""
+        return self.gpus * (self.training_paused_s or 0.0) / 3600
 
     def cost_line(self) -> str:
         """What the run has cost training so far: ``paused 1 h 2 min · 8.3 GPU-h``."""
-        paused = self.training_paused_s or 0.0
-        return f"paused {format_duration(paused)} · {self.gpus * paused / 3600:.1f} GPU-h"
+        return f"paused {format_duration(self.training_paused_s or 0.0)} · {self.gpu_hours:.1f} GPU-h"
+
+    def window_line(self) -> str:
+        """The window: ``window 2 h 5 min left``, ``... · draining`` once admission stopped for its end."""
+        left = f"window {format_duration(max(0.0, self.window_left_s or 0.0))} left"
+        return f"{left} · draining" if self.window_closing else left
+
+    def cost_lines(self) -> list[str]:
+        """The cost so far and the window, each only when the flow filled it."""
+        return [
+            *([self.cost_line()] if self.training_paused_s is not None else []),
+            *([self.window_line()] if self.window_left_s is not None else []),
+        ]
 
     def card(self, detail: str = "") -> str:
         """The same figures as short Markdown lines, the essentials first, for the progress artifact's card.
@@ -109,7 +139,7 @@ class GenerationProgress(BaseModel):
             f"**{self.percent:.1f}%** · {self.answered}/{self.total} answered",
             f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text}",
             f"{self.failed} failed · {format_duration(self.elapsed_s)} elapsed",
-            *([self.cost_line()] if self.training_paused_s is not None else []),
+            *self.cost_lines(),
             *([detail] if detail else []),
         ]
         return "\n\n".join(lines)

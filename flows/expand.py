@@ -60,7 +60,7 @@ from tasks.runtime import (
     hold_host_gpus,
     verify_code_version,
 )
-from tasks.series import open_series_entry
+from tasks.series import continue_open_series_run, open_series_entry
 from tasks.task_runner import InterruptibleThreadPoolTaskRunner
 
 # Threads for concurrently running tasks (prepare and shard tasks). A shard task mostly waits for its results
@@ -138,6 +138,9 @@ def _expand(
         request = checked_request(config, parameters, box_configs(), RunRequest)
         verify_code_version(__file__)
         run = resolve_run(request, box_configs(), generated_run_id())
+        if run.config.series:
+            # The series' next run finishes the series' unfinished run before any run takes new prompts.
+            run = continue_open_series_run(run, request, box_configs(), open_run_store(run.config))
         verify_work_queue(run.config)
         resume.config, resume.run_id = request.config, run.run_id
         return _completed(_run(run, flow_run_id))

@@ -20,6 +20,7 @@ from datagen.records import PreparedDataset
 from flows.serving import fleet_state_dir, serve_on_this_box
 from tasks.context import RunContext
 from tasks.data import CorpusIds, prepare_prompts, prepared_outcomes, prompt_scans, stored_shard_summaries
+from tasks.progress import ServingCost
 from tasks.run import check_prompts, record_generation_time, write_attempt_record
 from tasks.runtime import HostGpus
 from tasks.series import write_ledger
@@ -107,7 +108,13 @@ def generate_on_this_box(
             started = time.monotonic()
             finished = False
             try:
-                generated = generate_all(context, prepared_futures, dispatcher, retry_failed, started)
+                cost = ServingCost(
+                    gpus=sum(len(server.gpu_ids) for server in serving.plan.servers),
+                    halted_at=serving.halted_at if config.training.kind != "none" else None,
+                    window_ends_at=config.window.deadline(serving.halted_at),
+                    window=window,
+                )
+                generated = generate_all(context, prepared_futures, dispatcher, retry_failed, started, cost)
                 finished = True
             finally:
                 wall_s = time.monotonic() - started

@@ -7,8 +7,10 @@ Prefect's API is never on the shard scheduler's path: the artifact is published 
 from __future__ import annotations
 
 import contextvars
+import datetime as dt
 import threading
 import time
+from dataclasses import dataclass
 from typing import cast
 from uuid import UUID
 
@@ -17,7 +19,9 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
 from datagen.generation.dispatch_state import DispatcherStats
 from datagen.generation.dispatcher import Dispatcher
+from datagen.generation.window import WindowPolicy
 from datagen.progress import GenerationProgress, report_progress
+from datagen.records import utc_now
 from datagen.settings import get_settings
 
 # How often a watcher of the run (the live terminal view) hears how far generation is: a bar that moves smoothly;
@@ -28,10 +32,32 @@ WATCHED_PROGRESS_INTERVAL_S = 0.5
 PROGRESS_CLOSE_TIMEOUT_S = 5.0
 
 
+@dataclass(frozen=True)
+class ServingCost:
+    """What this box's serving costs training, for the progress card: its GPUs, the halt, the window.
+
+    Attributes:
+        gpus: GPUs the fleet holds.
+        halted_at: When the halt of training began (None: this attempt halted nothing).
+        window_ends_at: When training must run again (None: no window).
+        window: The window's admission policy (None: no window).
+    """
+
+    gpus: int
+    halted_at: dt.datetime | None = None
+    window_ends_at: dt.datetime | None = None
+    window: WindowPolicy | None = None
+
+
 def progress_card(
-    answered: int, total: int, stats: DispatcherStats, elapsed_s: float
+    answered: int,
+    total: int,
+    stats: DispatcherStats,
+    elapsed_s: float,
+    cost: ServingCost | None = None,
 ) -> tuple[GenerationProgress, str]:
     """Generation so far and the progress artifact's text: the figures, then the dispatcher's queues."""
+    now = utc_now()
     progress = GenerationProgress(
         answered=answered,
         total=total,
@@ -39,6 +65,10 @@ def progress_card(
         output_tokens=stats.output_tokens,
         elapsed_s=elapsed_s,
         answered_here=stats.completed + stats.failed,
+        gpus=cost.gpus if cost else 0,
+        training_paused_s=(now - cost.halted_at).total_seconds() if cost and cost.halted_at else None,
+        window_left_s=(cost.window_ends_at - now).total_seconds() if cost and cost.window_ends_at else None,
+        window_closing=bool(cost and cost.window and not cost.window.admitting(time.monotonic())),
     )
     detail = f"{sum(stats.in_flight.values())} in flight · {stats.queued} queued · {stats.retries} retries"
     return progress, progress.card(detail)
@@ -126,9 +156,10 @@ class GenerationProgressReporter:
     no state message, and a new Running state would count as another run attempt: nothing goes there.
     """
 
-    def __init__(self, dispatcher: Dispatcher, started: float) -> None:
+    def __init__(self, dispatcher: Dispatcher, started: float, cost: ServingCost | None = None) -> None:
         self.dispatcher = dispatcher
         self.started = started
+        self.cost = cost
         self.last_report = 0.0
         self.last_watched = 0.0
         self.publisher = ProgressPublisher()
@@ -155,7 +186,7 @@ class GenerationProgressReporter:
                 self.last_report = now
                 logger.warning("progress read failed error=%s", error)
             return
-        progress, description = progress_card(answered, total, stats, now - self.started)
+        progress, description = progress_card(answered, total, stats, now - self.started, self.cost)
         report_progress(progress)
         if not due:
             return

@@ -1,15 +1,41 @@
-"""Series tasks: fix a run's place in its expansion series, and record the prompts it took."""
+"""Series tasks: continue a series' open run, fix a run's place in its series, and record the prompts it took."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+import datagen.app.run_request
 import datagen.prompts.ledger
+from datagen.app.run_request import ResolvedRun, RunRequest
+from datagen.output.store import Store
 from datagen.prompts.ledger import SeriesEntry
 from datagen.records import PreparedDataset
 from tasks.common import TRANSIENT_RETRIES
 from tasks.context import RunContext
+
+
+@task(
+    name="continue-open-series-run",
+    task_run_name="continue-open-series-run-{run.config.series}",
+    cache_policy=NO_CACHE,
+    **TRANSIENT_RETRIES,
+)
+def continue_open_series_run(
+    run: ResolvedRun, request: RunRequest, folder: Path, store: Store
+) -> ResolvedRun:
+    """A series' new run made the continuation of the series' unfinished run, when the series has one."""
+    continued = datagen.app.run_request.continue_open_series_run(run, request, folder, store)
+    if continued.continues_series is not None:
+        get_run_logger().info(
+            "series=%s has an open run: continuing run_id=%s instead of taking new prompts (new run id %s unused)",
+            continued.continues_series,
+            continued.run_id,
+            run.run_id,
+        )
+    return continued
 
 
 @task(

@@ -24,7 +24,7 @@ from datagen.generation.dispatcher import Dispatcher
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from tasks.context import RunContext
 from tasks.data import ShardProgress, generate_shard
-from tasks.progress import GenerationProgressReporter
+from tasks.progress import GenerationProgressReporter, ServingCost
 
 # Shard tasks running at once unless generation.max_concurrent_shards says otherwise: room for shards waiting
 # on their slowest requests (a long tail keeps dozens open) while new ones feed the backlog, and for prepares.
@@ -78,6 +78,7 @@ class ShardScheduler:
         dispatcher: The dispatcher every shard task sends through.
         retry_failed: Shard tasks send the run's retryable failures again.
         started: When generation started (``time.monotonic()``): the report's wall time starts there too.
+        cost: This box's GPUs, halt and window, for the progress card (None: not shown).
     """
 
     def __init__(
@@ -88,6 +89,7 @@ class ShardScheduler:
         *,
         retry_failed: bool,
         started: float,
+        cost: ServingCost | None = None,
     ) -> None:
         self.context = context
         self.dispatcher = dispatcher
@@ -99,7 +101,7 @@ class ShardScheduler:
         self._pending: deque[PromptShardRef] = deque()
         self._running: dict[PrefectFuture[ShardSummary], PromptShardRef] = {}
         self._shard_progress = ShardProgress()
-        self._progress = GenerationProgressReporter(dispatcher, started)
+        self._progress = GenerationProgressReporter(dispatcher, started, cost)
         # Finished shard futures arrive here (their done-callback runs on the worker thread). Not prefect's wait(
         # timeout=): its SIGALRM timeout, armed five times a second, escaped as a CancelledError under load.
         self._finished: queue.SimpleQueue[PrefectFuture[ShardSummary]] = queue.SimpleQueue()
@@ -223,6 +225,7 @@ def generate_all(
     dispatcher: Dispatcher,
     retry_failed: bool = False,
     started: float | None = None,
+    cost: ServingCost | None = None,
 ) -> Generated:
     """Run one task per shard through ``dispatcher`` (:class:`ShardScheduler`); ``started`` defaults to now."""
     scheduler = ShardScheduler(
@@ -231,5 +234,6 @@ def generate_all(
         dispatcher,
         retry_failed=retry_failed,
         started=time.monotonic() if started is None else started,
+        cost=cost,
     )
     return scheduler.run()

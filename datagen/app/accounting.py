@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -78,31 +79,102 @@ def stored_preview(store: Store, layout: RunLayout) -> CostPreview | None:
     return None
 
 
+# A multi-host run's boxes record under the parent attempt's folder as ``host-<host>-<record>`` (flows/host_part.py).
+HOST_RECORD_PREFIX = "host-"
+
+
+@dataclass(frozen=True)
+class _Served:
+    """One box's serving in one attempt: its times and the GPUs its plan held (0: no plan recorded)."""
+
+    attempt: str
+    host: str
+    times: ServingTimes
+    gpus: int
+
+
+def _plan_gpus(value: Any) -> int:
+    return sum(len(server.gpu_ids) for server in ServerPlan.model_validate(value).servers)
+
+
+def _served(store: Store, layout: RunLayout) -> list[_Served]:
+    """Every box's serving times in every attempt, each with the GPUs of its plan.
+
+    ``serving-times.json`` of a run on one box; each host's ``host-<host>-serving-times.json`` on several.
+    """
+    found: list[_Served] = []
+    # One level (attempts/<attempt>/), whole keys only: nothing nested deeper is read as an attempt's record.
+    for folder in sorted(store.list_level(layout.attempts_prefix).folders):
+        attempt = folder.rsplit("/", 1)[-1]
+        names = {key.rsplit("/", 1)[-1] for key in store.list_level(folder).objects}
+        for name in sorted(names):
+            if name == SERVING_TIMES_RECORD:
+                host = ""
+            elif name.startswith(HOST_RECORD_PREFIX) and name.endswith(f"-{SERVING_TIMES_RECORD}"):
+                host = name[len(HOST_RECORD_PREFIX) : -len(f"-{SERVING_TIMES_RECORD}")]
+            else:
+                continue
+            plan = f"{HOST_RECORD_PREFIX}{host}-{PLAN_RECORD}" if host else PLAN_RECORD
+            times = ServingTimes.model_validate(store.read_json(f"{folder}/{name}"))
+            gpus = _plan_gpus(store.read_json(f"{folder}/{plan}")) if plan in names else 0
+            found.append(_Served(attempt=attempt, host=host, times=times, gpus=gpus))
+    # A box that halted training and failed before its plan was recorded still held its GPUs: count them as
+    # the most that box's plans held in other attempts.
+    most = {item.host: max(other.gpus for other in found if other.host == item.host) for item in found}
+    return [item if item.gpus else replace(item, gpus=most[item.host]) for item in found]
+
+
+def _paused_s(served: list[_Served]) -> float:
+    """How long training was stopped: per attempt, the time any of its boxes held the GPUs; summed over attempts.
+
+    On one box this is each attempt's halt to restart. A multi-host attempt's boxes halt and hand back at
+    about the same times: their overlapping holds count once (the union of the intervals), not once per box.
+    """
+    total = 0.0
+    for attempt in sorted({item.attempt for item in served}):
+        now = utc_now()
+        spans = sorted(
+            (item.times.halted_at, item.times.handed_back_at or now)
+            for item in served
+            if item.attempt == attempt
+        )
+        start, end = spans[0]
+        for begin, finish in spans[1:]:
+            if begin > end:
+                total += max(0.0, (end - start).total_seconds())
+                start, end = begin, finish
+            else:
+                end = max(end, finish)
+        total += max(0.0, (end - start).total_seconds())
+    return total
+
+
 def account_run(store: Store, layout: RunLayout, output_tokens: int) -> RunAccounting | None:
-    """The run's cost over every attempt (None when no attempt served on this box: nothing was paused here).
+    """The run's cost over every attempt and box (None when no box served: nothing was paused).
+
+    GPU-hours sum each box's GPUs times the time it held them, over every attempt; ``gpus`` is the most GPUs the
+    run held at once (every box of an attempt together); training paused counts the time any box held its
+    GPUs once (:func:`_paused_s`).
 
     Args:
         store: The run's store.
         layout: The run's layout.
         output_tokens: Output tokens of every completion of the run.
     """
-    times = [
-        ServingTimes.model_validate(value)
-        for value in _attempt_records(store, layout, SERVING_TIMES_RECORD).values()
-    ]
-    if not times:
+    served = _served(store, layout)
+    if not served:
         return None
-    plans = [
-        ServerPlan.model_validate(value) for value in _attempt_records(store, layout, PLAN_RECORD).values()
-    ]
-    gpus = max((sum(len(server.gpu_ids) for server in plan.servers) for plan in plans), default=0)
+    per_attempt: dict[str, int] = {}
+    for item in served:
+        per_attempt[item.attempt] = per_attempt.get(item.attempt, 0) + item.gpus
+    gpus = max(per_attempt.values())
     windows = [
         GenerationWindow.model_validate(value)
         for value in _attempt_records(store, layout, GENERATION_RECORD).values()
     ]
-    held_s = sum(item.held_s for item in times)
+    held_s = _paused_s(served)
     generation_s = sum(window.wall_s for window in windows)
-    gpu_hours = gpus * held_s / SECONDS_PER_HOUR
+    gpu_hours = sum(item.gpus * item.times.held_s for item in served) / SECONDS_PER_HOUR
     preview = stored_preview(store, layout)
     return RunAccounting(
         gpus=gpus,

@@ -96,18 +96,20 @@ def run(
         run_in_terminal,
         run_log_path,
     )
-    from datagen.errors import ConfigError, PreflightError
+    from datagen.errors import ConfigError, PreflightError, StorageError
+    from datagen.output.runs import open_store
+    from datagen.prompts.ledger import read_series_entry
     from datagen.settings import get_settings
 
     start_flow = _flow_starter(ctx)
+    chosen: dict[str, Any] = {
+        "run_id": run_id,
+        "output": output,
+        "max_prompts": max_prompts,
+        "datasets": [name.strip() for name in datasets.split(",")] if datasets is not None else None,
+    }
     try:
-        resolved = resolve_config_file(
-            config,
-            run_id=run_id,
-            output=output,
-            max_prompts=max_prompts,
-            datasets=[name.strip() for name in datasets.split(",")] if datasets is not None else None,
-        )
+        resolved = resolve_config_file(config, **chosen)
     except ConfigError as error:
         _fail(str(error), EXIT_CONFIG_ERROR)
     try:
@@ -115,6 +117,21 @@ def run(
         check_output_reachable(resolved)
     except PreflightError as error:
         _fail(f"datagen: {error}", EXIT_CONFIG_ERROR)
+    if run_id is None and resolved.series is not None:
+        # A series' next run continues the series' unfinished run first (its run id, resumed).
+        try:
+            resolved = resolve_config_file(config, **chosen, continue_series=True)
+            continued = read_series_entry(open_store(resolved), str(resolved.run_id)) is not None
+        except ConfigError as error:
+            _fail(str(error), EXIT_CONFIG_ERROR)
+        except StorageError as error:
+            _fail(f"datagen: the series' ledger could not be read: {error}", EXIT_CONFIG_ERROR)
+        if continued:
+            typer.echo(
+                f"continuing run {resolved.run_id} of series {resolved.series}: it took prompts it has not "
+                "published yet; new prompts wait for the series' next run",
+                err=True,
+            )
     assert resolved.run_id is not None
     resume = f"datagen run --config {config} --run-id {resolved.run_id}"
     if output:

@@ -15,6 +15,7 @@ Every refusal is one line that names the parameter and the fix, never a file's c
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import posixpath
 from collections.abc import Mapping
@@ -40,9 +41,12 @@ from datagen.config import (
 from datagen.engines import exact_tokens_enabled
 from datagen.errors import ConfigError
 from datagen.output.layout import LAYOUT_FOLDERS
-from datagen.output.runs import RunOrigin, StoredRunConfig, make_run_id, read_stored_config
+from datagen.output.runs import RunOrigin, StoredRunConfig, make_run_id, open_store, read_stored_config
 from datagen.output.store import Store
+from datagen.prompts.ledger import find_open_series_run
 from datagen.prompts.mix import validate_mix
+
+logger = logging.getLogger(__name__)
 
 # What the engines take: the OpenAI chat API's range of temperatures (SGLang, vLLM and transformers serve it),
 # and a top_k their int32 request fields hold (the model's vocabulary bounds it further: run_ceilings).
@@ -629,12 +633,15 @@ class ResolvedRun:
         retry_failed: Send the run's retryable failures again.
         origin: The box config and choices a deployment's run was made from (recorded in a new run's
             ``config.json``); None for the box operator's run.
+        continues_series: The series whose open run this run continues (:func:`continue_open_series_run`):
+            the run was asked for as the series' next run and resumes its unfinished one instead.
     """
 
     config: RunConfig
     hosts: HostRequest | None = None
     retry_failed: bool = False
     origin: RunOrigin | None = None
+    continues_series: str | None = None
 
     def __post_init__(self) -> None:
         if self.config.run_id is None:
@@ -675,6 +682,81 @@ def resolve_run(request: RunRequest, folder: Path, generated_run_id: str) -> Res
     )
 
 
+def continue_open_series_run(
+    run: ResolvedRun, request: RunRequest, folder: Path, store: Store
+) -> ResolvedRun:
+    """A deployment's new run of a series, made the continuation of the series' open run when there is one.
+
+    The series' next run (the nightly) finishes the series' unfinished run before any run takes new prompts:
+    a run that took prompts and did not publish them (a window ended, it was interrupted or failed) is resumed
+    by its run id, as ``run_id=<id>`` would, so its stored answers are not sent again and its ledger, its place
+    in the series and its version stay as they were fixed when it opened. A request that names a run id, or
+    whose config sets none of a series, is returned as it is.
+
+    Args:
+        run: The run as :func:`resolve_run` resolved it (its run id a new one).
+        request: The run's parameters.
+        folder: The box's configs folder.
+        store: The run's store, opened with the run's credentials (the series' ledger is read through it).
+
+    Returns:
+        ``run``, or the resolved resume of the series' open run (``continues_series`` set).
+
+    Raises:
+        ConfigError: The request chooses prompts or sampling (``max_prompts``, ``sampling``, ``datasets``)
+            while the series has an open run: those would be a new run's, and the open run comes first; or
+            the open run cannot be resumed from this box config (as :func:`resolve_run` with its run id).
+    """
+    series = run.config.series
+    if request.run_id is not None or series is None or read_box_config(request.config, folder).get("run_id"):
+        return run
+    if read_stored_config(store, run.run_id) is not None:
+        return run  # this flow run's own run id exists already: a retried flow run resumes its run
+    open_run_id = find_open_series_run(store, series)
+    if open_run_id is None:
+        return run
+    if any(value is not None for value in (request.max_prompts, request.sampling, request.datasets)):
+        raise _refusal(
+            [
+                f"series: run {open_run_id} of series {series} took prompts it has not published yet, and the "
+                "series' next run continues it first: start this run without max_prompts, sampling and "
+                f"datasets to continue it, or resume it with run_id={open_run_id}"
+            ]
+        )
+    logger.info("continuing the open run of the series series=%s run_id=%s", series, open_run_id)
+    again = RunRequest(
+        config=request.config, run_id=open_run_id, output=request.output, retry_failed=request.retry_failed
+    )
+    resolved = resolve_run(again, folder, open_run_id)
+    return ResolvedRun(
+        config=resolved.config,
+        hosts=resolved.hosts,
+        retry_failed=resolved.retry_failed,
+        origin=resolved.origin,
+        continues_series=series,
+    )
+
+
+def continue_series_config(config: RunConfig, store: Store) -> RunConfig:
+    """The box operator's config with no run id of its own, given the run id of its series' open run if any.
+
+    The command line's counterpart of :func:`continue_open_series_run`: ``datagen run --config FILE`` of a
+    series, without ``--run-id``, continues the series' unfinished run (its config must be the same: the run
+    refuses a changed one when it opens, naming the fields).
+
+    Args:
+        config: The resolved config, its ``run_id`` None (neither ``--run-id`` nor the file set one).
+        store: The store of the config's output root.
+    """
+    if config.run_id is not None or config.series is None:
+        return config
+    open_run_id = find_open_series_run(store, config.series)
+    if open_run_id is None:
+        return config
+    logger.info("continuing the open run of the series series=%s run_id=%s", config.series, open_run_id)
+    return config.model_copy(update={"run_id": open_run_id})
+
+
 def resolve_config_file(
     path: Path,
     *,
@@ -682,6 +764,7 @@ def resolve_config_file(
     output: str | None = None,
     max_prompts: int | None = None,
     datasets: list[str] | None = None,
+    continue_series: bool = False,
 ) -> RunConfig:
     """The box operator's run config (``datagen run --config``): the file, the options on top, its run id fixed.
 
@@ -695,6 +778,9 @@ def resolve_config_file(
         output: ``--output``, replacing the file's output root.
         max_prompts: ``--max-prompts``, capping every dataset's quota (a smoke run).
         datasets: ``--datasets``, the config's datasets to run (by name); all when None.
+        continue_series: Continue the series' open run when neither ``--run-id`` nor the file gives a run id
+            (:func:`continue_series_config`, reading the output root with the environment's credentials);
+            False: a new run id (``datagen plan``).
 
     Raises:
         ConfigError: A bad ``--run-id``, a dataset the file does not name, an invalid file (one line per field),
@@ -716,6 +802,8 @@ def resolve_config_file(
     config = parse_run_config(data, source=str(path))
     validate_mix(config)
     exact_tokens_enabled(config)
+    if continue_series and config.run_id is None and config.series is not None:
+        config = continue_series_config(config, open_store(config))
     return with_run_id(config)
 
 
@@ -755,6 +843,8 @@ __all__ = [
     "check_output_choice",
     "config_names",
     "configs_folder",
+    "continue_open_series_run",
+    "continue_series_config",
     "operator_run",
     "parse_run_request",
     "read_box_config",

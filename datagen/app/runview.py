@@ -208,7 +208,10 @@ class RunView:
 
     @staticmethod
     def _bar(progress: GenerationProgress) -> RenderableType:
-        """Two short lines under the generation row (they fit an 80-column terminal): the bar, then the rates."""
+        """Short lines under the generation row (they fit an 80-column terminal): the bar, then the rates.
+
+        A third line says what training pays so far and the window's time left, when the flow gave them.
+        """
         filled = min(BAR_WIDTH, BAR_WIDTH * progress.answered // max(progress.total, 1))
         # Two shapes, not only two colours: the bar reads the same without colour (a log viewer, a capture).
         bar = Text(" " * BAR_INDENT)
@@ -219,7 +222,12 @@ class RunView:
             " " * BAR_INDENT + f"{progress.tokens_per_s:.1f} output tok/s · ETA {progress.eta_text} · "
         )
         rates.append(f"{progress.failed} failed", style="red" if progress.failed else "")
-        return Group(bar, rates)
+        cost = progress.cost_lines()
+        if not cost:
+            return Group(bar, rates)
+        # What training pays so far, and the window's time left (yellow once admission stopped for its end).
+        paid = Text(" " * BAR_INDENT + " · ".join(cost), style="yellow" if progress.window_closing else "")
+        return Group(bar, rates, paid)
 
 
 class _LinesAbove(logging.Handler):

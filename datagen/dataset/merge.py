@@ -135,8 +135,20 @@ def merge_and_tokenize(
 
     """
     if store.exists(layout.tokenized_summary):
+        stored = TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
+        finished = len(_finished_shards(store, layout)[0])
+        if finished > stored.shards_read:
+            # A merge that published part of the run (a window ended) while shards were unfinished, then a
+            # continuation finished them: returning the stored summary would leave their answers in no version.
+            raise TokenizeError(
+                f"run {layout.run_id}: its merge published {stored.dataset_version} from {stored.shards_read} "
+                f"completion shards, and {finished - stored.shards_read} more finished since: a run merges once, "
+                "so their answers would be in no dataset version. Their answers are stored; publish them with a "
+                "merge of their own before the run's manifest is written.",
+                run_id=layout.run_id,
+            )
         logger.info("merge already complete run_id=%s", layout.run_id)
-        return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
+        return stored
     settings = config.tokenize
     base = read_base_version(store, settings.base_version) if settings.base_version else None
     shard_sizes, incomplete = _finished_shards(store, layout)

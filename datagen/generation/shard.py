@@ -16,9 +16,11 @@ Storage is the truth, checked first and written last:
 
 Requests that ended unfinished (:func:`~datagen.generation.failures.fate`: the fleet was unavailable, the
 dispatcher was closed, or admission stopped) are not results of the request: they are not checkpointed, and
-the shard raises :class:`~datagen.errors.NoLiveServersError`, :class:`~datagen.errors.TransientRequestError` or
-the storage fault that stopped admission after checkpointing everything else, so a rerun sends exactly those
-requests again instead of marking the shard done with them as failures.
+the shard raises :class:`~datagen.errors.NoLiveServersError`, :class:`~datagen.errors.TransientRequestError`,
+the storage fault that stopped admission, or :class:`~datagen.errors.WindowClosingError` when the generation
+window stopped it (not transient: retrying the shard would only meet the closed admission) after checkpointing
+everything else, so a rerun sends exactly those requests again instead of marking the shard done with them as
+failures.
 
 Parts are never deleted: they are write-once objects like everything else, small next to the final
 files, and they are what makes an interrupted shard resumable. Cleaning them up is left to retention

@@ -15,6 +15,10 @@ write-once store then accepts as its own); the ledger is written before generati
 takes prompts of a run that crashed mid-generation (resume that run by its id to finish them). Two runs of
 one series running at once on different hosts would both miss each other's ledger: :func:`write_ledger`
 detects the overlap and stops the later one before it generates anything.
+
+A run of the series is *open* from its ledger until its manifest exists: it took prompts it has not published
+yet (a window ended, it was interrupted, or it failed). :func:`find_open_series_run` names the oldest one, which
+the series' next run continues (resumes by its run id) instead of taking new prompts.
 """
 
 from __future__ import annotations
@@ -123,6 +127,34 @@ def open_series_entry(store: Store, config: RunConfig) -> SeriesEntry:
         base,
     )
     return entry
+
+
+def find_open_series_run(store: Store, series: str) -> str | None:
+    """The series' oldest run that took prompts and has not published them yet (None: every run is complete).
+
+    A run is open from its ledger (written before any GPU work) until its manifest (written last): a window
+    that ended, an interruption or a failure left some of its prompts without a published answer. The series'
+    next run continues it (the same run id, resumed: stored answers are not sent again) before any run takes
+    new prompts, so the ledger, the category caps and the chain of versions stay those of one run after the
+    other. The oldest first, by the time its series entry was opened.
+
+    Args:
+        store: The store of the series' output root.
+        series: The series' name.
+    """
+    opened: list[tuple[dt.datetime, str]] = []
+    for run_id in _ledger_runs(store, series):
+        if store.exists(RunLayout(run_id).manifest):
+            continue
+        entry = read_series_entry(store, run_id)
+        # A ledger without its entry is no run this code wrote (the entry is written first): never continued.
+        if entry is not None and entry.series == series:
+            opened.append((entry.created_at, run_id))
+    if not opened:
+        return None
+    run_id = min(opened)[1]
+    logger.info("series run open series=%s run_id=%s open_runs=%d", series, run_id, len(opened))
+    return run_id
 
 
 def read_series_entry(store: Store, run_id: str) -> SeriesEntry | None:

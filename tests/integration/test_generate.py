@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from datagen.config import DatasetConfig, GenerationConfig, ModelConfig, RunConfig
-from datagen.errors import NoLiveServersError
+from datagen.errors import NoLiveServersError, WindowClosingError, is_transient
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.shard import generate_shard
 from datagen.output.layout import RunLayout
@@ -367,3 +367,52 @@ def test_requests_that_found_no_server_are_not_final_and_a_rerun_sends_only_them
     assert sorted(second_attempt) == sorted(contents[1:])
     assert all(count == 1 for count in second_attempt.values())
     assert (summary.completions, summary.failures, summary.resent_requests) == (4, 0, 3)
+
+
+def test_a_closing_window_ends_the_shard_with_a_non_transient_error_and_the_next_attempt_sends_the_rest(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    store = Store(str(root))
+    contents = ["a", "#sleep=0.5 b", "c", "d"]
+    prompts = [
+        PromptRecord(prompt_id=f"w{i}", dataset=DATASET, messages=[Message(role="user", content=content)])
+        for i, content in enumerate(contents)
+    ]
+    store.write_jsonl(LAYOUT.prompt_shard(DATASET, 0), prompts)
+    shard = PromptShardRef(dataset=DATASET, shard_index=0, path=LAYOUT.prompt_shard(DATASET, 0), prompts=4)
+    generation = GenerationConfig(checkpoint_every=1, backoff_initial_s=0.01, backoff_max_s=0.02)
+    config = make_config(tmp_path / "model", root).model_copy(update={"generation": generation})
+
+    with FaultServer() as server:
+        with Dispatcher(
+            [server.url], model="m", engine="transformers", max_inflight_per_server=1, generation=generation
+        ) as dispatcher:
+            wait_until(lambda: dispatcher.stats().servers_up == [server.url])
+
+            def close_after_first(done: int, _total: int) -> None:
+                if done == 1:  # b is in flight now; c and d wait
+                    dispatcher.stop_admission(WindowClosingError("the generation window is closing"))
+
+            with pytest.raises(
+                WindowClosingError, match="window closed with 2 requests unanswered"
+            ) as closed:
+                generate_shard(store, LAYOUT, config, shard, dispatcher, progress=close_after_first)
+        first_attempt = server.contents_seen()
+        assert not is_transient(closed.value)  # Prefect's task retries leave it alone
+        assert not store.exists(LAYOUT.shard_done(DATASET, 0))
+
+        with Dispatcher(
+            [server.url], model="m", engine="transformers", max_inflight_per_server=1, generation=generation
+        ) as dispatcher:
+            summary = generate_shard(store, LAYOUT, config, shard, dispatcher)
+        second_attempt = {
+            content: count - first_attempt.get(content, 0)
+            for content, count in server.contents_seen().items()
+            if count - first_attempt.get(content, 0)
+        }
+
+    # In flight at the stop, b finished and was kept; the next attempt sends exactly what was never sent.
+    assert first_attempt == {"a": 1, "#sleep=0.5 b": 1}
+    assert second_attempt == {"c": 1, "d": 1}
+    assert (summary.completions, summary.failures) == (4, 0)

@@ -213,6 +213,32 @@ def test_resume_refuses_parts_that_no_longer_match_the_completions(
         merge_and_tokenize(store, layout, config)
 
 
+def test_a_merge_that_left_shards_unfinished_refuses_to_stand_for_them_once_they_finish(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]],
+) -> None:
+    store, layout, config, _ = run
+    published = merge_and_tokenize(store, layout, config)  # beta/1 unfinished (a window ended, say)
+    assert merge_and_tokenize(store, layout, config) == published  # nothing new: the merge stands
+    # The continuation finishes beta/1: the stored merge no longer covers every answer.
+    store.write_json(
+        layout.shard_done("beta", 1),
+        ShardSummary(
+            dataset="beta",
+            shard_index=1,
+            requests=1,
+            completions=1,
+            failures=0,
+            prompt_tokens=0,
+            completion_tokens=0,
+            generation_s=1.0,
+            completions_path=layout.completions("beta", 1),
+            failures_path=layout.failures("beta", 1),
+        ),
+    )
+    with pytest.raises(TokenizeError, match="1 more finished since: a run merges once"):
+        merge_and_tokenize(store, layout, config)
+
+
 def test_new_version_references_a_protected_base_and_never_overwrites_versions(
     run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path, tiny_model_dir: Path
 ) -> None:

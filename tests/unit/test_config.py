@@ -19,10 +19,22 @@ MINIMAL = {
 }
 
 
-@pytest.mark.parametrize("name", ["demo.yaml", "demo-watch.yaml", "qwen36-27b-8xgpu.yaml"])
+@pytest.mark.parametrize("name", sorted(path.name for path in (REPO / "configs").glob("*.yaml")))
 def test_example_configs_validate(name: str) -> None:
     config = load_run_config(REPO / "configs" / name)
     assert config.datasets
+
+
+def test_the_nightly_gives_training_back_by_seven_within_six_hours_of_its_halt() -> None:
+    import datetime as dt
+
+    window = load_run_config(REPO / "configs" / "qwen36-27b-nightly.yaml").window
+    halted = dt.datetime(2026, 12, 7, 1, 0, tzinfo=dt.UTC)
+    assert window.deadline(halted) == dt.datetime(2026, 12, 7, 7, 0, tzinfo=dt.UTC)
+    # Halted late (another run held the GPUs until 02:30): still 07:00; halted after 07:00: six hours, not a day.
+    assert window.deadline(halted + dt.timedelta(hours=1.5)) == dt.datetime(2026, 12, 7, 7, 0, tzinfo=dt.UTC)
+    late = dt.datetime(2026, 12, 7, 8, 0, tzinfo=dt.UTC)
+    assert window.deadline(late) == late + dt.timedelta(hours=6)
 
 
 def test_unknown_key_is_named_with_the_fix() -> None:
@@ -100,3 +112,10 @@ def test_cli_overrides_replace_top_level_keys(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(MINIMAL))
     config = load_run_config(path, overrides={"run_id": "night-1", "output": "s3://b/x", "seed": None})
     assert (config.run_id, config.output, config.seed) == ("night-1", "s3://b/x", 0)
+
+
+def test_the_nightly_is_the_8xgpu_config_with_a_series_a_window_a_restart_and_a_base_version() -> None:
+    box = yaml.safe_load((REPO / "configs" / "qwen36-27b-8xgpu.yaml").read_text())
+    nightly = yaml.safe_load((REPO / "configs" / "qwen36-27b-nightly.yaml").read_text())
+    differ = {key for key in box.keys() | nightly.keys() if box.get(key) != nightly.get(key)}
+    assert differ <= {"series", "window", "training", "tokenize"}

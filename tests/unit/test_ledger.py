@@ -14,6 +14,7 @@ from datagen.output.layout import RunLayout
 from datagen.output.runs import open_run
 from datagen.output.store import Store
 from datagen.prompts.ledger import (
+    find_open_series_run,
     held_by_category,
     ledger_key,
     open_series_entry,
@@ -140,3 +141,23 @@ def test_files_nested_below_a_series_ledger_are_no_runs_of_the_series(tmp_path: 
 
     assert entry.earlier_runs == ["night-1"]
     assert len(second) == 4 and not first & second
+
+
+def test_a_run_of_the_series_is_open_from_its_ledger_until_its_manifest_oldest_first(tmp_path: Path) -> None:
+    _prompts(tmp_path / "q.jsonl", 12)
+    store = Store(str(tmp_path / "store"))
+    assert find_open_series_run(store, "nightly") is None
+    _prepare_night(store, _config(tmp_path, "night-1"))
+    _prepare_night(store, _config(tmp_path, "night-2"))
+    # Both took prompts and published nothing: the older is continued first.
+    assert find_open_series_run(store, "nightly") == "night-1"
+    store.write_json(RunLayout("night-1").manifest, {"objects": []})
+    assert find_open_series_run(store, "nightly") == "night-2"
+    store.write_json(RunLayout("night-2").manifest, {"objects": []})
+    assert find_open_series_run(store, "nightly") is None
+    assert find_open_series_run(store, "weekly") is None
+    # A run that opened its entry but crashed before its ledger took nothing: it is no open run.
+    config = _config(tmp_path, "night-3")
+    open_run(store, config)
+    open_series_entry(store, config)
+    assert find_open_series_run(store, "nightly") is None

@@ -248,4 +248,99 @@ def test_the_accounting_sums_every_attempts_paused_time_beside_the_preflights_es
 def test_the_progress_card_says_what_the_run_has_cost_training_so_far() -> None:
     progress = GenerationProgress(answered=1, total=2, elapsed_s=60.0, gpus=8, training_paused_s=5400.0)
     assert "paused 1 h 30 min · 12.0 GPU-h" in progress.card()
+    assert progress.gpu_hours == 12.0
     assert "GPU-h" not in GenerationProgress(answered=1, total=2).card()
+
+
+def test_the_progress_card_and_line_give_the_windows_time_left_and_say_when_it_drains() -> None:
+    plain = GenerationProgress(answered=1, total=2, elapsed_s=60.0)
+    assert "window" not in plain.card() and "window" not in plain.line()
+    assert (
+        plain.line()
+        == "50.0% · 1/2 answered · 0.0 output tok/s · ETA 1 min 0 s · 0 failed · 1 min 0 s elapsed"
+    )
+    windowed = plain.model_copy(update={"gpus": 8, "training_paused_s": 5400.0, "window_left_s": 3900.0})
+    # One short paragraph each on the card (Prefect cuts a card's lines at about 40 characters).
+    assert "\n\npaused 1 h 30 min · 12.0 GPU-h\n\nwindow 1 h 5 min left" in windowed.card("queues")
+    assert windowed.line().endswith("elapsed · paused 1 h 30 min · 12.0 GPU-h · window 1 h 5 min left")
+    closing = windowed.model_copy(update={"window_left_s": 200.0, "window_closing": True})
+    assert "window 3 min 20 s left · draining" in closing.card()
+
+
+def test_a_multi_host_runs_gpu_hours_sum_every_box_and_its_paused_time_counts_overlapping_boxes_once(
+    tmp_path: Path,
+) -> None:
+    import datetime as dt
+
+    from datagen.app.accounting import ServingTimes, account_run
+
+    store, layout = Store(str(tmp_path)), RunLayout("r-1")
+
+    def plan(gpus: int) -> dict[str, object]:
+        servers = [
+            {"index": i, "host": "h", "port": 30000 + i, "gpu_ids": [i], "url": f"http://h:{i}"}
+            for i in range(gpus)
+        ]
+        return {"engine": "sglang", "mode": "dp", "served_model_name": "m", "servers": servers}
+
+    def served(attempt: str, host: str, start_h: float, end_h: float, gpus: int | None) -> None:
+        day = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+        times = ServingTimes(
+            halted_at=day + dt.timedelta(hours=start_h), handed_back_at=day + dt.timedelta(hours=end_h)
+        )
+        store.write_json(layout.attempt_object(attempt, f"host-{host}-serving-times.json"), times)
+        if gpus is not None:
+            store.write_json(layout.attempt_object(attempt, f"host-{host}-plan.json"), plan(gpus))
+
+    # Attempt 1: box-a (8 GPUs) 01:00-07:00, box-b (4 GPUs) 01:30-06:30. Attempt 2 (a resume): box-a alone,
+    # 08:00-09:00, failed before its plan was recorded: its GPUs are the box's own from attempt 1.
+    served("a1", "box-a", 1.0, 7.0, 8)
+    served("a1", "box-b", 1.5, 6.5, 4)
+    served("a2", "box-a", 8.0, 9.0, None)
+    record_generation_window(store, layout, GenerationWindow(attempt_id="a1", wall_s=18_000.0, servers=12))
+
+    accounting = account_run(store, layout, output_tokens=1_000_000)
+
+    assert accounting is not None
+    assert accounting.gpus == 12  # both boxes at once
+    assert accounting.gpu_hours == 8 * 6 + 4 * 5 + 8 * 1
+    assert accounting.training_paused_s == (6 + 1) * 3600  # box-b's hold inside box-a's counts once
+    assert accounting.generating_share == 18_000.0 / (7 * 3600)
+
+
+def test_the_progress_card_shows_what_serving_costs_and_the_window_left() -> None:
+    import datetime as dt
+
+    from datagen.generation.dispatch_state import DispatcherStats
+    from datagen.generation.window import WindowPolicy
+    from datagen.records import utc_now
+    from tasks.progress import ServingCost, progress_card
+
+    stats = DispatcherStats(
+        servers=[],
+        queued=0,
+        backing_off=0,
+        completed=5,
+        failed=0,
+        retries=0,
+        output_tokens=50,
+        tokens_per_s=1.0,
+    )
+    now = utc_now()
+    # Admission already stopped: the policy's generation end is in the past of the monotonic clock.
+    closed = WindowPolicy(generation_end=0.0, initial_answer_s=1.0)
+    cost = ServingCost(
+        gpus=8,
+        halted_at=now - dt.timedelta(hours=1),
+        window_ends_at=now + dt.timedelta(hours=2),
+        window=closed,
+    )
+    progress, card = progress_card(5, 10, stats, 60.0, cost)
+    assert progress.training_paused_s is not None and 3599 <= progress.training_paused_s <= 3700
+    assert progress.gpu_hours >= 8.0 - 1e-6
+    assert progress.window_left_s is not None and 7100 <= progress.window_left_s <= 7200
+    assert progress.window_closing
+    assert "paused 1 h 0 min · 8.0 GPU-h" in card and "left · draining" in card
+    unwindowed, plain = progress_card(5, 10, stats, 60.0, ServingCost(gpus=8))
+    assert unwindowed.window_left_s is None and unwindowed.training_paused_s is None
+    assert "GPU-h" not in plain and "window" not in plain

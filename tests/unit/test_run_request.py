@@ -15,14 +15,17 @@ from datagen.app.run_request import (
     RunRequest,
     bind_request,
     config_names,
+    continue_open_series_run,
     parse_run_request,
     resolve_config_file,
     resolve_request,
+    resolve_run,
 )
 from datagen.config import RunConfig, TrainingJobConfig
 from datagen.errors import ConfigError
-from datagen.output.runs import RunOrigin, StoredRunConfig, open_run
+from datagen.output.runs import RunOrigin, StoredRunConfig, open_run, read_stored_config
 from datagen.output.store import Store
+from datagen.prompts.ledger import ledger_key, open_series_entry
 
 
 def _write(folder: Path, name: str = "run", **changes: Any) -> Path:
@@ -301,3 +304,51 @@ def test_the_cli_choices_change_a_config_file_as_a_deployments_parameters_do(tmp
     assert [(d.name, d.max_prompts) for d in whole.datasets] == [("a", 50), ("b", None)]
     with pytest.raises(ConfigError, match="datasets: the config has no dataset named c; its datasets: a, b"):
         resolve_config_file(path, datasets=["c"])
+
+
+def _open_series_run(configs: Path, run_id: str) -> Store:
+    """A run of the series that took prompts (its entry and ledger) and published nothing (no manifest)."""
+    run = resolve_run(_request(run_id=run_id), configs, "unused")
+    store = Store(run.config.output)
+    open_run(store, run.config, run.origin)
+    open_series_entry(store, run.config)
+    store.write_text(ledger_key("nightly", run_id), "")
+    return store
+
+
+def test_the_series_next_run_continues_its_open_run_and_a_complete_series_takes_new_prompts(
+    tmp_path: Path,
+) -> None:
+    configs = tmp_path / "configs"
+    _write(configs, series="nightly", output=str(tmp_path / "store"))
+    store = Store(str(tmp_path / "store"))
+    fresh = resolve_run(_request(), configs, "night-2")
+    assert continue_open_series_run(fresh, _request(), configs, store) is fresh  # nothing open
+
+    _open_series_run(configs, "night-1")
+    continued = continue_open_series_run(fresh, _request(), configs, store)
+    assert (continued.run_id, continued.continues_series) == ("night-1", "nightly")
+    assert continued.config.config_hash() == read_stored_config(store, "night-1").config_hash  # type: ignore[union-attr]
+    assert continued.origin is not None and continued.origin.config == "run"
+    # A request naming a run id is that run, whatever the series holds.
+    named = resolve_run(_request(run_id="other"), configs, "unused")
+    assert continue_open_series_run(named, _request(run_id="other"), configs, store) is named
+    # Choosing prompts for a new run while the series has an open one is refused, naming the way out.
+    chosen = resolve_run(_request(max_prompts=3), configs, "night-2")
+    with pytest.raises(
+        ConfigError, match=r"series: run night-1 of series nightly took prompts .* run_id=night-1"
+    ):
+        continue_open_series_run(chosen, _request(max_prompts=3), configs, store)
+    # Once its manifest exists, the series' next run takes new prompts again.
+    store.write_json("runs/night-1/manifest.json", {"objects": []})
+    assert continue_open_series_run(fresh, _request(), configs, store) is fresh
+
+
+def test_the_operators_series_run_without_a_run_id_continues_the_open_run(tmp_path: Path) -> None:
+    configs = tmp_path / "configs"
+    path = _write(configs, series="nightly", output=str(tmp_path / "store"))
+    assert resolve_config_file(path, continue_series=True).run_id != "night-1"
+    _open_series_run(configs, "night-1")
+    assert resolve_config_file(path, continue_series=True).run_id == "night-1"
+    assert resolve_config_file(path, run_id="night-9", continue_series=True).run_id == "night-9"
+    assert resolve_config_file(path).run_id != "night-1"  # `datagen plan` continues nothing

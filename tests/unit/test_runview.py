@@ -124,3 +124,27 @@ def test_a_stage_still_logs_its_marker_and_a_watcher_that_fails_never_fails_the_
     finally:
         logger.removeHandler(handler)
     assert records == ["stage=start-servers servers=2 engine=sglang"]
+
+
+def test_the_bar_shows_what_training_pays_so_far_and_the_windows_time_left_when_the_flow_gives_them() -> None:
+    view = RunView("run r-1")
+    with watching(view):
+        enter_stage(logging.getLogger("test-runview"), Stage.GENERATE)
+        report_progress(GenerationProgress(answered=1, total=4, elapsed_s=3.0))
+    assert "GPU-h" not in _render(view) and "window" not in _render(view)
+    with watching(view):
+        report_progress(
+            GenerationProgress(
+                answered=3, total=4, elapsed_s=60.0, gpus=8, training_paused_s=4500.0, window_left_s=7800.0
+            )
+        )
+    text = _render(view)
+    assert "paused 1 h 15 min · 10.0 GPU-h · window 2 h 10 min left" in text
+    assert text.index("output tok/s") < text.index("GPU-h")
+    with watching(view):
+        report_progress(
+            GenerationProgress(
+                answered=3, total=4, window_left_s=-5.0, window_closing=True, training_paused_s=9.0
+            )
+        )
+    assert "window 0 s left · draining" in _render(view)
