@@ -360,11 +360,14 @@ def test_a_server_killed_mid_run_loses_no_prompt(killed_run: KilledRun) -> None:
 
 
 # The progress artifact's card mid-run, one short line per paragraph, the essentials first:
-# `**62.5%** · 200/320 answered`, `604.1 output tok/s · ETA 3 min 5 s`, `0 failed · 40 s elapsed`, the queues.
+# `**62.5%** · 200/320 answered`, `604.1 output tok/s · ETA 3 min 5 s`, `0 failed · 40 s elapsed`, what the
+# halted training has cost so far (`paused 1 min 2 s · 0.0 GPU-h`: this run halts a trainer), the queues.
 PROGRESS_CARD = re.compile(
     r"^\*\*(?P<percent>\d+\.\d)%\*\* · (?P<answered>\d+)/(?P<total>\d+) answered\n\n"
     r"\d+\.\d output tok/s · ETA (\d+ (s|min|h)|unknown)( \d+ (s|min))?\n\n"
-    r"\d+ failed · [\d a-z]+ elapsed\n\n\d+ in flight · \d+ queued · \d+ retries$"
+    r"\d+ failed · [\d a-z]+ elapsed\n\n"
+    r"paused [\d a-z]+ · \d+\.\d GPU-h\n\n"
+    r"\d+ in flight · \d+ queued · \d+ retries$"
 )
 # What the card shows per line: the Artifacts tab's grid at 1600 px cuts a longer line off.
 CARD_LINE_CHARS = 40
