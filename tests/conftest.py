@@ -105,29 +105,43 @@ TOGETHER = {
     "tests/integration/test_generate.py": "transformers-pool",
     "tests/integration/test_tune.py": "transformers-pool",
 }
-# The longest tests and modules (`pytest --durations`, 2 cores), longest first; the rest keep their order.
+# The longest tests and modules (`pytest --durations`, 2 cores), longest first; the rest keep their order. Units
+# are handed out in this order to whichever worker is free (longest first: the short ones fill the end). The
+# outage tests wait out their outages (S3 90 s, the API 60 s) whatever the load, so they start early too.
 HEAVIEST_FIRST = [
     "tests/integration/test_run_states.py::test_a_sigkill_in_every_state",
     "tests/integration/test_operations.py",
-    "tests/integration/test_run_states_prefect.py",
     "tests/integration/test_s3_outage.py",
+    "tests/integration/test_api_outage.py",
+    "tests/integration/test_run_states_prefect.py",
     "tests/integration/test_multihost.py",
     "tests/integration/test_run_origin.py",
+    "tests/integration/test_failure_behaviour.py::test_a_signal_to_the_process_group_mid_generation",
     "tests/integration/test_chaos.py::test_flow_killed_at_random_moments",
+    "tests/integration/test_fleet.py",
     "tests/integration/test_sglang_contract.py",
     "tests/integration/test_trainer_loaders.py",
-    "tests/integration/test_gpu_lock_crash.py",
-    "tests/integration/test_run_states.py",
-    "tests/integration/test_failure_behaviour.py",
-    "tests/integration/test_api_outage.py",
-    "tests/integration/test_launched_trainers.py",
-    "tests/integration/test_honest_end.py",
-    "tests/integration/test_full_disk.py",
-    "tests/integration/test_fleet.py",
     # Before test_generate (one unit, TOGETHER): test_generate's kill test is then the pool's last user, and the
     # pool does not start the killed server again (~7 CPU-s) for test_tune's live sweep.
     "tests/integration/test_tune.py",
     "tests/unit/test_loss_mask_qwen.py",
+    "tests/integration/test_mix_run.py",
+    "tests/integration/test_export.py",
+    "tests/integration/test_exact_tokens_run.py",
+    "tests/unit/test_tokenize_template.py",
+    "tests/integration/test_expand_flow.py",
+    "tests/integration/test_gpu_lock_crash.py",
+    "tests/integration/test_failure_behaviour.py",
+    "tests/integration/test_run_states.py",
+    "tests/integration/test_launched_trainers.py",
+    "tests/integration/test_honest_end.py",
+    "tests/integration/test_terminal_view.py",
+    "tests/integration/test_full_disk.py",
+    "tests/integration/test_s3_faults.py",
+    "tests/integration/test_api_server.py",
+    "tests/unit/test_cli.py",
+    "tests/integration/test_trainer_environment.py",
+    "tests/integration/test_cost_history.py",
 ]
 
 

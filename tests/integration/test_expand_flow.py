@@ -91,10 +91,14 @@ class KilledRun:
 PROGRESS_KEY = "generation-progress"
 # How often the watcher reads the progress artifact through the API while the run runs.
 WATCH_INTERVAL_S = 0.5
+# The run's end waits a few seconds at most for its last progress update (flows/expand.py): an update still on
+# its way then lands after the run returned, sent by the run's publisher thread (named so), which ends with it.
+PUBLISHER_THREAD = "progress-artifact"
+PUBLISHER_END_TIMEOUT_S = 60.0
 
 
 def _watch_progress(seen: list[tuple[float, str]], stop: threading.Event) -> None:
-    """Read the progress artifact through the Prefect API, as the UI does, until ``stop``."""
+    """Read the progress artifact through the Prefect API, as the UI does, until ``stop``, then once more."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import (
         ArtifactFilter,
@@ -104,7 +108,8 @@ def _watch_progress(seen: list[tuple[float, str]], stop: threading.Event) -> Non
     )
 
     with get_client(sync_client=True) as client:
-        while not stop.wait(WATCH_INTERVAL_S):
+        while True:
+            stopped = stop.wait(WATCH_INTERVAL_S)
             # This run's artifacts only: other modules' runs on the worker's shared API have the same key.
             artifacts = client.read_artifacts(
                 artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[PROGRESS_KEY])),
@@ -114,6 +119,8 @@ def _watch_progress(seen: list[tuple[float, str]], stop: threading.Event) -> Non
                 entry = (float(cast(float, artifact.data)), artifact.description or "")
                 if entry not in seen:
                     seen.append(entry)
+            if stopped:
+                return
 
 
 def _kill_one_server_once_generation_started(state_dir: Path, run_root: Path, killed: list[int]) -> None:
@@ -168,6 +175,10 @@ def killed_run(
                     summary = run_with_config(config)
                 finally:
                     killer.join()
+                    # The last update may still be on its way to the API: the watcher's last read comes after it.
+                    for thread in threading.enumerate():
+                        if thread.name == PUBLISHER_THREAD:
+                            thread.join(PUBLISHER_END_TIMEOUT_S)
                     stop_watching.set()
                     watcher.join()
             finally:

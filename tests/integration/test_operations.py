@@ -64,6 +64,8 @@ OBSERVER_GAVE_UP = "Cancellation polling task failed"
 PROMPTS_FOR_A_LONG_RUN = 2000
 # datagen's watch: a poll (5 s), the runner's grace (30 s), then the run's own stop (servers, hand-back).
 CANCEL_AFTER_OUTAGE_BUDGET_S = 90.0
+# The concurrency limit an operator set on the pool before the module's `datagen deploy` (which must keep it).
+OPERATOR_POOL_LIMIT = 7
 # The configs this module's tests write into the clone's configs/.
 CONFIG_NAMES = (
     "ci-bad-dataset",
@@ -78,11 +80,20 @@ CONFIG_NAMES = (
 class Stack:
     """The deployed checkout, its server and two workers, and helpers to run deployments."""
 
-    def __init__(self, root: Path, prefect: PrefectStack, clone: Path, state_dir: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        prefect: PrefectStack,
+        clone: Path,
+        state_dir: Path,
+        pool_after_deploy: dict[str, Any],
+    ) -> None:
         self.root = root
         self.prefect = prefect
         self.clone = clone
         self.state_dir = state_dir
+        # The work pool as the module's `datagen deploy` left it (the pool it found: an older deploy's, limited).
+        self.pool_after_deploy = pool_after_deploy
 
     def run(self, deployment: str, *params: str) -> subprocess.CompletedProcess[str]:
         """``prefect deployment run DEPLOYMENT --param ... --watch`` from outside the checkout (the README's step)."""
@@ -197,6 +208,23 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
         for name in CONFIG_NAMES:
             (clone / "configs" / f"{name}.yaml").write_text("# written by its test\n")
         prefect.wait_ready()
+        # The pool as an older `datagen deploy` left it (Prefect's default process template), with a limit its
+        # operator set: the module's one deploy is also the re-deploy onto an existing pool that
+        # test_deploy_gives_an_existing_pool_its_template_and_keeps_its_concurrency_limit reads (a second deploy
+        # of its own cost a whole `datagen deploy`). A fresh pool's creation is every other stack's deploy
+        # (test_run_origin, test_run_states_prefect, test_multihost).
+        from prefect.workers.process import ProcessWorker
+
+        created = prefect.api.post(
+            "/work_pools/",
+            json={
+                "name": POOL,
+                "type": "process",
+                "base_job_template": ProcessWorker.get_default_base_job_template(),
+                "concurrency_limit": OPERATOR_POOL_LIMIT,
+            },
+        )
+        assert created.status_code == 201, created.text
         deployed = subprocess.run(
             [sys.executable, "-m", "flows.cli_entry", "deploy"],
             cwd=root,  # any folder: deploy finds its checkout
@@ -206,6 +234,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
             timeout=600,
         )
         assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        pool_after_deploy = prefect.api.get(f"/work_pools/{POOL}").json()
+        # The operator's limit has been read: the module's runs go without it, as on a fresh box.
+        unlimited = prefect.api.patch(f"/work_pools/{POOL}", json={"concurrency_limit": None})
+        assert unlimited.status_code == 204, unlimited.text
         # Every deployment carries the clone's commit, which the flow checks on the worker.
         deployments = prefect.api.post("/deployments/filter", json={}).json()
         versions = {found["name"]: found["version"] for found in deployments}
@@ -228,7 +260,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
                 DATAGEN_STATE_DIR=str(state_dir),
                 DATAGEN_GPU_LOCK_TIMEOUT_S="600",
             )
-        yield Stack(root, prefect, clone, state_dir)
+        yield Stack(root, prefect, clone, state_dir, pool_after_deploy)
     finally:
         prefect.stop()
 
@@ -837,32 +869,12 @@ def test_the_stored_run_form_takes_sampling_omitted_empty_or_set_and_refuses_an_
 
 
 def test_deploy_gives_an_existing_pool_its_template_and_keeps_its_concurrency_limit(stack: Stack) -> None:
-    from prefect.workers.process import ProcessWorker
-
-    # A pool an older datagen deploy made (Prefect's default template), with a limit its operator set.
-    patched = stack.prefect.api.patch(
-        f"/work_pools/{POOL}",
-        json={"base_job_template": ProcessWorker.get_default_base_job_template(), "concurrency_limit": 7},
+    # The pool the module's deploy found: Prefect's default template, a limit its operator set (the stack fixture).
+    pool = stack.pool_after_deploy
+    assert pool["base_job_template"] == json.loads(
+        (stack.clone / "deployments" / "work-pool.json").read_text()
     )
-    assert patched.status_code == 204, patched.text
-    try:
-        deployed = subprocess.run(
-            [sys.executable, "-m", "flows.cli_entry", "deploy", "--name", "expand-manual"],
-            cwd=stack.root,
-            env=stack.prefect.env(PYTHONPATH=str(stack.clone)),
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
-
-        pool = stack.prefect.api.get(f"/work_pools/{POOL}").json()
-        assert pool["base_job_template"] == json.loads(
-            (stack.clone / "deployments" / "work-pool.json").read_text()
-        )
-        assert pool["concurrency_limit"] == 7
-    finally:
-        stack.prefect.api.patch(f"/work_pools/{POOL}", json={"concurrency_limit": None})
+    assert pool["concurrency_limit"] == OPERATOR_POOL_LIMIT
 
 
 def test_the_server_refuses_a_run_that_sends_the_command_environment_or_folder(
