@@ -135,6 +135,9 @@ HEAVIEST_FIRST = [
     "tests/integration/test_run_states.py",
     "tests/integration/test_launched_trainers.py",
     "tests/integration/test_honest_end.py",
+    # Whole runs, two or three each (a window that ends, a series continued after a kill).
+    "tests/integration/test_window_run.py",
+    "tests/integration/test_series_continuation.py",
     "tests/integration/test_terminal_view.py",
     "tests/integration/test_full_disk.py",
     "tests/integration/test_s3_faults.py",
