@@ -46,8 +46,10 @@ RUN_ID = "flow-test"
 # written still has requests in flight and the surviving server has most of the run ahead of it.
 KILLED_DATASET = "many"
 KILLED_DATASET_PROMPTS = 48
-# How long the killer waits for generation to start (a registered fleet and a first part on disk).
-KILL_DEADLINE_S = 120
+# How long the killer waits for generation to start (a registered fleet and a first part on disk): the run's
+# preparation, the trainer's halt and two CPU servers' start come first, minutes on a loaded 2-core machine.
+# Only a bound for a run that never generates; the killer acts as soon as both exist.
+KILL_DEADLINE_S = 600
 
 
 @dataclass(frozen=True)
