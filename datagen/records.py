@@ -143,6 +143,9 @@ class CompletionRecord(Record):
     engine: str
     server: str
     sampling: SamplingParams
+    sampling_setting: str | None = Field(
+        default=None, description="The dataset's sampling_mix setting the prompt drew; None without a mix."
+    )
     attempts: int = 1
     latency_s: float
     created_at: dt.datetime = Field(default_factory=utc_now)
@@ -241,6 +244,10 @@ class GenerationCounts(Record):
     retried_attempts: int = Field(default=0, description="Extra attempts spent on transient errors.")
     finish_reasons: dict[str, int] = Field(default_factory=dict, description="Completions by finish reason.")
     failure_reasons: dict[str, int] = Field(default_factory=dict, description="Failures by reason.")
+    sampling_settings: dict[str, int] = Field(
+        default_factory=dict,
+        description="Completions by the sampling_mix setting they drew (datasets with a mix).",
+    )
 
     def add(self, other: GenerationCounts) -> None:
         """Add ``other``'s counts to these."""

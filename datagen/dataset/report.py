@@ -245,6 +245,14 @@ class RunReport(BaseModel):
         if total.finish_reasons:
             lines += ["", "## Finish reasons", ""]
             lines += [_count_line(reason, count) for reason, count in sorted(total.finish_reasons.items())]
+        if total.sampling_settings:
+            # Setting names belong to their dataset (two datasets may both have a `cold`): listed per dataset.
+            lines += ["", "## Completions by sampling setting", ""]
+            lines += [
+                _count_line(f"{item.dataset} / {name}", count)
+                for item in self.datasets
+                for name, count in sorted(item.sampling_settings.items())
+            ]
         dropped = self.tokenize.get("dropped_by_reason") or {}
         if dropped:
             lines += ["", "## Completions not tokenized, by reason", ""]

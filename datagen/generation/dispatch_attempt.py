@@ -158,6 +158,7 @@ class RequestSender:
             engine=self.engine,
             server=server.url,
             sampling=request.sampling,
+            sampling_setting=request.sampling_setting,
             attempts=job.attempts,
             latency_s=latency_s,
             # Given, not defaulted: pydantic inspects a default factory's signature on every construct.

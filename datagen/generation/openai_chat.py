@@ -58,6 +58,7 @@ class GenerationRequest(BaseModel):
         prompt: The prompt to answer.
         sample_index: Which of the prompt's samples this is (0-based).
         sampling: The resolved sampling parameters (seed already derived per request, if any).
+        sampling_setting: The name of the dataset's sampling-mix setting the prompt drew (None: no mix).
         dataset: The dataset the prompt belongs to.
         prompt_tokens: The rendered prompt's ids (exact-token mode only; shared by the prompt's samples).
 
@@ -68,6 +69,7 @@ class GenerationRequest(BaseModel):
     prompt: PromptRecord
     sample_index: int = Field(default=0, ge=0)
     sampling: SamplingParams
+    sampling_setting: str | None = None
     dataset: str
     prompt_tokens: PromptTokens | None = None
 

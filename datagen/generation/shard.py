@@ -305,8 +305,10 @@ def latest_shard_summary(store: Store, layout: RunLayout, dataset: str, index: i
 def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> list[GenerationRequest]:
     """Every request of a shard: each prompt times ``samples_per_prompt``, in prompt order.
 
-    When the sampling has a seed, each request gets its own seed derived from it, the prompt id and the
-    sample index, so samples of one prompt differ and a rerun draws the same ones.
+    With a sampling mix (``datasets[].sampling_mix``), each prompt samples with the setting its id draws
+    (:func:`~datagen.config.prompts.choose_setting`), the same in every attempt. When the sampling has a seed,
+    each request gets its own seed derived from it, the prompt id and the sample index, so samples of one
+    prompt differ and a rerun draws the same ones.
 
     Args:
         store: The store holding the prompt shard.
@@ -317,17 +319,19 @@ def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> li
         The requests.
 
     """
-    sampling = config.sampling_for(config.dataset(shard.dataset))
+    dataset = config.dataset(shard.dataset)
     requests = []
     for line in store.iter_lines(shard.path):
         # Straight from the JSON bytes: pydantic's own parser, no intermediate dicts.
         prompt = PromptRecord.model_validate_json(line)
+        setting, sampling = config.sampling_for_prompt(dataset, prompt.prompt_id)
         for sample_index in range(sampling.samples_per_prompt):
             requests.append(
                 GenerationRequest(
                     prompt=prompt,
                     sample_index=sample_index,
                     sampling=_sampling_for_request(sampling, prompt.prompt_id, sample_index),
+                    sampling_setting=setting,
                     dataset=shard.dataset,
                 )
             )
@@ -712,6 +716,9 @@ def _assemble(
         failures_path=failures_key,
         finish_reasons=dict(Counter(record.finish_reason for record in completions)),
         failure_reasons=dict(Counter(record.error_type for record in failures)),
+        sampling_settings=dict(
+            Counter(record.sampling_setting for record in completions if record.sampling_setting is not None)
+        ),
         retry_round=retry_round,
     )
     if previous is not None:
@@ -735,6 +742,8 @@ def _after_round(
     """The shard's summary after a retry round: the round before plus this round's answers."""
     finish_reasons = Counter(previous.finish_reasons)
     finish_reasons.update(round_summary.finish_reasons)
+    sampling_settings = Counter(previous.sampling_settings)
+    sampling_settings.update(round_summary.sampling_settings)
     kept_retries = sum(max(f.attempts - 1, 0) for f in kept_failures)
     return round_summary.model_copy(
         update={
@@ -751,6 +760,7 @@ def _after_round(
                 round_summary.completions_path,
             ],
             "finish_reasons": dict(finish_reasons),
+            "sampling_settings": dict(sampling_settings),
         }
     )
 
