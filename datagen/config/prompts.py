@@ -23,7 +23,7 @@ DatasetFormat = Literal[
     "sharegpt",
     "openai_messages",
 ]
-MultiTurnPolicy = Literal["last_turn", "every_turn"]
+MultiTurnPolicy = Literal["last_turn", "every_turn", "on_policy"]
 # The mix category of a dataset without one.
 UNCATEGORISED: Final = "uncategorised"
 # Shares of a mix may add up to 1 with floating-point error.
@@ -132,7 +132,13 @@ class DatasetConfig(StrictModel):
         "id (the same in every attempt), recorded on its completions as `sampling_setting`. Empty: every "
         "prompt samples with `sampling`.",
     )
-    multi_turn: MultiTurnPolicy = "last_turn"
+    multi_turn: MultiTurnPolicy = Field(
+        default="last_turn",
+        description="Multi-turn rows: `last_turn` answers the last turn after the dataset's own history; "
+        "`every_turn` one prompt per assistant turn, each after the dataset's history; `on_policy` answers every "
+        "user turn in order after the target's own earlier answers (one record per turn; chat completions "
+        "only: `generation.exact_tokens: false`). Drafters train best on `on_policy` data.",
+    )
     max_prompt_tokens: int | None = Field(
         default=None, gt=0, description="Drop longer prompts (tools included)."
     )
