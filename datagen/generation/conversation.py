@@ -12,15 +12,20 @@ stream (:meth:`~datagen.generation.dispatcher.Dispatcher.submit_stream`): the mo
 turn's request is admitted in its place, so many chains interleave and the fleet stays saturated. Pure: no I/O,
 no threads; the shard stores what comes out.
 
-A conversation ends early, and each of its turns not sent then gets a failure of kind
-:attr:`~datagen.generation.failures.FailureKind.CONVERSATION_ENDED` naming the turn and why, when a turn:
+Tool turns: where the dataset's assistant called tools and the dataset recorded their results, the target's
+answer at that point must make the same calls (same names, equal arguments after parsing, in any order); then
+the recorded results are spliced in after the target's calls (each ``tool_call_id`` the dataset gave one of its
+calls now names the target's matching call) and the conversation goes on. A target that calls other tools, or
+none, or calls a tool where the dataset's assistant answered, ends the conversation at its call.
 
-- failed (its own failure is stored with its own kind);
-- ended without finishing its answer (``finish_reason`` other than ``stop``: cut at ``max_tokens``, aborted), or
-  with a tool call: a truncated answer is no history the target would have had, and recorded tool results are
-  not spliced in yet;
-- is followed in the dataset by a tool result (the dataset's assistant called a tool): such turns are not
-  planned at all, :attr:`Conversation.cut_at_tool` says so.
+A conversation ends early, and each of its turns not sent then gets a failure naming the turn and why, when a
+turn:
+
+- failed (its own failure is stored with its own kind): kind
+  :attr:`~datagen.generation.failures.FailureKind.CONVERSATION_ENDED`;
+- ended without finishing its answer (``finish_reason`` other than ``stop`` or ``tool_calls``: cut at
+  ``max_tokens``, aborted): a truncated answer is no history the target would have had; ``conversation_ended``;
+- made tool calls that are not the dataset's: kind :attr:`~datagen.generation.failures.FailureKind.TOOL_CALL_DIVERGED`.
 
 A turn that ended unfinished (no live server, the dispatcher closed) stops its chain without a stored result:
 the turns after it are handed back as unfinished too, and the shard's next attempt resumes the chain from its
@@ -30,6 +35,7 @@ last stored turn (:meth:`Conversation.replay`).
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -37,44 +43,120 @@ from typing import Final
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.failures import FailureKind, error_type, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
-from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams
+from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams, ToolCall
 
-# Finish reasons after which the conversation goes on: the answer is whole.
-CONTINUING_FINISH: Final = frozenset({"stop"})
+# Finish reasons after which the conversation may go on: the answer is whole.
+CONTINUING_FINISH: Final = frozenset({"stop", "tool_calls"})
 # Per-request seeds below 2**31, as datagen.generation.shard draws them (some engines parse seeds as int32).
 SEED_MODULUS: Final = 2**31
 
 
-def split_conversation(messages: list[Message]) -> tuple[list[Message], list[list[Message]], bool]:
+@dataclass(frozen=True)
+class ConversationTurns:
+    """A prompt's conversation cut where the target answers.
+
+    Attributes:
+        head: The messages before the first assistant turn (system prompt, first user turn).
+        segments: For each turn after the first, the dataset's messages between the assistant turn before it and
+            it: a user turn, or the results of the tools that assistant turn called.
+        dataset_calls: For each segment, the tool calls of the dataset's assistant turn before it (empty when
+            it called none).
+
+    """
+
+    head: list[Message]
+    segments: list[list[Message]]
+    dataset_calls: list[list[ToolCall]]
+
+
+def split_conversation(messages: list[Message]) -> ConversationTurns:
     """Cut a prompt's messages where the target answers.
 
     Args:
         messages: The conversation without its final answer (a prompt's ``messages``).
 
     Returns:
-        ``(head, segments, cut_at_tool)``: the messages before the first assistant turn; for each later turn,
-        the dataset's messages between the assistant turn before it and it (its user turn); and whether the
-        turns stop before a segment that starts with a tool result (the dataset's assistant called a tool:
-        that turn and the ones after it are not planned).
+        The head, the segments between the dataset's assistant turns, and those turns' tool calls.
 
     """
     head: list[Message] = []
     segments: list[list[Message]] = []
+    calls: list[list[ToolCall]] = []
     current = head
+    answer_calls: list[ToolCall] = []
     previous_role: str | None = None
     for message in messages:
         if message.role == "assistant":
+            if previous_role != "assistant":
+                answer_calls = []
+            answer_calls.extend(message.tool_calls or [])
             previous_role = message.role
             continue
         if previous_role == "assistant":
             current = []
             segments.append(current)
+            calls.append(answer_calls)
         current.append(message)
         previous_role = message.role
-    for position, segment in enumerate(segments):
-        if segment[0].role == "tool":
-            return head, segments[:position], True
-    return head, segments, False
+    return ConversationTurns(head, segments, calls)
+
+
+def _call_key(call: ToolCall) -> tuple[str, str]:
+    """A call as compared: its name and its arguments as canonical JSON (key order and spacing ignored)."""
+    return call.function.name, json.dumps(call.function.arguments, sort_keys=True, separators=(",", ":"))
+
+
+def match_calls(target: list[ToolCall], dataset: list[ToolCall]) -> dict[int, int] | None:
+    """Pair the target's tool calls with the dataset's: same names, equal arguments, in any order.
+
+    Args:
+        target: The calls the target made.
+        dataset: The calls the dataset's assistant made at the same point.
+
+    Returns:
+        For each dataset call's position, the position of the target call it equals; None when the two sets of
+        calls differ (or there are none).
+
+    """
+    if not dataset or len(target) != len(dataset):
+        return None
+    free: dict[tuple[str, str], list[int]] = {}
+    for position, call in enumerate(target):
+        free.setdefault(_call_key(call), []).append(position)
+    pairs: dict[int, int] = {}
+    for position, call in enumerate(dataset):
+        candidates = free.get(_call_key(call))
+        if not candidates:
+            return None
+        pairs[position] = candidates.pop(0)
+    return pairs
+
+
+def splice_results(segment: list[Message], target: list[ToolCall], dataset: list[ToolCall]) -> list[Message]:
+    """The dataset's tool results, each ``tool_call_id`` naming the target's call it answers.
+
+    Args:
+        segment: The dataset's messages after its assistant's calls (tool results first).
+        target: The target's calls.
+        dataset: The dataset's calls; they equal ``target`` (:func:`match_calls`).
+
+    Returns:
+        The segment with the ids of the dataset's calls replaced by the ids of the target's matching calls
+        (results without an id, or with one the dataset's calls do not have, are kept as they are).
+
+    """
+    pairs = match_calls(target, dataset) or {}
+    ids = {
+        call.id: target[pairs[position]].id
+        for position, call in enumerate(dataset)
+        if call.id is not None and position in pairs
+    }
+    spliced = []
+    for message in segment:
+        if message.role == "tool" and message.tool_call_id in ids:
+            message = message.model_copy(update={"tool_call_id": ids[message.tool_call_id]})
+        spliced.append(message)
+    return spliced
 
 
 def answer_message(record: CompletionRecord) -> Message:
@@ -122,21 +204,21 @@ class Conversation:
     sampling: SamplingParams
     sampling_setting: str | None
     dataset: str
-    head: list[Message] = field(init=False)
-    segments: list[list[Message]] = field(init=False)
-    cut_at_tool: bool = field(init=False)
+    cut: ConversationTurns = field(init=False)
     # The target's answers so far, as assistant messages; their number is the next turn.
     answers: list[Message] = field(default_factory=list, init=False)
+    # What follows each answer in the next request: the dataset's segment, tool results spliced.
+    followers: list[list[Message]] = field(default_factory=list, init=False)
     # Set once the conversation ended (every planned turn has a result, or the rest are unfinished).
     over: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
-        self.head, self.segments, self.cut_at_tool = split_conversation(self.prompt.messages)
+        self.cut = split_conversation(self.prompt.messages)
 
     @property
     def turns(self) -> int:
-        """Turns planned: one per user turn the target answers."""
-        return 1 + len(self.segments)
+        """Turns planned: one per answer the target writes (to a user turn, or after a tool's result)."""
+        return 1 + len(self.cut.segments)
 
     @property
     def next_turn(self) -> int:
@@ -153,8 +235,8 @@ class Conversation:
 
     def history(self, turn: int) -> list[Message]:
         """The messages of ``turn``'s request: the head, then each earlier answer of the target and the next user turn."""
-        messages = list(self.head)
-        for answer, segment in zip(self.answers[:turn], self.segments[:turn], strict=True):
+        messages = list(self.cut.head)
+        for answer, segment in zip(self.answers[:turn], self.followers[:turn], strict=True):
             messages.append(answer)
             messages.extend(segment)
         return messages
@@ -197,6 +279,10 @@ class Conversation:
                 return Step()
             if result.finish_reason not in CONTINUING_FINISH:
                 return self._end(f"turn {turn} ended with finish_reason {result.finish_reason}", turn + 1)
+            segment, diverged = self._follower(turn, result.completion.tool_calls or [])
+            if diverged is not None:
+                return self._end(diverged, turn + 1, kind=error_type(FailureKind.TOOL_CALL_DIVERGED))
+            self.followers.append(segment)
             return Step(request=self.request())
         if is_unfinished(result):
             return self._end(result.reason, turn + 1, kind=result.error_type)
@@ -225,6 +311,21 @@ class Conversation:
                 break
         return step
 
+    def _follower(self, turn: int, calls: list[ToolCall]) -> tuple[list[Message], str | None]:
+        """What follows the target's answer of ``turn`` in the next request, or why the conversation ends there."""
+        segment = self.cut.segments[turn]
+        dataset = self.cut.dataset_calls[turn]
+        if segment[0].role != "tool":
+            if calls:
+                return [], f"turn {turn} called {_names(calls)} where the dataset's assistant called no tool"
+            return segment, None
+        if match_calls(calls, dataset) is None:
+            return (
+                [],
+                f"turn {turn} called {_names(calls) or 'no tool'} where the dataset called {_names(dataset)}",
+            )
+        return splice_results(segment, calls, dataset), None
+
     def _end(self, reason: str, first: int, *, kind: str | None = None) -> Step:
         """End the conversation: a failure for each turn from ``first`` on (unfinished ones when ``kind`` is)."""
         self.over = True
@@ -245,6 +346,10 @@ class Conversation:
         )
 
 
+def _names(calls: list[ToolCall]) -> str:
+    return ", ".join(call.function.name for call in calls)
+
+
 Deliver = Callable[[GenerationRequest, GenerationResult], None]
 
 
@@ -263,10 +368,6 @@ class ConversationChains:
     def keys(self) -> list[str]:
         """Every planned turn's key, conversation by conversation."""
         return [key for conversation in self.conversations for key in conversation.turn_keys()]
-
-    def cut_at_tool(self) -> int:
-        """Conversations whose planned turns stop before a tool result (not spliced in yet)."""
-        return sum(conversation.cut_at_tool for conversation in self.conversations)
 
     def resume(
         self, stored: Mapping[str, GenerationResult]

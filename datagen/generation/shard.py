@@ -259,14 +259,6 @@ def generate_shard(
         to_send, ended = chains.resume(stored)
         kept_failures.extend(ended)
         expected = sum(1 for key in keys if key not in stored) - len(ended)
-        if chains.cut_at_tool():
-            logger.info(
-                "conversations end before a recorded tool result (tool turns are not spliced in yet) "
-                "dataset=%s shard=%d conversations=%d",
-                dataset,
-                index,
-                chains.cut_at_tool(),
-            )
     resent = len(to_send) if earlier.part_count or attempted_before else 0
     logger.info(
         "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",

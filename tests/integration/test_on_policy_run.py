@@ -7,6 +7,10 @@ alone: every turn of every conversation is stored exactly once; each turn's requ
 then for each earlier turn the target's stored answer and the dataset's next user turn (never the dataset's own
 answers); the server saw each conversation's turns in order; conversations interleaved on the server; the
 conversation whose second turn the server refuses ends there, its last turn counted as `conversation_ended`.
+
+A second dataset in the Hermes function-calling layout has tool conversations: where the target's call equals the
+dataset's, the recorded result is spliced in after it and the conversation goes on; where it does not, the
+conversation ends at the call, its unsent turns counted as `tool_call_diverged`.
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ class _SerialServer(FaultServer):
         answer = super()._success(fault, body, content)
         with self._serial_lock:
             serial = next(self._serials)
-        answer["choices"][0]["message"]["content"] += f" #{serial}"
+        message = answer["choices"][0]["message"]
+        if message["content"] is not None:  # a tool call has no text
+            message["content"] += f" #{serial}"
         return answer
 
 
@@ -73,6 +79,54 @@ def _write_dataset(path: Path) -> Path:
     return path
 
 
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+HERMES_SYSTEM = "You may call functions.\n<tools>\n{tools}\n</tools>\nCall them in <tool_call> tags."
+TOOL_ROWS = 4
+# The row whose dataset called the tool for another city than the target will (the stand-in calls Paris).
+DIVERGING = 3
+
+
+def _write_tool_dataset(path: Path) -> Path:
+    """Hermes rows: ask (the stand-in answers `#toolcall` with get_weather Paris), the call, its result, a thank-you."""
+    rows = []
+    for row in range(TOOL_ROWS):
+        city = "London" if row == DIVERGING else "Paris"
+        call = json.dumps({"name": "get_weather", "arguments": {"city": city}})
+        rows.append(
+            {
+                "id": f"fc-{row}",
+                "conversations": [
+                    {"from": "system", "value": HERMES_SYSTEM.format(tools=json.dumps(WEATHER_TOOLS))},
+                    {"from": "human", "value": f"Weather for trip {row}? #toolcall"},
+                    {"from": "gpt", "value": f"<tool_call>\n{call}\n</tool_call>"},
+                    {
+                        "from": "tool",
+                        "value": f"<tool_response>\nsunny in {city} (row {row})\n</tool_response>",
+                    },
+                    {"from": "gpt", "value": "DATASET ANSWER: sunny."},
+                    {"from": "human", "value": f"Thanks for trip {row}."},
+                    {"from": "gpt", "value": "DATASET ANSWER: welcome."},
+                ],
+                "category": "Weather",
+            }
+        )
+    path.write_text(json.dumps(rows))
+    return path
+
+
 def _config(tmp_path: Path, server_url: str, model_dir: Path) -> Path:
     config = {
         "run_id": "onpolicy-1",
@@ -86,7 +140,14 @@ def _config(tmp_path: Path, server_url: str, model_dir: Path) -> Path:
                 "path": str(_write_dataset(tmp_path / "chat.jsonl")),
                 "shard_size": 8,
                 "multi_turn": "on_policy",
-            }
+            },
+            {
+                "name": "fc",
+                "format": "hermes_fc",
+                "path": str(_write_tool_dataset(tmp_path / "fc.json")),
+                "shard_size": 8,
+                "multi_turn": "on_policy",
+            },
         ],
         "output": str(tmp_path / "out"),
         "protected_prefixes": [str(tmp_path / "train")],
@@ -169,10 +230,15 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
         max_in_flight = server.max_in_flight
     assert killed_at < len(seen), "the resumed run sent the turns still to do"
 
-    completions = [CompletionRecord.model_validate(row) for row in _records(run_root, "completions")]
-    failures = [FailureRecord.model_validate(row) for row in _records(run_root, "failures")]
-    keys = [record.key for record in [*completions, *failures]]
-    assert len(keys) == len(set(keys)) == CONVERSATIONS * USER_TURNS, "every turn stored exactly once"
+    records = [CompletionRecord.model_validate(row) for row in _records(run_root, "completions")]
+    errors = [FailureRecord.model_validate(row) for row in _records(run_root, "failures")]
+    keys = [record.key for record in [*records, *errors]]
+    assert len(keys) == len(set(keys)) == (CONVERSATIONS + TOOL_ROWS) * USER_TURNS, "every turn stored once"
+    _check_tool_conversations(
+        [r for r in records if r.dataset == "fc"], [f for f in errors if f.dataset == "fc"]
+    )
+    completions = [record for record in records if record.dataset == "chat"]
+    failures = [failure for failure in errors if failure.dataset == "chat"]
     assert {(f.turn, f.error_type) for f in failures} == {(1, "http_400"), (2, "conversation_ended")}
     assert {f.reason for f in failures if f.turn == 2} == {"turn 1 failed: http_400"}
 
@@ -217,4 +283,39 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
             assert order == sorted(order), order
     assert max_in_flight > 1, "conversations interleave on the server"
     report = json.loads((run_root / "report.json").read_text())
-    assert report["totals"]["failure_reasons"] == {"http_400": 1, "conversation_ended": 1}
+    assert report["totals"]["failure_reasons"] == {
+        "http_400": 1,
+        "conversation_ended": 1,
+        "tool_call_diverged": 2,
+    }
+
+
+def _check_tool_conversations(completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
+    """Matching calls get the recorded result spliced in and go on; the diverging one ends at its call."""
+    assert {(f.turn, f.error_type) for f in failures} == {
+        (1, "tool_call_diverged"),
+        (2, "tool_call_diverged"),
+    }
+    assert all("called get_weather where the dataset called get_weather" in f.reason for f in failures)
+    by_conversation: dict[str, dict[int, CompletionRecord]] = defaultdict(dict)
+    for record in completions:
+        assert record.turn is not None
+        by_conversation[record.prompt_id][record.turn] = record
+    assert sorted(len(turns) for turns in by_conversation.values()) == [1, 3, 3, 3]
+    for turns in by_conversation.values():
+        call = turns[0].completion.tool_calls
+        assert (
+            turns[0].finish_reason == "tool_calls"
+            and call
+            and call[0].function.arguments == {"city": "Paris"}
+        )
+        if len(turns) == 1:
+            continue
+        assert turns[1].messages[:-1] == [*turns[0].messages, turns[1].messages[-2]]
+        called, result = turns[1].messages[-2:]
+        assert called.role == "assistant" and called.tool_calls == call, "the target's own call"
+        assert result.role == "tool" and result.content is not None and "sunny in Paris" in result.content
+        assert turns[2].messages[-1].content is not None and turns[2].messages[-1].content.startswith(
+            "Thanks"
+        )
+        assert turns[2].messages[-2].content == turns[1].completion.content

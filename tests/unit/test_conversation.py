@@ -10,7 +10,7 @@ from collections import defaultdict
 import pytest
 
 from datagen.config import GenerationConfig
-from datagen.generation.conversation import Conversation, ConversationChains, split_conversation
+from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable
@@ -20,10 +20,12 @@ from datagen.records import (
     CompletionRecord,
     FailureRecord,
     FinishReason,
+    FunctionCall,
     Message,
     PromptRecord,
     SamplingParams,
     TokenUsage,
+    ToolCall,
 )
 from tests.support.fault_server import FaultPlan, FaultServer
 
@@ -163,16 +165,83 @@ def test_a_resume_continues_after_the_last_stored_turn_with_the_stored_answers_a
     assert finished.request is None and not finished.ended
 
 
-def test_turns_stop_before_a_recorded_tool_result() -> None:
-    messages = [
-        Message(role="user", content="Weather?"),
-        Message(role="assistant", content=None),
-        Message(role="tool", content="sunny"),
-        Message(role="assistant", content="It is sunny."),
-        Message(role="user", content="Thanks"),
+def _call(name: str, call_id: str | None = None, **arguments: object) -> ToolCall:
+    return ToolCall(id=call_id, function=FunctionCall(name=name, arguments=arguments))
+
+
+# The Hermes layout: parallel calls, results in the same order; the dataset's calls carry ids here.
+TOOL_PROMPT = PromptRecord(
+    prompt_id="tools",
+    dataset="fc",
+    messages=[
+        Message(role="system", content="Use the tools."),
+        Message(role="user", content="Apple and Microsoft?"),
+        Message(
+            role="assistant",
+            tool_calls=[_call("price", "d1", ticker="AAPL"), _call("price", "d2", ticker="MSFT")],
+        ),
+        Message(role="tool", content="AAPL 200", tool_call_id="d1"),
+        Message(role="tool", content="MSFT 400", tool_call_id="d2"),
+        Message(role="assistant", content="Apple 200, Microsoft 400."),
+        Message(role="user", content="And the sum?"),
+    ],
+    tools=[{"type": "function", "function": {"name": "price", "parameters": {"type": "object"}}}],
+)
+
+
+def _tool_answer(request: GenerationRequest, calls: list[ToolCall]) -> CompletionRecord:
+    record = _answer(request, "", finish="tool_calls")
+    return record.model_copy(update={"completion": AssistantCompletion(tool_calls=calls)})
+
+
+def test_the_recorded_tool_results_are_spliced_in_after_the_targets_matching_calls_in_any_order() -> None:
+    conversation = Conversation(TOOL_PROMPT, 0, SamplingParams(), None, "fc")
+    assert conversation.turns == 3
+    first = conversation.request()
+    assert _texts(first.prompt.messages) == [("system", "Use the tools."), ("user", "Apple and Microsoft?")]
+    assert first.prompt.tools == TOOL_PROMPT.tools
+    mine = [_call("price", "t-b", ticker="MSFT"), _call("price", "t-a", ticker="AAPL")]
+    second = conversation.advance(_tool_answer(first, mine)).request
+    assert second is not None
+    called, *results = second.prompt.messages[2:]
+    assert called.role == "assistant" and called.tool_calls == mine
+    assert [(m.role, m.content, m.tool_call_id) for m in results] == [
+        ("tool", "AAPL 200", "t-a"),
+        ("tool", "MSFT 400", "t-b"),
+    ], "each result names the target's call it answers"
+    third = conversation.advance(_answer(second, "Both priced.")).request
+    assert third is not None
+    assert _texts(third.prompt.messages)[-2:] == [("assistant", "Both priced."), ("user", "And the sum?")]
+
+
+@pytest.mark.parametrize(
+    ("calls", "reason"),
+    [
+        ([_call("price", ticker="AAPL")], "turn 0 called price where the dataset called price, price"),
+        ([_call("price", ticker="AAPL"), _call("price", ticker="IBM")], "turn 0 called price, price where"),
+        ([], "turn 0 called no tool where the dataset called price, price"),
+    ],
+)
+def test_a_target_that_calls_other_tools_than_the_dataset_ends_the_conversation_counted_as_diverged(
+    calls: list[ToolCall], reason: str
+) -> None:
+    conversation = Conversation(TOOL_PROMPT, 0, SamplingParams(), None, "fc")
+    first = conversation.request()
+    answer = _tool_answer(first, calls) if calls else _answer(first, "I will not call anything.")
+    step = conversation.advance(answer)
+    assert step.request is None
+    assert [(f.turn, f.error_type) for f in step.ended] == [
+        (1, "tool_call_diverged"),
+        (2, "tool_call_diverged"),
     ]
-    head, segments, cut = split_conversation(messages)
-    assert _texts(head) == [("user", "Weather?")] and segments == [] and cut
+    assert step.ended[0].reason.startswith(reason)
+
+
+def test_a_tool_call_where_the_dataset_answered_ends_the_conversation_counted_as_diverged() -> None:
+    conversation = _conversation()
+    step = conversation.advance(_tool_answer(conversation.request(), [_call("search", q="x")]))
+    assert [f.error_type for f in step.ended] == ["tool_call_diverged", "tool_call_diverged"]
+    assert step.ended[0].reason == "turn 0 called search where the dataset's assistant called no tool"
 
 
 def test_the_dispatcher_admits_each_next_turn_as_the_previous_lands_and_keeps_every_chain_in_order() -> None:

@@ -56,6 +56,7 @@ STORED_VALUES = {
     FailureKind.DISPATCHER_CLOSED: "dispatcher_closed",
     FailureKind.ADMISSION_STOPPED: "admission_stopped",
     FailureKind.CONVERSATION_ENDED: "conversation_ended",
+    FailureKind.TOOL_CALL_DIVERGED: "tool_call_diverged",
 }
 
 
@@ -75,6 +76,7 @@ def test_every_failure_kind_keeps_its_stored_value_and_has_one_fate() -> None:
         FailureKind.DISPATCHER_CLOSED: Fate.UNFINISHED,
         FailureKind.ADMISSION_STOPPED: Fate.UNFINISHED,
         FailureKind.CONVERSATION_ENDED: Fate.GIVE_UP,
+        FailureKind.TOOL_CALL_DIVERGED: Fate.GIVE_UP,
     }
     # A value no version of datagen wrote is not the prompt's fault: sent again rather than dropped.
     assert fate("something_new") is Fate.SEND_AGAIN
