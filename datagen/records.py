@@ -254,6 +254,13 @@ class GenerationCounts(Record):
     retried_attempts: int = Field(default=0, description="Extra attempts spent on transient errors.")
     finish_reasons: dict[str, int] = Field(default_factory=dict, description="Completions by finish reason.")
     failure_reasons: dict[str, int] = Field(default_factory=dict, description="Failures by reason.")
+    conversations: int = Field(
+        default=0,
+        description="On-policy conversations (prompts x samples); each turn is one of the requests.",
+    )
+    conversations_completed: int = Field(
+        default=0, description="On-policy conversations whose every turn ended in a completion."
+    )
     sampling_settings: dict[str, int] = Field(
         default_factory=dict,
         description="Completions by the sampling_mix setting they drew (datasets with a mix).",

@@ -209,6 +209,14 @@ class RunReport(BaseModel):
             f"throughput: **{self.output_tokens_per_s:.1f} output tok/s**",
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
+            *(
+                [
+                    f"- on-policy conversations: **{self.totals.conversations}** (their turns are requests above), "
+                    f"every turn answered: **{self.totals.conversations_completed}**"
+                ]
+                if self.totals.conversations
+                else []
+            ),
             *([f"- hosts: {', '.join(markdown_text(host) for host in self.hosts)}"] if self.hosts else []),
             *[
                 f"- **host lost: {markdown_text(name)}** ({markdown_text(reason)})"

@@ -237,8 +237,11 @@ class Admission:
         """Hand ``job``'s result to its stream (once) and give its admission back.
 
         When the stream follows its results (an on-policy conversation), the request that follows this one is
-        admitted in its place at once, at the head of the queue: the chain's next turn goes out the moment the
-        previous one lands, and chains already started finish before new ones take slots.
+        admitted in its place at once and joins the queue's tail: the chain's next turn is queued the moment the
+        previous one lands and keeps the admission it freed. At the tail, not the head: the requests with the
+        most work behind them (new conversations' first turns) go first, which shortens the run's end, where
+        only chains' last turns remain (benchmarks/bench_conversations.py: 0.95 of independent requests at the
+        tail, 0.89 at the head, on a loaded 2-core box).
         """
         self.admitted -= 1
         stream = job.stream
@@ -265,7 +268,7 @@ class Admission:
         if self.stopped is not None:
             self._fail(job, self.stopped, FailureKind.ADMISSION_STOPPED, None)
             return
-        self.queue.appendleft(job)
+        self.queue.append(job)
         # A result that did not come from a try (no pump follows it) must not leave the request waiting.
         assert self.loop is not None
         self.loop.call_soon(self.pump)

@@ -312,6 +312,7 @@ def generate_shard(
         known=writer.written,
         previous=previous,
         standing=standing,
+        conversations=[c.turn_keys() for c in chains.conversations] if chains is not None else None,
     )
     logger.info(
         "shard done dataset=%s shard=%d round=%d completions=%d failures=%d completion_tokens=%d resent=%d "
@@ -720,8 +721,11 @@ def _assemble(
     known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
     previous: ShardSummary | None = None,
     standing: list[FailureRecord] | None = None,
+    conversations: list[list[str]] | None = None,
 ) -> ShardSummary:
     """Write the final files from all parts (or verify earlier ones), then the done marker.
+
+    ``conversations`` (on-policy shards) are the turn keys of each conversation, for its counts.
 
     For a retry round (``previous`` is the summary of the round before, ``standing`` its failures), the
     round's completions file holds the answers of its requests, its failures file every failure of the
@@ -790,6 +794,8 @@ def _assemble(
         sampling_settings=dict(
             Counter(record.sampling_setting for record in completions if record.sampling_setting is not None)
         ),
+        conversations=len(conversations or []),
+        conversations_completed=sum(all(key in completed for key in turns) for turns in conversations or []),
         retry_round=retry_round,
     )
     if previous is not None:

@@ -288,6 +288,11 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
         "conversation_ended": 1,
         "tool_call_diverged": 2,
     }
+    # Every turn the target answered is a training row of its own (its history, loss on its answer).
+    assert report["totals"]["tokenized_rows"] == len(records)
+    totals = report["totals"]
+    assert (totals["conversations"], totals["conversations_completed"]) == (CONVERSATIONS + TOOL_ROWS, 18)
+    assert "- on-policy conversations: **20**" in (run_root / "report.md").read_text()
 
 
 def _check_tool_conversations(completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
