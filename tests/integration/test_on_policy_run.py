@@ -2,7 +2,7 @@
 
 The stand-in answers every request with a text no other request gets (the question plus a serial number), so
 a history can only hold an answer if that very answer was stored. The run is killed (the process group,
-SIGKILL) once turns past the first are stored, then run again to the end. Then, from the stored records
+SIGKILL) twice, each time once more turns past the first are stored, then run again to the end. Then, from the stored records
 alone: every turn of every conversation is stored exactly once; each turn's request held the system prompt,
 then for each earlier turn the target's stored answer and the dataset's next user turn (never the dataset's own
 answers); the server saw each conversation's turns in order; conversations interleaved on the server; the
@@ -38,6 +38,8 @@ USER_TURNS = 3
 # The conversation whose second user turn the server refuses (HTTP 400, not retried).
 REFUSED = 5
 FLOW_TIMEOUT_S = 300
+KILLS = 2
+LATER_TURNS_PER_ATTEMPT = 4
 GENERATION_START_TIMEOUT_S = 180
 
 pytestmark = pytest.mark.usefixtures("prefect_api")
@@ -199,36 +201,42 @@ def _records(run_root: Path, kind: str) -> list[dict[str, Any]]:
     ]
 
 
-def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_a_sigkill(
+def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_sigkills(
     tmp_path: Path, prefect_api: str, tiny_model_dir: Path
 ) -> None:
     log = tmp_path / "flow.log"
     run_root = tmp_path / "out" / "runs" / "onpolicy-1"
     with _SerialServer(FaultPlan(base_delay_s=0.15)) as server:
         config = _config(tmp_path, server.url, tiny_model_dir)
-        process = _start(config, tmp_path, prefect_api, log)
-        try:
-            deadline = time.monotonic() + GENERATION_START_TIMEOUT_S
-            while _stored_later_turns(run_root) < 4:
-                assert process.poll() is None, log.read_text()[-4000:]
-                assert time.monotonic() < deadline, "no later turn was stored in time"
-                time.sleep(0.05)
-        finally:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        killed_at = len(server.chat_requests())
-        stored_at_kill: dict[str, set[int]] = defaultdict(set)
-        for part in run_root.glob("parts/**/completions-*.jsonl"):
-            for line in part.read_text().splitlines():
-                if line:
-                    row = json.loads(line)
-                    stored_at_kill[row["prompt_id"]].add(row["turn"])
-        assert any(len(turns) < USER_TURNS for turns in stored_at_kill.values()), "killed mid-conversation"
+        marks = [0]
+        for _ in range(KILLS):
+            # Each attempt is killed once it stored a few more later turns than the attempts before it.
+            target = _stored_later_turns(run_root) + LATER_TURNS_PER_ATTEMPT
+            process = _start(config, tmp_path, prefect_api, log)
+            try:
+                deadline = time.monotonic() + GENERATION_START_TIMEOUT_S
+                while _stored_later_turns(run_root) < target:
+                    assert process.poll() is None, log.read_text()[-4000:]
+                    assert time.monotonic() < deadline, "no later turn was stored in time"
+                    time.sleep(0.05)
+            finally:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+            marks.append(len(server.chat_requests()))
+            stored_at_kill: dict[str, set[int]] = defaultdict(set)
+            for part in run_root.glob("parts/**/completions-*.jsonl"):
+                for line in part.read_text().splitlines():
+                    if line:
+                        row = json.loads(line)
+                        stored_at_kill[row["prompt_id"]].add(row["turn"])
+            assert any(len(turns) < USER_TURNS for turns in stored_at_kill.values()), (
+                "killed mid-conversation"
+            )
         resumed = _start(config, tmp_path, prefect_api, log)
         assert resumed.wait(FLOW_TIMEOUT_S) == 0, log.read_text()[-4000:]
         seen = [request.body for request in server.chat_requests() if request.body is not None]
         max_in_flight = server.max_in_flight
-    assert killed_at < len(seen), "the resumed run sent the turns still to do"
+    assert marks[-1] < len(seen), "the resumed run sent the turns still to do"
 
     records = [CompletionRecord.model_validate(row) for row in _records(run_root, "completions")]
     errors = [FailureRecord.model_validate(row) for row in _records(run_root, "failures")]
@@ -273,8 +281,9 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
         assert "DATASET ANSWER" not in json.dumps([r.model_dump(mode="json") for r in turns.values()])
 
     # The server saw each conversation's turns in order (a turn's request is sent after the one before landed).
-    # Within each attempt: after the kill, a turn that landed but was not stored is sent again, before its next.
-    for attempt in (seen[:killed_at], seen[killed_at:]):
+    # Within each attempt (after a kill, a turn that landed but was not stored is sent again, before its next).
+    bounds = [*marks, len(seen)]
+    for attempt in (seen[start:end] for start, end in itertools.pairwise(bounds)):
         turn_seen: dict[str, list[int]] = defaultdict(list)
         for body in attempt:
             asked = body["messages"][1]["content"]
