@@ -262,8 +262,8 @@ class Conversation:
 
         Returns:
             The next turn's request while the conversation goes on; else the turns never sent, each as a
-            ``conversation_ended`` failure (as unfinished failures of the same kind when the turn was
-            unfinished: they are sent again with it).
+            ``conversation_ended`` or ``tool_call_diverged`` failure (as unfinished failures of the same kind
+            when the turn was unfinished: they are sent again with it).
 
         Raises:
             ValueError: The result is not the next turn's.
@@ -299,7 +299,7 @@ class Conversation:
             again; with no turn stored, the first turn's request.
 
         """
-        step = Step(request=self.request())
+        step: Step | None = None
         while not self.over:
             result = stored.get(self.key(self.next_turn))
             if result is None:
@@ -309,7 +309,7 @@ class Conversation:
                 self.over = True
                 step.ended = [failure for failure in step.ended if failure.key not in stored]
                 break
-        return step
+        return step if step is not None else Step(request=self.request())
 
     def _follower(self, turn: int, calls: list[ToolCall]) -> tuple[list[Message], str | None]:
         """What follows the target's answer of ``turn`` in the next request, or why the conversation ends there."""

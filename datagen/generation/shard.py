@@ -187,6 +187,13 @@ def generate_shard(
     started = time.monotonic()
     dataset, index = shard.dataset, shard.shard_index
     on_policy = config.dataset(dataset).multi_turn == "on_policy"
+    if on_policy and dispatcher.exact_tokens:
+        # Preflight refuses this config (datagen.engines.exact_tokens_enabled); checked here before anything is read.
+        raise ConfigError(
+            f"dataset {dataset!r} generates on-policy conversations, which exact-token mode cannot render "
+            "turn by turn yet: set generation.exact_tokens: false",
+            dataset=dataset,
+        )
     previous = latest_shard_summary(store, layout, dataset, index)
     standing: list[FailureRecord] = []
     retry_round = 0
@@ -246,12 +253,6 @@ def generate_shard(
         to_send = [request for request in requests if request.key not in finished]
         expected = len(to_send)
     else:
-        if dispatcher.exact_tokens:
-            raise ConfigError(
-                f"dataset {dataset!r} generates on-policy conversations, which exact-token mode cannot render "
-                "turn by turn yet: set generation.exact_tokens: false",
-                dataset=dataset,
-            )
         # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn).
         stored: dict[str, CompletionRecord | FailureRecord] = {**earlier.failures, **earlier.completions}
         stored |= {record.key: record for record in kept_failures if record.key not in stored}

@@ -9,7 +9,9 @@ from collections import defaultdict
 
 import pytest
 
-from datagen.config import GenerationConfig
+from datagen.config import GenerationConfig, parse_run_config
+from datagen.engines import exact_tokens_enabled
+from datagen.errors import ConfigError
 from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
@@ -311,3 +313,15 @@ def test_exact_token_mode_refuses_a_stream_that_follows() -> None:
     )
     with pytest.raises(ValueError, match="no stream may follow"):
         dispatcher.submit_stream([], lambda *_: None, follow=lambda *_: None)
+
+
+def test_on_policy_datasets_are_refused_in_exact_token_mode_before_anything_starts() -> None:
+    data = {
+        "model": {"path": "/models/m"},
+        "fleet": {"engine": "sglang"},
+        "datasets": [{"name": "chat", "format": "openai_messages", "path": "x", "multi_turn": "on_policy"}],
+        "output": "/tmp/out",
+    }
+    with pytest.raises(ConfigError, match=r"set generation\.exact_tokens: false"):
+        exact_tokens_enabled(parse_run_config(data))
+    assert exact_tokens_enabled(parse_run_config({**data, "generation": {"exact_tokens": False}})) is False
