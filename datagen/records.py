@@ -143,14 +143,22 @@ class CompletionRecord(Record):
     engine: str
     server: str
     sampling: SamplingParams
+    sampling_setting: str | None = Field(
+        default=None, description="The dataset's sampling_mix setting the prompt drew; None without a mix."
+    )
+    turn: int | None = Field(
+        default=None,
+        ge=0,
+        description="An on-policy conversation's turn (0: the first answer); None otherwise.",
+    )
     attempts: int = 1
     latency_s: float
     created_at: dt.datetime = Field(default_factory=utc_now)
 
     @property
     def key(self) -> str:
-        """The request key, unique within a run: ``<prompt_id>/<sample_index>``."""
-        return request_key(self.prompt_id, self.sample_index)
+        """The request key, unique within a run: ``<prompt_id>/<sample_index>`` (``/<turn>`` for a conversation's)."""
+        return request_key(self.prompt_id, self.sample_index, self.turn)
 
 
 class FailureRecord(Record):
@@ -165,12 +173,17 @@ class FailureRecord(Record):
     attempts: int
     last_status: int | None = None
     server: str | None = None
+    turn: int | None = Field(
+        default=None,
+        ge=0,
+        description="An on-policy conversation's turn (0: the first answer); None otherwise.",
+    )
     created_at: dt.datetime = Field(default_factory=utc_now)
 
     @property
     def key(self) -> str:
-        """The request key, unique within a run: ``<prompt_id>/<sample_index>``."""
-        return request_key(self.prompt_id, self.sample_index)
+        """The request key, unique within a run: ``<prompt_id>/<sample_index>`` (``/<turn>`` for a conversation's)."""
+        return request_key(self.prompt_id, self.sample_index, self.turn)
 
 
 class PromptShardRef(Record):
@@ -241,6 +254,17 @@ class GenerationCounts(Record):
     retried_attempts: int = Field(default=0, description="Extra attempts spent on transient errors.")
     finish_reasons: dict[str, int] = Field(default_factory=dict, description="Completions by finish reason.")
     failure_reasons: dict[str, int] = Field(default_factory=dict, description="Failures by reason.")
+    conversations: int = Field(
+        default=0,
+        description="On-policy conversations (prompts x samples); each turn is one of the requests.",
+    )
+    conversations_completed: int = Field(
+        default=0, description="On-policy conversations whose every turn ended in a completion."
+    )
+    sampling_settings: dict[str, int] = Field(
+        default_factory=dict,
+        description="Completions by the sampling_mix setting they drew (datasets with a mix).",
+    )
 
     def add(self, other: GenerationCounts) -> None:
         """Add ``other``'s counts to these."""
@@ -278,6 +302,8 @@ class ShardSummary(GenerationCounts):
         return [self.completions_path, *self.retried_completions_paths]
 
 
-def request_key(prompt_id: str, sample_index: int) -> str:
-    """The unique key of one request in a run."""
-    return f"{prompt_id}/{sample_index}"
+def request_key(prompt_id: str, sample_index: int, turn: int | None = None) -> str:
+    """The unique key of one request in a run; a conversation's turns (``multi_turn: on_policy``) add the turn."""
+    if turn is None:
+        return f"{prompt_id}/{sample_index}"
+    return f"{prompt_id}/{sample_index}/{turn}"

@@ -138,6 +138,8 @@ HEAVIEST_FIRST = [
     # Whole runs, two or three each (a window that ends, a series continued after a kill).
     "tests/integration/test_window_run.py",
     "tests/integration/test_series_continuation.py",
+    "tests/integration/test_on_policy_run.py",
+    "tests/integration/test_sampling_mix_run.py",
     "tests/integration/test_terminal_view.py",
     "tests/integration/test_full_disk.py",
     "tests/integration/test_s3_faults.py",

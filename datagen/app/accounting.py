@@ -217,7 +217,7 @@ def history_record(config: RunConfig, store: Store, layout: RunLayout, report: R
         item.dataset: DatasetAnswers(
             completions=item.completions,
             output_tokens=item.completion_tokens,
-            max_tokens=config.sampling_for(config.dataset(item.dataset)).max_tokens,
+            max_tokens=config.max_tokens_for(config.dataset(item.dataset)),
         )
         for item in report.datasets
         if item.completions

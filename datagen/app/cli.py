@@ -331,7 +331,12 @@ def datasets_inspect(
     as_json: Annotated[bool, typer.Option("--json", help="Print the counts as JSON.")] = False,
     limit: Annotated[int | None, typer.Option(help="Read at most this many rows.")] = None,
     multi_turn: Annotated[
-        str, typer.Option("--multi-turn", help="last_turn, or every_turn (one prompt per assistant turn).")
+        str,
+        typer.Option(
+            "--multi-turn",
+            help="last_turn, every_turn (one prompt per assistant turn), or on_policy (one prompt per "
+            "conversation, its turns answered in generation).",
+        ),
     ] = "last_turn",
 ) -> None:
     """Count rows read, prompts produced and rejections by reason; starts nothing, writes nothing."""

@@ -274,13 +274,15 @@ def estimate_cost(
             prompts: int | None = prompts_by_dataset[dataset.name]
         else:
             prompts = quotas.quota(dataset.name)
-        mean, source = _answer_tokens(records, dataset.name, sampling.max_tokens)
+        # A sampling mix is priced at its largest answer: an estimate that errs long.
+        max_tokens = config.max_tokens_for(dataset)
+        mean, source = _answer_tokens(records, dataset.name, max_tokens)
         datasets.append(
             DatasetPreview(
                 dataset=dataset.name,
                 prompts=prompts,
                 samples_per_prompt=sampling.samples_per_prompt,
-                max_tokens=sampling.max_tokens,
+                max_tokens=max_tokens,
                 mean_answer_tokens=mean,
                 answer_source=source,
             )

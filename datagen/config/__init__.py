@@ -50,6 +50,7 @@ from datagen.config.prompts import (
     MixConfig,
     MultiTurnPolicy,
     SamplingOverrides,
+    SamplingSetting,
 )
 from datagen.config.run import RunConfig
 from datagen.config.training import TrainingJobConfig, TrainingJobKind
@@ -96,6 +97,7 @@ __all__ = [
     "SGLangOptions",
     "SamplingOverrides",
     "SamplingParams",
+    "SamplingSetting",
     "Share",
     "Slug",
     "StrictModel",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Annotated, Final, Literal
 
 from pydantic import Field, model_validator
@@ -22,11 +23,15 @@ DatasetFormat = Literal[
     "sharegpt",
     "openai_messages",
 ]
-MultiTurnPolicy = Literal["last_turn", "every_turn"]
+MultiTurnPolicy = Literal["last_turn", "every_turn", "on_policy"]
 # The mix category of a dataset without one.
 UNCATEGORISED: Final = "uncategorised"
 # Shares of a mix may add up to 1 with floating-point error.
 SHARE_SUM_TOLERANCE: Final = 1e-9
+# Settings one dataset's sampling mix may hold: a handful is what a mix is for (temperature and thinking cycles).
+MAX_SAMPLING_SETTINGS: Final = 16
+# A prompt's draw in [0, 1) comes from these many bytes of its id's SHA-256: fine enough for any weights.
+DRAW_BYTES: Final = 8
 
 
 class SamplingOverrides(StrictModel):
@@ -45,6 +50,60 @@ class SamplingOverrides(StrictModel):
         """Return ``base`` with every field set here replaced."""
         changes = self.model_dump(exclude_none=True)
         return base.model_copy(update=changes)
+
+
+class SamplingSetting(StrictModel):
+    """One setting of a dataset's sampling mix: a name, a weight, and the sampling it changes.
+
+    Applied over the dataset's resolved sampling (run defaults + ``datasets[].sampling``); unset fields keep
+    it. Only what may differ between the prompts of one dataset is here: the number of samples per prompt and
+    the seed stay the dataset's.
+    """
+
+    name: Slug = Field(
+        description="Recorded on each completion it sampled and counted in the report, e.g. `cold`."
+    )
+    weight: float = Field(
+        gt=0, description="Relative weight: the share of prompts is weight / sum of weights."
+    )
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, gt=0)
+    enable_thinking: bool | None = None
+
+    def apply(self, base: SamplingParams) -> SamplingParams:
+        """Return ``base`` with every sampling field set here replaced."""
+        changes = self.model_dump(exclude_none=True, exclude={"name", "weight"})
+        return base.model_copy(update=changes)
+
+
+def choose_setting(settings: list[SamplingSetting], prompt_id: str) -> SamplingSetting | None:
+    """The setting of a sampling mix one prompt is generated with, decided by its id alone.
+
+    The draw is the prompt id's SHA-256 read as a number in [0, 1): the same prompt gets the same setting in
+    every attempt (a resume, a retry round), with no state to store, and prompts spread over the settings in
+    proportion to their weights.
+
+    Args:
+        settings: The dataset's mix, in config order (empty: no mix).
+        prompt_id: The prompt's stable id.
+
+    Returns:
+        The chosen setting, or None when the mix is empty.
+
+    """
+    if not settings:
+        return None
+    digest = hashlib.sha256(f"sampling-mix/{prompt_id}".encode()).digest()
+    draw = int.from_bytes(digest[:DRAW_BYTES], "big") / 2 ** (8 * DRAW_BYTES)
+    point = draw * sum(setting.weight for setting in settings)
+    for setting in settings:
+        point -= setting.weight
+        if point < 0:
+            return setting
+    # Floating-point error can leave the last sliver unassigned: it belongs to the last setting.
+    return settings[-1]
 
 
 class DatasetConfig(StrictModel):
@@ -66,7 +125,21 @@ class DatasetConfig(StrictModel):
     )
     shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
-    multi_turn: MultiTurnPolicy = "last_turn"
+    sampling_mix: list[SamplingSetting] = Field(
+        default_factory=list,
+        max_length=MAX_SAMPLING_SETTINGS,
+        description="Weighted sampling settings, applied over `sampling`: each prompt gets one, chosen from its "
+        "id (the same in every attempt), recorded on its completions as `sampling_setting`. Empty: every "
+        "prompt samples with `sampling`.",
+    )
+    multi_turn: MultiTurnPolicy = Field(
+        default="last_turn",
+        description="Multi-turn rows: `last_turn` answers the last turn after the dataset's own history; "
+        "`every_turn` one prompt per assistant turn, each after the dataset's history; `on_policy` answers every "
+        "user turn in order after the target's own earlier answers, the dataset's recorded tool results spliced "
+        "in after the target's equal calls (one record per turn; chat completions only: "
+        "`generation.exact_tokens: false`). Drafters train best on `on_policy` data.",
+    )
     max_prompt_tokens: int | None = Field(
         default=None, gt=0, description="Drop longer prompts (tools included)."
     )
@@ -78,6 +151,17 @@ class DatasetConfig(StrictModel):
         description="Fewest prompts this dataset must yield, or the run is refused before training is "
         "halted (a wrong path, layout or format yields none).",
     )
+
+    @model_validator(mode="after")
+    def _unique_setting_names(self) -> DatasetConfig:
+        names = [setting.name for setting in self.sampling_mix]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"dataset {self.name!r} names sampling_mix settings more than once: {', '.join(repeated)}; "
+                "give each setting its own name (the report counts completions by it)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _one_quota(self) -> DatasetConfig:

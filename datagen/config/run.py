@@ -15,7 +15,13 @@ from datagen.config.generation import GenerationConfig
 from datagen.config.merge import TokenizeConfig
 from datagen.config.model import ModelConfig
 from datagen.config.multihost import HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
-from datagen.config.prompts import SHARE_SUM_TOLERANCE, DatasetConfig, ExistingCorpusConfig, MixConfig
+from datagen.config.prompts import (
+    SHARE_SUM_TOLERANCE,
+    DatasetConfig,
+    ExistingCorpusConfig,
+    MixConfig,
+    choose_setting,
+)
 from datagen.config.training import TrainingJobConfig
 from datagen.config.window import WindowConfig
 from datagen.errors import ConfigError
@@ -193,8 +199,23 @@ class RunConfig(StrictModel):
         return self
 
     def sampling_for(self, dataset: DatasetConfig) -> SamplingParams:
-        """The resolved sampling parameters of one dataset (run defaults + its overrides)."""
+        """The resolved sampling parameters of one dataset (run defaults + its overrides), before its mix."""
         return dataset.sampling.apply(self.sampling)
+
+    def sampling_for_prompt(
+        self, dataset: DatasetConfig, prompt_id: str
+    ) -> tuple[str | None, SamplingParams]:
+        """How one prompt of ``dataset`` is sampled: its mix setting's name (None without a mix) and parameters."""
+        base = self.sampling_for(dataset)
+        setting = choose_setting(dataset.sampling_mix, prompt_id)
+        if setting is None:
+            return None, base
+        return setting.name, setting.apply(base)
+
+    def max_tokens_for(self, dataset: DatasetConfig) -> int:
+        """The most tokens any answer of ``dataset`` may have: its sampling's, or its mix's largest setting's."""
+        base = self.sampling_for(dataset)
+        return max([base.max_tokens, *(setting.apply(base).max_tokens for setting in dataset.sampling_mix)])
 
     def dataset(self, name: str) -> DatasetConfig:
         """The dataset config called ``name`` (a ConfigError when no dataset has that name)."""
@@ -214,7 +235,11 @@ class RunConfig(StrictModel):
             "run_id": True,
             # Which outputs a run may choose changes nothing a run produces.
             "output_roots": True,
-            "datasets": {"__all__": {"min_prompts"}},
+            # `sampling_mix` joined the model later: left out while empty, so older runs' hashes stay the same.
+            "datasets": {
+                index: {"min_prompts", "sampling_mix"} if not dataset.sampling_mix else {"min_prompts"}
+                for index, dataset in enumerate(self.datasets)
+            },
             # Where the run generates changes no output: a resume may use other (or fewer) hosts.
             "hosts": True,
             "multi_host": True,

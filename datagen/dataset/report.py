@@ -209,6 +209,14 @@ class RunReport(BaseModel):
             f"throughput: **{self.output_tokens_per_s:.1f} output tok/s**",
             f"- completions: **{self.totals.completions}** of {self.totals.requests} requests, "
             f"failures: **{self.totals.failures}**, re-sent after interruption: {self.totals.resent_requests}",
+            *(
+                [
+                    f"- on-policy conversations: **{self.totals.conversations}** (their turns are requests above), "
+                    f"every turn answered: **{self.totals.conversations_completed}**"
+                ]
+                if self.totals.conversations
+                else []
+            ),
             *([f"- hosts: {', '.join(markdown_text(host) for host in self.hosts)}"] if self.hosts else []),
             *[
                 f"- **host lost: {markdown_text(name)}** ({markdown_text(reason)})"
@@ -245,6 +253,14 @@ class RunReport(BaseModel):
         if total.finish_reasons:
             lines += ["", "## Finish reasons", ""]
             lines += [_count_line(reason, count) for reason, count in sorted(total.finish_reasons.items())]
+        if total.sampling_settings:
+            # Setting names belong to their dataset (two datasets may both have a `cold`): listed per dataset.
+            lines += ["", "## Completions by sampling setting", ""]
+            lines += [
+                _count_line(f"{item.dataset} / {name}", count)
+                for item in self.datasets
+                for name, count in sorted(item.sampling_settings.items())
+            ]
         dropped = self.tokenize.get("dropped_by_reason") or {}
         if dropped:
             lines += ["", "## Completions not tokenized, by reason", ""]

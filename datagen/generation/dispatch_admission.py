@@ -234,16 +234,44 @@ class Admission:
         self.pump()
 
     def resolve(self, job: Job, result: GenerationResult) -> None:
-        """Hand ``job``'s result to its stream (once) and give its admission back."""
+        """Hand ``job``'s result to its stream (once) and give its admission back.
+
+        When the stream follows its results (an on-policy conversation), the request that follows this one is
+        admitted in its place at once and joins the queue's tail: the chain's next turn is queued the moment the
+        previous one lands and keeps the admission it freed. At the tail, not the head: the requests with the
+        most work behind them (new conversations' first turns) go first, which shortens the run's end, where
+        only chains' last turns remain (benchmarks/bench_conversations.py: 0.95 of independent requests at the
+        tail, 0.89 at the head, on a loaded 2-core box).
+        """
         self.admitted -= 1
         stream = job.stream
         if stream.cancelled:
             return
         try:
             stream.deliver(job.request, result)
+            following = stream.follow(job.request, result) if stream.follow is not None else None
         except Exception:
             # A broken callback must not take the loop down with it: the other streams keep going.
             logger.exception("result callback raised key=%s", job.request.key)
+            return
+        if following is not None:
+            self._admit_following(Job(following, stream))
+
+    def _admit_following(self, job: Job) -> None:
+        """Admit a stream's follow-up request now (ended at once when admission closed or stopped)."""
+        self.admitted += 1  # resolving the job gives it back
+        if self.closing:
+            self._fail(
+                job, "dispatcher closed before the request was sent", FailureKind.DISPATCHER_CLOSED, None
+            )
+            return
+        if self.stopped is not None:
+            self._fail(job, self.stopped, FailureKind.ADMISSION_STOPPED, None)
+            return
+        self.queue.append(job)
+        # A result that did not come from a try (no pump follows it) must not leave the request waiting.
+        assert self.loop is not None
+        self.loop.call_soon(self.pump)
 
     def clear(self) -> None:
         """Forget the queue and the counters (at shutdown, after every job was failed)."""

@@ -158,6 +158,8 @@ class RequestSender:
             engine=self.engine,
             server=server.url,
             sampling=request.sampling,
+            sampling_setting=request.sampling_setting,
+            turn=request.turn,
             attempts=job.attempts,
             latency_s=latency_s,
             # Given, not defaulted: pydantic inspects a default factory's signature on every construct.
@@ -189,6 +191,7 @@ def failure_record(
         attempts=job.attempts,
         last_status=status,
         server=server or job.last_server,
+        turn=request.turn,
     )
 
 

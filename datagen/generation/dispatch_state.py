@@ -20,6 +20,9 @@ from datagen.records import CompletionRecord, FailureRecord
 
 GenerationResult = CompletionRecord | FailureRecord
 ResultCallback = Callable[[GenerationRequest, GenerationResult], None]
+# Given a request's result, the request that follows it in the same stream (an on-policy conversation's next
+# turn), or None.
+FollowCallback = Callable[[GenerationRequest, GenerationResult], GenerationRequest | None]
 
 
 class ServerStats(BaseModel):
@@ -86,12 +89,20 @@ class RequestStream:
     """A handle on requests registered with :meth:`Dispatcher.submit_stream`.
 
     Every request of a stream resolves exactly once through the stream's callback, unless the stream is
-    cancelled first.
+    cancelled first. A stream with a ``follow`` grows as it goes: the request ``follow`` returns for a result is
+    admitted at once, ahead of every backlog (a conversation's next turn).
     """
 
-    def __init__(self, requests: Iterable[GenerationRequest], deliver: ResultCallback, size: int) -> None:
+    def __init__(
+        self,
+        requests: Iterable[GenerationRequest],
+        deliver: ResultCallback,
+        size: int,
+        follow: FollowCallback | None = None,
+    ) -> None:
         self._requests: Iterator[GenerationRequest] = iter(requests)
         self.deliver = deliver
+        self.follow = follow
         self.pending = size
         self.cancelled = False
 

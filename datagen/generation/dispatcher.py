@@ -43,6 +43,7 @@ from datagen.generation.dispatch_loop import LoopThread
 from datagen.generation.dispatch_state import (
     DispatcherStats,
     Final,
+    FollowCallback,
     GenerationResult,
     Job,
     Outcome,
@@ -244,13 +245,22 @@ class Dispatcher:
 
     # --- public API (any thread) ------------------------------------------------------------------
 
-    def submit_stream(self, requests: list[GenerationRequest], deliver: ResultCallback) -> RequestStream:
+    def submit_stream(
+        self,
+        requests: list[GenerationRequest],
+        deliver: ResultCallback,
+        *,
+        follow: FollowCallback | None = None,
+    ) -> RequestStream:
         """Register many requests at once; they are admitted as slots free, oldest stream first.
 
         Args:
             requests: What to generate, in the order to send it.
             deliver: Called once per request as ``deliver(request, result)``, on the dispatcher's loop
                 thread: keep it short (hand the result to a queue).
+            follow: Called on the loop thread right after each ``deliver``; the request it returns (an on-policy
+                conversation's next turn) joins the stream and is admitted at once, ahead of every backlog, and
+                its result comes back the same way. Keep it short too.
 
         Returns:
             The stream's handle (cancel it to drop the requests not in flight yet).
@@ -262,7 +272,11 @@ class Dispatcher:
         """
         if self.exact_tokens:
             require_prompt_tokens(requests)
-        stream = RequestStream(requests, deliver, len(requests))
+            if follow is not None:
+                raise ValueError(
+                    "exact-token mode renders prompts before they are submitted: no stream may follow"
+                )
+        stream = RequestStream(requests, deliver, len(requests), follow)
         self._thread.call_soon(self._admission.add_stream, stream)
         return stream
 

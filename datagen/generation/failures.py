@@ -52,6 +52,12 @@ class FailureKind(enum.StrEnum):
     """The dispatcher closed before the request finished."""
     ADMISSION_STOPPED = "admission_stopped"
     """A storage fault no retry cures stopped admission before the request was sent."""
+    CONVERSATION_ENDED = "conversation_ended"
+    """An on-policy conversation's turn never sent: an earlier turn failed, or its answer was cut short
+    (``max_tokens``, aborted); the reason names the turn and why."""
+    TOOL_CALL_DIVERGED = "tool_call_diverged"
+    """An on-policy conversation's turn never sent: the target's tool calls at an earlier turn were not the ones
+    the dataset recorded results for (other tools or arguments, none, or a call where the dataset answered)."""
 
 
 class Fate(enum.StrEnum):
@@ -66,8 +72,16 @@ class Fate(enum.StrEnum):
 UNFINISHED_KINDS = frozenset(
     {FailureKind.NO_LIVE_SERVERS, FailureKind.DISPATCHER_CLOSED, FailureKind.ADMISSION_STOPPED}
 )
-# Kinds that are the prompt's own whatever the server: sending them again gives the same answer.
-PROMPT_KINDS = frozenset({FailureKind.UNRENDERABLE_PROMPT, FailureKind.INVALID_TOOL_ARGUMENTS})
+# Kinds that are the prompt's own whatever the server: sending them again gives the same answer. A turn after a
+# conversation ended has no history to be sent with until the turn that ended it is generated again.
+PROMPT_KINDS = frozenset(
+    {
+        FailureKind.UNRENDERABLE_PROMPT,
+        FailureKind.INVALID_TOOL_ARGUMENTS,
+        FailureKind.CONVERSATION_ENDED,
+        FailureKind.TOOL_CALL_DIVERGED,
+    }
+)
 # 4xx answers about the server rather than the request: auth, not found (the model), timeout, conflict, rate.
 SERVER_STATE_4XX = frozenset({401, 403, 404, 408, 409, 429})
 HTTP_SERVER_ERROR = 500

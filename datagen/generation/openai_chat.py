@@ -58,6 +58,9 @@ class GenerationRequest(BaseModel):
         prompt: The prompt to answer.
         sample_index: Which of the prompt's samples this is (0-based).
         sampling: The resolved sampling parameters (seed already derived per request, if any).
+        sampling_setting: The name of the dataset's sampling-mix setting the prompt drew (None: no mix).
+        turn: An on-policy conversation's turn (None: a request of its own); ``prompt.messages`` then hold the
+            conversation so far, the target's own earlier answers included.
         dataset: The dataset the prompt belongs to.
         prompt_tokens: The rendered prompt's ids (exact-token mode only; shared by the prompt's samples).
 
@@ -68,13 +71,15 @@ class GenerationRequest(BaseModel):
     prompt: PromptRecord
     sample_index: int = Field(default=0, ge=0)
     sampling: SamplingParams
+    sampling_setting: str | None = None
+    turn: int | None = Field(default=None, ge=0)
     dataset: str
     prompt_tokens: PromptTokens | None = None
 
     @property
     def key(self) -> str:
-        """The request key, unique within a run: ``<prompt_id>/<sample_index>``."""
-        return request_key(self.prompt.prompt_id, self.sample_index)
+        """The request key, unique within a run: ``<prompt_id>/<sample_index>`` (``/<turn>`` for a conversation's)."""
+        return request_key(self.prompt.prompt_id, self.sample_index, self.turn)
 
 
 class UnusableResponseError(Exception):

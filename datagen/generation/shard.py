@@ -9,7 +9,9 @@ Storage is the truth, checked first and written last:
 3. the remaining requests (each prompt x ``samples_per_prompt``) go to the dispatcher (in exact-token
    mode with their prompt rendered and tokenized here first, once per prompt); results are buffered and
    flushed as a new write-once part every ``checkpoint_every`` results or ``checkpoint_interval_s``
-   seconds, whichever comes first;
+   seconds, whichever comes first. For on-policy conversations (``multi_turn: on_policy``) each turn is a
+   request: each conversation's next turn after its last stored one is sent, and every turn that lands brings
+   its conversation's next (:mod:`~datagen.generation.conversation`);
 4. when every request has a result, the final completions and failures files are assembled from all
    parts (deduplicated by request key: the first occurrence wins and a completion beats a failure),
    each written once (or verified, when an interrupted attempt already wrote it), then the done marker.
@@ -56,6 +58,7 @@ from typing import Any, TypeVar
 
 from datagen.config import RunConfig
 from datagen.errors import (
+    ConfigError,
     NoLiveServersError,
     OutputExistsError,
     StorageError,
@@ -65,6 +68,7 @@ from datagen.errors import (
     is_transient,
     unfixable_storage_error,
 )
+from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
@@ -185,10 +189,29 @@ def generate_shard(
     """
     started = time.monotonic()
     dataset, index = shard.dataset, shard.shard_index
+    on_policy = config.dataset(dataset).multi_turn == "on_policy"
+    if on_policy and dispatcher.exact_tokens:
+        # Preflight refuses this config (datagen.engines.exact_tokens_enabled); checked here before anything is read.
+        raise ConfigError(
+            f"dataset {dataset!r} generates on-policy conversations, which exact-token mode cannot render "
+            "turn by turn yet: set generation.exact_tokens: false",
+            dataset=dataset,
+        )
     previous = latest_shard_summary(store, layout, dataset, index)
     standing: list[FailureRecord] = []
     retry_round = 0
     if previous is not None:
+        if retry_failed and previous.failures and on_policy:
+            # A conversation's failed turn would be sent again with its stored history, and the turns it ended
+            # after it: not built yet, so the shard stays as its last round left it.
+            logger.warning(
+                "retry rounds of on-policy conversations are not supported; shard kept dataset=%s shard=%d "
+                "failures=%d",
+                dataset,
+                index,
+                previous.failures,
+            )
+            return previous.model_copy(update={"skipped": True})
         if retry_failed and previous.failures:
             standing = [FailureRecord.model_validate(row) for row in store.iter_jsonl(previous.failures_path)]
         again = {failure.key for failure in standing if is_retryable(failure)}
@@ -214,23 +237,39 @@ def generate_shard(
 
     held = held if held is not None else HeldResults()
     kept_completions, kept_failures, attempted_before = held.take(dataset, index, retry_round)
+    chains: ConversationChains | None = None
     try:
-        requests = build_requests(store, config, shard)
-        if previous is not None:
-            requests = [request for request in requests if request.key in again]
+        if on_policy:
+            chains = build_conversations(store, config, shard)
+            keys = chains.keys()
+        else:
+            requests = build_requests(store, config, shard)
+            if previous is not None:
+                requests = [request for request in requests if request.key in again]
+            keys = [request.key for request in requests]
         earlier = read_parts(store, layout, dataset, index, retry_round=retry_round)
     except BaseException:
         held.hold(dataset, index, kept_completions, kept_failures, retry_round)
         raise
     finished = earlier.keys() | {r.key for r in kept_completions} | {r.key for r in kept_failures}
-    to_send = [request for request in requests if request.key not in finished]
+    if chains is None:
+        to_send = [request for request in requests if request.key not in finished]
+        expected = len(to_send)
+    else:
+        # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn).
+        stored: dict[str, CompletionRecord | FailureRecord] = {**earlier.failures, **earlier.completions}
+        stored |= {record.key: record for record in kept_failures if record.key not in stored}
+        stored |= {record.key: record for record in kept_completions}
+        to_send, ended = chains.resume(stored)
+        kept_failures.extend(ended)
+        expected = sum(1 for key in keys if key not in stored) - len(ended)
     resent = len(to_send) if earlier.part_count or attempted_before else 0
     logger.info(
         "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",
         dataset,
         index,
-        len(requests),
-        len(requests) - len(to_send),
+        len(keys),
+        len(keys) - expected,
         len(to_send),
         resent,
     )
@@ -260,21 +299,24 @@ def generate_shard(
         writer,
         every=config.generation.checkpoint_every,
         interval_s=config.generation.checkpoint_interval_s,
-        already_done=len(requests) - len(to_send),
-        total=len(requests),
+        already_done=len(keys) - expected,
+        total=len(keys),
         progress=progress,
         held=held,
+        expected=expected,
+        chains=chains,
     )
     summary = _assemble(
         store,
         layout,
         shard,
-        requests,
+        keys,
         resent=resent,
         started=started,
         known=writer.written,
         previous=previous,
         standing=standing,
+        conversations=[c.turn_keys() for c in chains.conversations] if chains is not None else None,
     )
     logger.info(
         "shard done dataset=%s shard=%d round=%d completions=%d failures=%d completion_tokens=%d resent=%d "
@@ -308,8 +350,10 @@ def latest_shard_summary(store: Store, layout: RunLayout, dataset: str, index: i
 def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> list[GenerationRequest]:
     """Every request of a shard: each prompt times ``samples_per_prompt``, in prompt order.
 
-    When the sampling has a seed, each request gets its own seed derived from it, the prompt id and the
-    sample index, so samples of one prompt differ and a rerun draws the same ones.
+    With a sampling mix (``datasets[].sampling_mix``), each prompt samples with the setting its id draws
+    (:func:`~datagen.config.prompts.choose_setting`), the same in every attempt. When the sampling has a seed,
+    each request gets its own seed derived from it, the prompt id and the sample index, so samples of one
+    prompt differ and a rerun draws the same ones.
 
     Args:
         store: The store holding the prompt shard.
@@ -320,21 +364,48 @@ def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> li
         The requests.
 
     """
-    sampling = config.sampling_for(config.dataset(shard.dataset))
+    dataset = config.dataset(shard.dataset)
     requests = []
     for line in store.iter_lines(shard.path):
         # Straight from the JSON bytes: pydantic's own parser, no intermediate dicts.
         prompt = PromptRecord.model_validate_json(line)
+        setting, sampling = config.sampling_for_prompt(dataset, prompt.prompt_id)
         for sample_index in range(sampling.samples_per_prompt):
             requests.append(
                 GenerationRequest(
                     prompt=prompt,
                     sample_index=sample_index,
                     sampling=_sampling_for_request(sampling, prompt.prompt_id, sample_index),
+                    sampling_setting=setting,
                     dataset=shard.dataset,
                 )
             )
     return requests
+
+
+def build_conversations(store: Store, config: RunConfig, shard: PromptShardRef) -> ConversationChains:
+    """Every on-policy conversation of a shard: each prompt times ``samples_per_prompt``, in prompt order.
+
+    Each prompt samples with the setting of its dataset's mix its id draws, as :func:`build_requests`; seeds
+    are derived per turn (:func:`~datagen.generation.conversation.turn_seed`).
+
+    Args:
+        store: The store holding the prompt shard.
+        config: The run configuration.
+        shard: The prompt shard.
+
+    Returns:
+        The shard's conversations, none of them started.
+
+    """
+    dataset = config.dataset(shard.dataset)
+    conversations = []
+    for line in store.iter_lines(shard.path):
+        prompt = PromptRecord.model_validate_json(line)
+        setting, sampling = config.sampling_for_prompt(dataset, prompt.prompt_id)
+        for sample_index in range(sampling.samples_per_prompt):
+            conversations.append(Conversation(prompt, sample_index, sampling, setting, shard.dataset))
+    return ConversationChains(conversations)
 
 
 def _sampling_for_request(sampling: SamplingParams, prompt_id: str, sample_index: int) -> SamplingParams:
@@ -543,24 +614,31 @@ def _run_requests(
     total: int,
     progress: ProgressCallback | None,
     held: HeldResults,
+    expected: int | None = None,
+    chains: ConversationChains | None = None,
 ) -> None:
     """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them.
+
+    With ``chains`` (on-policy conversations), ``requests`` are each conversation's next turn and the stream
+    follows them: each turn that lands brings its conversation's next one (or the failures of the turns it
+    ended), ``expected`` results in all.
 
     A checkpoint that fails transiently keeps its results and is tried again one interval later (the shard
     goes on collecting); results still unstored when this ends with an error are left in ``held``.
     """
-    inbox = _Inbox(len(requests), every)
+    remaining = len(requests) if expected is None else expected
+    inbox = _Inbox(remaining, every)
     completions: list[CompletionRecord] = []
     failures: list[FailureRecord] = []
     oldest: float | None = None
     done = already_done
     unserved: Counter[str] = Counter()
-    stream = dispatcher.submit_stream(requests, inbox.put)
+    follow = chains.follower(inbox.put) if chains is not None else None
+    stream = dispatcher.submit_stream(requests, inbox.put, follow=follow)
     if progress is not None:
         # Tells the flow's scheduler this shard's requests are now in the dispatcher's backlog.
         progress(done, total)
     try:
-        remaining = len(requests)
         while remaining:
             # Look at least twice per checkpoint interval, so no result waits much longer than that.
             timeout = interval_s / 2
@@ -649,15 +727,18 @@ def _assemble(
     store: Store,
     layout: RunLayout,
     shard: PromptShardRef,
-    requests: list[GenerationRequest],
+    keys: list[str],
     *,
     resent: int,
     started: float,
     known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
     previous: ShardSummary | None = None,
     standing: list[FailureRecord] | None = None,
+    conversations: list[list[str]] | None = None,
 ) -> ShardSummary:
     """Write the final files from all parts (or verify earlier ones), then the done marker.
+
+    ``conversations`` (on-policy shards) are the turn keys of each conversation, for its counts.
 
     For a retry round (``previous`` is the summary of the round before, ``standing`` its failures), the
     round's completions file holds the answers of its requests, its failures file every failure of the
@@ -667,7 +748,6 @@ def _assemble(
     dataset, index = shard.dataset, shard.shard_index
     retry_round = previous.retry_round + 1 if previous is not None else 0
     parts = read_parts(store, layout, dataset, index, known, retry_round)
-    keys = [request.key for request in requests]
     completions = [parts.completions[key] for key in keys if key in parts.completions]
     failures = [parts.failures[key] for key in keys if key not in parts.completions and key in parts.failures]
     missing = len(keys) - len(completions) - len(failures)
@@ -711,7 +791,7 @@ def _assemble(
     summary = ShardSummary(
         dataset=dataset,
         shard_index=index,
-        requests=previous.requests if previous is not None else len(requests),
+        requests=previous.requests if previous is not None else len(keys),
         completions=len(completions),
         failures=len(failures),
         prompt_tokens=sum(record.usage.prompt_tokens for record in completions),
@@ -724,6 +804,11 @@ def _assemble(
         failures_path=failures_key,
         finish_reasons=dict(Counter(record.finish_reason for record in completions)),
         failure_reasons=dict(Counter(record.error_type for record in failures)),
+        sampling_settings=dict(
+            Counter(record.sampling_setting for record in completions if record.sampling_setting is not None)
+        ),
+        conversations=len(conversations or []),
+        conversations_completed=sum(all(key in completed for key in turns) for turns in conversations or []),
         retry_round=retry_round,
     )
     if previous is not None:
@@ -747,6 +832,8 @@ def _after_round(
     """The shard's summary after a retry round: the round before plus this round's answers."""
     finish_reasons = Counter(previous.finish_reasons)
     finish_reasons.update(round_summary.finish_reasons)
+    sampling_settings = Counter(previous.sampling_settings)
+    sampling_settings.update(round_summary.sampling_settings)
     kept_retries = sum(max(f.attempts - 1, 0) for f in kept_failures)
     return round_summary.model_copy(
         update={
@@ -763,6 +850,7 @@ def _after_round(
                 round_summary.completions_path,
             ],
             "finish_reasons": dict(finish_reasons),
+            "sampling_settings": dict(sampling_settings),
         }
     )
 

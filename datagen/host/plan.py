@@ -335,7 +335,7 @@ def _context_length(config: RunConfig, shape: ModelShape | None, reasons: list[s
     if any(cap is None for cap in caps):
         return None
     need = max(
-        (cap or 0) + config.sampling_for(dataset).max_tokens
+        (cap or 0) + config.max_tokens_for(dataset)
         for cap, dataset in zip(caps, config.datasets, strict=True)
     )
     context = math.ceil(need / CONTEXT_ROUND_TOKENS) * CONTEXT_ROUND_TOKENS
@@ -350,7 +350,7 @@ def _sampling_budget_tokens(config: RunConfig, context: int | None, shape: Model
     budget = config.model.max_model_len_tokens or context
     if budget is None:
         budget = DEFAULT_PROMPT_BUDGET_TOKENS + max(
-            config.sampling_for(dataset).max_tokens for dataset in config.datasets
+            config.max_tokens_for(dataset) for dataset in config.datasets
         )
     if shape is not None and shape.max_position_embeddings:
         budget = min(budget, shape.max_position_embeddings)

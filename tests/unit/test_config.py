@@ -107,6 +107,72 @@ def test_per_dataset_sampling_overrides_only_what_they_set() -> None:
     assert (sampling.temperature, sampling.max_tokens, sampling.enable_thinking) == (0.6, 7, False)
 
 
+MIX = [
+    {"name": "cold", "weight": 3, "temperature": 0.2, "enable_thinking": False, "max_tokens": 50},
+    {"name": "hot", "weight": 1, "temperature": 1.0, "top_k": 20, "max_tokens": 300},
+]
+
+
+def _mixed(mix: list[dict[str, object]]) -> RunConfig:
+    dataset = {
+        "name": "a",
+        "format": "metamath",
+        "path": "x",
+        "sampling": {"top_p": 0.8},
+        "sampling_mix": mix,
+    }
+    return parse_run_config({**MINIMAL, "sampling": {"max_tokens": 100}, "datasets": [dataset]})
+
+
+def test_a_sampling_mix_gives_each_prompt_one_setting_by_its_id_in_proportion_to_the_weights() -> None:
+    config = _mixed(MIX)
+    dataset = config.datasets[0]
+    drawn = [config.sampling_for_prompt(dataset, f"prompt-{i}") for i in range(4000)]
+    again = [config.sampling_for_prompt(dataset, f"prompt-{i}") for i in range(4000)]
+    assert drawn == again, "a resume draws what the first attempt drew"
+    names = [name for name, _ in drawn]
+    assert names.count("cold") / len(names) == pytest.approx(0.75, abs=0.03)
+    by_name = dict(drawn)
+    cold, hot = by_name["cold"], by_name["hot"]
+    # Each setting changes only what it sets, over the dataset's sampling (top_p) and the run's (max_tokens).
+    assert (cold.temperature, cold.enable_thinking, cold.max_tokens, cold.top_p, cold.top_k) == (
+        0.2,
+        False,
+        50,
+        0.8,
+        None,
+    )
+    assert (hot.temperature, hot.enable_thinking, hot.max_tokens, hot.top_p, hot.top_k) == (
+        1.0,
+        None,
+        300,
+        0.8,
+        20,
+    )
+    assert config.max_tokens_for(dataset) == 300, "the plan sizes the context for the longest setting"
+
+
+def test_a_dataset_without_a_mix_samples_as_before_and_keeps_its_config_hash() -> None:
+    plain = parse_run_config(MINIMAL)
+    assert plain.sampling_for_prompt(plain.datasets[0], "p") == (None, plain.sampling_for(plain.datasets[0]))
+    assert "sampling_mix" not in plain.identity_dict()["datasets"][0]
+    assert _mixed(MIX).config_hash() != _mixed(MIX[:1]).config_hash()
+
+
+@pytest.mark.parametrize(
+    ("mix", "expected"),
+    [
+        ([{"name": "a", "weight": 1}, {"name": "a", "weight": 2}], "more than once: a"),
+        ([{"name": "a", "weight": 0}], "weight"),
+        ([{"name": "a", "weight": 1, "samples_per_prompt": 2}], "samples_per_prompt: unknown key"),
+        ([{"name": "a", "weight": 1, "top_p": 1.5}], "top_p"),
+    ],
+)
+def test_a_bad_sampling_mix_is_refused_naming_the_field(mix: list[dict[str, object]], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        _mixed(mix)
+
+
 def test_cli_overrides_replace_top_level_keys(tmp_path: Path) -> None:
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(MINIMAL))

@@ -36,6 +36,7 @@ def _failure(error_type: str, reason: str = "", status: int | None = None, key: 
         (_failure("http_422", "HTTP 422: invalid request", 422), False),
         (_failure("invalid_tool_arguments", "arguments are not JSON"), False),
         (_failure("unrenderable_prompt", "template refused it"), False),
+        (_failure("conversation_ended", "turn 0 failed: retries_exhausted"), False),
     ],
 )
 def test_only_failures_whose_reason_is_not_the_prompts_own_are_sent_again(
@@ -54,6 +55,8 @@ STORED_VALUES = {
     FailureKind.NO_LIVE_SERVERS: "no_live_servers",
     FailureKind.DISPATCHER_CLOSED: "dispatcher_closed",
     FailureKind.ADMISSION_STOPPED: "admission_stopped",
+    FailureKind.CONVERSATION_ENDED: "conversation_ended",
+    FailureKind.TOOL_CALL_DIVERGED: "tool_call_diverged",
 }
 
 
@@ -72,6 +75,8 @@ def test_every_failure_kind_keeps_its_stored_value_and_has_one_fate() -> None:
         FailureKind.NO_LIVE_SERVERS: Fate.UNFINISHED,
         FailureKind.DISPATCHER_CLOSED: Fate.UNFINISHED,
         FailureKind.ADMISSION_STOPPED: Fate.UNFINISHED,
+        FailureKind.CONVERSATION_ENDED: Fate.GIVE_UP,
+        FailureKind.TOOL_CALL_DIVERGED: Fate.GIVE_UP,
     }
     # A value no version of datagen wrote is not the prompt's fault: sent again rather than dropped.
     assert fate("something_new") is Fate.SEND_AGAIN

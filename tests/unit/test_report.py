@@ -344,3 +344,53 @@ def test_the_progress_card_shows_what_serving_costs_and_the_window_left() -> Non
     unwindowed, plain = progress_card(5, 10, stats, 60.0, ServingCost(gpus=8))
     assert unwindowed.window_left_s is None and unwindowed.training_paused_s is None
     assert "GPU-h" not in plain and "window" not in plain
+
+
+def test_the_report_counts_conversations_and_completions_by_sampling_setting(tmp_path: Path) -> None:
+    shards = [
+        _shard(0, 10).model_copy(
+            update={
+                "conversations": 4,
+                "conversations_completed": 3,
+                "sampling_settings": {"cold": 7, "hot": 3},
+            }
+        ),
+        _shard(1, 10).model_copy(
+            update={"conversations": 2, "conversations_completed": 2, "sampling_settings": {"cold": 10}}
+        ),
+    ]
+    report = build_report(
+        run_id="r-1",
+        config=_config(tmp_path),
+        prepared=[],
+        shards=shards,
+        tokenize_summary=None,
+        servers=1,
+        generation_wall_s=1.0,
+        dataset_mix=[],
+        mix_by_category=[],
+    )
+    assert (report.totals.conversations, report.totals.conversations_completed) == (6, 5)
+    assert report.totals.sampling_settings == {"cold": 17, "hot": 3}
+    markdown = report.to_markdown()
+    assert (
+        "- on-policy conversations: **6** (their turns are requests above), every turn answered: **5**"
+        in markdown
+    )
+    assert "- d / cold: 17" in markdown and "- d / hot: 3" in markdown
+
+
+def test_a_run_without_conversations_or_a_sampling_mix_says_nothing_of_them(tmp_path: Path) -> None:
+    report = build_report(
+        run_id="r-1",
+        config=_config(tmp_path),
+        prepared=[],
+        shards=[_shard(0, 10)],
+        tokenize_summary=None,
+        servers=1,
+        generation_wall_s=1.0,
+        dataset_mix=[],
+        mix_by_category=[],
+    )
+    markdown = report.to_markdown()
+    assert "conversations" not in markdown and "sampling setting" not in markdown

@@ -155,7 +155,9 @@ def _cut_points(roles: list[Role], policy: MultiTurnPolicy) -> list[int]:
     starts = _answer_starts(roles)
     if roles[-1] != "assistant":
         starts.append(len(roles))
-    if policy == "last_turn":
+    if policy in ("last_turn", "on_policy"):
+        # on_policy: the whole conversation is one prompt; generation answers its user turns one by one
+        # (datagen.generation.conversation), so its own assistant turns only mark where the target answers.
         return starts[-1:]
     return starts
 
@@ -173,8 +175,9 @@ def build_prompts(
 
     Args:
         turns: The whole conversation, final answer included.
-        policy: ``last_turn`` (one prompt answering the last assistant turn) or ``every_turn`` (one per
-            assistant turn).
+        policy: ``last_turn`` (one prompt answering the last assistant turn), ``every_turn`` (one per
+            assistant turn), or ``on_policy`` (one prompt holding the conversation, cut as ``last_turn``: each of
+            its user turns is answered in generation, after the target's own earlier answers).
         tools: The row's tool definitions.
         source_index: The row number.
         language: The row's language, if it records one.
