@@ -3,16 +3,20 @@
 # every lock (requirements/refresh.py says which file serves which environment).
 # Supported: CPython 3.11 and 3.12 on Linux x86_64 and aarch64; PYTHON=... picks the interpreter a new .venv is made
 # from. The venv installs requirements/dev.txt (PyPI alone; its torch brings CUDA's runtime wheels) or, where
-# /opt/wheels holds torch's CPU build for that interpreter and machine, requirements/dev-cpu.txt (the same pins with
-# that build and no CUDA wheels): `requirements/refresh.py dev-lock` decides.
+# LOCAL_WHEELS (/opt/wheels) holds torch's CPU build for that interpreter and machine, requirements/dev-cpu.txt
+# (the same pins with that build and no CUDA wheels): `requirements/refresh.py dev-lock` decides.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LOCKS := requirements/dev.txt requirements/dev-cpu.txt requirements/bootstrap.txt requirements/build.txt
 UV := $(BIN)/python -m uv
-# uv reads no pip config: the folder that may hold torch's CPU build is named to it (requirements/refresh.py's).
-UV_FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels)
+# A wheel folder offered beside PyPI; where it holds torch's CPU build, .venv installs dev-cpu.txt. uv reads no pip
+# config, so it is named to uv here and exported to the validation venvs' builds (tests/support/locked_venv.py).
+# `make test LOCAL_WHEELS=` ignores it: PyPI alone, as on a machine without the folder.
+LOCAL_WHEELS ?= /opt/wheels
+export LOCAL_WHEELS
+UV_FIND_LINKS := $(if $(and $(LOCAL_WHEELS),$(wildcard $(LOCAL_WHEELS))),--find-links $(LOCAL_WHEELS))
 export UV_PYTHON_DOWNLOADS := never
 DEMO_RUN_ID ?= demo
 PYTEST_ARGS ?=

@@ -90,8 +90,9 @@ def _targets(
 
 
 DEV_TARGETS = _targets([(3, 11), (3, 12)], ["x86_64", "aarch64"], DEV_GLIBC)
-# The validation venvs (sglang's parsers, the trainers' data code) run beside the dev venv on the test machines.
-VALIDATION_TARGETS = _targets([(3, 11), (3, 12)], ["x86_64"], GPU_GLIBC)
+# The validation venvs (sglang's parsers, the trainers' data code) run beside the dev venv wherever `make test` runs:
+# the machines the dev lock serves, with the glibc sglang's wheels need.
+VALIDATION_TARGETS = _targets([(3, 11), (3, 12)], ["x86_64", "aarch64"], GPU_GLIBC)
 TARGETS: dict[str, list[Target]] = {
     "dev.txt": DEV_TARGETS,
     "dev-cpu.txt": _targets([(3, 11)], ["x86_64"], DEV_GLIBC),

@@ -7,8 +7,9 @@ Each environment the project makes installs exactly one of these files, never a 
   torch is PyPI's build, which on Linux is built for CUDA and brings CUDA's runtime wheels (``nvidia-*``,
   ``cuda-*``, ``triton``). ``make setup``, ``make demo`` and ``make test`` sync ``.venv`` to it.
 - ``dev-cpu.txt``: the same pins with torch's CPU build instead (``+cpu``, no CUDA wheels), from the wheel folder
-  machines of this kind keep (``/opt/wheels``); the Makefile takes it where that folder holds the build for the
-  interpreter and machine at hand (:func:`dev_lock_for`).
+  machines of this kind keep (``/opt/wheels``; the Makefile's ``LOCAL_WHEELS`` names another, or none when empty);
+  the Makefile takes it where that folder holds the build for the interpreter and machine at hand
+  (:func:`dev_lock_for`).
 - ``bootstrap.txt``: uv, the installer, at ``dev.txt``'s version (pip installs it into a new ``.venv``).
 - ``build.txt``: setuptools and wheel for the editable install of datagen itself.
 - ``gpu.txt``: the serving set a GPU host installs into an environment of its own (never the trainer's):
@@ -47,7 +48,7 @@ GPU_TARGET = ("3.12", "x86_64-manylinux_2_34")
 # version such as ``2.13.0+cpu`` on its own, with its own hashes: one pin cannot name both builds).
 TORCH_VERSION = "2.13.0"
 CPU_TORCH_LOCAL = "+cpu"
-# Where machines of this kind keep torch's CPU build (pip's find-links); uv reads no pip config.
+# Where machines of this kind keep torch's CPU build (pip's find-links; uv reads no pip config); `make lock` needs it.
 TORCH_WHEELS = Path("/opt/wheels")
 # A pin line of a compiled lock: the requirement (with its marker, if any), then its name.
 _PIN_LINE = r"^(([A-Za-z0-9][A-Za-z0-9._-]*)==[^\s;\\]+(?: ; [^\\]+?)?)\s*\\?$"
@@ -82,19 +83,19 @@ def _uv(*args: str) -> list[str]:
     return [sys.executable, "-m", "uv", *args]
 
 
-def dev_lock_for(python_tag: str, machine: str, wheels: Path = TORCH_WHEELS) -> Path:
+def dev_lock_for(python_tag: str, machine: str, wheels: Path | None) -> Path:
     """The dev lock to install: ``dev-cpu.txt`` where ``wheels`` holds its torch for this interpreter and machine.
 
     Args:
         python_tag: The interpreter's wheel tag, such as ``cp311``.
         machine: ``platform.machine()`` of the host, such as ``x86_64``.
-        wheels: The folder that may hold torch's CPU build.
+        wheels: The folder that may hold torch's CPU build (``None``: PyPI alone).
 
     Returns:
         ``dev-cpu.txt`` when a wheel of its torch fits, ``dev.txt`` (PyPI alone) otherwise.
     """
     cpu_build = f"torch-{TORCH_VERSION}{CPU_TORCH_LOCAL}-{python_tag}-{python_tag}-*_{machine}.whl"
-    if wheels.is_dir() and any(wheels.glob(cpu_build)):
+    if wheels is not None and wheels.is_dir() and any(wheels.glob(cpu_build)):
         return LOCK_DIR / "dev-cpu.txt"
     return LOCK_DIR / "dev.txt"
 
@@ -241,7 +242,9 @@ def main() -> int:
         write_validation_locks()
     elif stage == "dev-lock":
         python_tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
-        print(dev_lock_for(python_tag, platform.machine()).relative_to(REPO_ROOT))
+        from tests.support.locked_venv import local_wheels
+
+        print(dev_lock_for(python_tag, platform.machine(), local_wheels()).relative_to(REPO_ROOT))
     else:
         print(
             "usage: refresh.py project|validation|dev-lock (`make lock` runs the first two)", file=sys.stderr

@@ -15,6 +15,7 @@ and hashes those pins (:func:`lock_text`).
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import subprocess
 import sys
@@ -26,18 +27,26 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 LOCK_DIR = REPO_ROOT / "requirements"
 READY_MARKER = ".ready"
 UV_TIMEOUT_S = 600
-# Where machines of this kind keep the CPU build of torch (pip's find-links); uv reads no pip config.
-LOCAL_WHEELS = Path("/opt/wheels")
+# Where machines of this kind keep the CPU build of torch (pip's find-links; uv reads no pip config). The Makefile
+# exports LOCAL_WHEELS: another folder, or empty for none (`make test LOCAL_WHEELS=`: PyPI alone).
+DEFAULT_LOCAL_WHEELS = "/opt/wheels"
 SHARED_PTH = "zz_test_interpreter.pth"
 # sglang's wheels need glibc 2.34 (this kind of machine has 2.36).
 VALIDATION_PLATFORM = "x86_64-manylinux_2_34"
 
 
+def local_wheels() -> Path | None:
+    """The wheel folder offered beside PyPI: ``$LOCAL_WHEELS`` (empty: none), else ``/opt/wheels`` if present."""
+    folder = os.environ.get("LOCAL_WHEELS", DEFAULT_LOCAL_WHEELS)
+    return Path(folder) if folder and Path(folder).is_dir() else None
+
+
 def uv(*args: str) -> list[str]:
     """The uv command of the dev ``.venv`` (installed from ``requirements/bootstrap.txt``)."""
     command = [sys.executable, "-m", "uv", *args]
-    if args and args[0] == "pip" and LOCAL_WHEELS.is_dir():
-        command += ["--find-links", str(LOCAL_WHEELS)]
+    wheels = local_wheels()
+    if args and args[0] == "pip" and wheels is not None:
+        command += ["--find-links", str(wheels)]
     return command
 
 

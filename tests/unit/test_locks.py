@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import platform
 import re
 import subprocess
 import sys
@@ -113,6 +115,22 @@ def test_the_cpu_lock_is_installed_only_where_the_wheel_folder_holds_its_torch_f
     assert refresh.dev_lock_for("cp311", "x86_64", tmp_path).name == "dev-cpu.txt"
     assert refresh.dev_lock_for("cp312", "x86_64", tmp_path).name == "dev.txt"
     assert refresh.dev_lock_for("cp311", "aarch64", tmp_path).name == "dev.txt"
+    assert refresh.dev_lock_for("cp311", "x86_64", None).name == "dev.txt"
+
+
+def test_an_empty_local_wheels_variable_installs_the_pypi_lock_even_where_the_folder_holds_the_cpu_build(
+    tmp_path: Path,
+) -> None:
+    tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+    (tmp_path / f"torch-2.13.0+cpu-{tag}-{tag}-manylinux_2_28_{platform.machine()}.whl").touch()
+
+    def dev_lock(local_wheels: str) -> str:
+        env = {**os.environ, "LOCAL_WHEELS": local_wheels}
+        command = [sys.executable, str(LOCK_DIR / "refresh.py"), "dev-lock"]
+        return subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+    assert dev_lock(str(tmp_path)) == "requirements/dev-cpu.txt"
+    assert dev_lock("") == "requirements/dev.txt"
 
 
 def test_the_pypi_check_fails_a_pin_built_elsewhere_or_missing_a_wheel_for_a_target() -> None:

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from packaging.version import Version
 
 from datagen.errors import ProbeError
 from datagen.host.cuda_env import (
@@ -267,9 +268,15 @@ def test_torch_version_file_and_probe_output_are_parsed_without_importing_torch(
 
 def test_this_hosts_torch_build_is_read_from_its_version_file() -> None:
     info = read_torch_version_file()
+    installed = Version(importlib.metadata.version("torch"))
 
-    assert info is not None
-    assert info.version == importlib.metadata.version("torch")
+    assert info is not None and info.version is not None
+    read = Version(info.version)
+    # Only the version file names PyPI's Linux build: its distribution is 2.13.0, its module 2.13.0+cu130
+    # (the CPU index's wheel says +cpu in both).
+    assert read.public == installed.public
+    assert installed.local is None or read.local == installed.local
+    assert (info.cuda is None) == (read.local in (None, "cpu"))
 
 
 def test_cpu_only_torch_on_a_gpu_host_is_an_error_with_the_install_command(tmp_path: Path) -> None:
