@@ -252,9 +252,12 @@ def generate_shard(
         held.hold(dataset, index, kept_completions, kept_failures, retry_round)
         raise
     finished = earlier.keys() | {r.key for r in kept_completions} | {r.key for r in kept_failures}
+    # A conversations' stream delivers one result per turn left (``expected``); a plain one, one per request it
+    # is given, after exact-token mode failed the unrenderable prompts without sending them (below).
+    expected: int | None = None
     if chains is None:
         to_send = [request for request in requests if request.key not in finished]
-        expected = len(to_send)
+        left = len(to_send)
     else:
         # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn).
         stored: dict[str, CompletionRecord | FailureRecord] = {**earlier.failures, **earlier.completions}
@@ -262,14 +265,14 @@ def generate_shard(
         stored |= {record.key: record for record in kept_completions}
         to_send, ended = chains.resume(stored)
         kept_failures.extend(ended)
-        expected = sum(1 for key in keys if key not in stored) - len(ended)
+        expected = left = sum(1 for key in keys if key not in stored) - len(ended)
     resent = len(to_send) if earlier.part_count or attempted_before else 0
     logger.info(
         "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",
         dataset,
         index,
         len(keys),
-        len(keys) - expected,
+        len(keys) - left,
         len(to_send),
         resent,
     )
@@ -299,7 +302,7 @@ def generate_shard(
         writer,
         every=config.generation.checkpoint_every,
         interval_s=config.generation.checkpoint_interval_s,
-        already_done=len(keys) - expected,
+        already_done=len(keys) - left,
         total=len(keys),
         progress=progress,
         held=held,
