@@ -5,10 +5,11 @@ The progress artifact, the progress log line and the run report all compute outp
 request sent), so the figure a person watches and the one the report keeps agree.
 
 A run announces where it is here, and nowhere else: :func:`enter_stage` logs the ``stage=<name>`` line (the run
-log, Prefect's log, a plain terminal) and tells every :class:`RunWatcher`; :func:`report_progress` tells them how
-far generation is, :func:`report_work` how far a long step is (tokenizing, exporting, a tuning sweep). A watcher
-(the live terminal view, :mod:`datagen.app.runview`; a command's bars, :mod:`datagen.app.bars`) registers itself
-for a block with :func:`watching`; the work never knows who watches, and work nobody watches pays nothing for it.
+log, Prefect's log, a plain terminal) and tells the watchers; :func:`report_progress` tells them how far
+generation is, :func:`report_work` how far a long step is (tokenizing, exporting, a tuning sweep). A watcher (the
+live terminal view, :mod:`datagen.app.runview`; a command's bars, :mod:`datagen.app.bars`) registers itself for a
+block with :func:`watching` and is told the events it has a method for; the work never knows who watches, and
+work nobody watches pays nothing for it.
 """
 
 from __future__ import annotations
@@ -172,18 +173,29 @@ class WorkProgress(BaseModel):
     detail: str = Field(default="", description="One short figure beside the bar, e.g. the rows so far.")
 
 
-class RunWatcher(Protocol):
-    """Whoever follows this process's work (the live terminal view, a command's progress bars)."""
+class StageWatcher(Protocol):
+    """Follows the stages a run enters (the live terminal view's checklist)."""
 
     def stage_entered(self, stage: Stage) -> None:
         """The run has entered ``stage`` (the one before it is over)."""
 
+
+class GenerationWatcher(Protocol):
+    """Follows generation (the live terminal view's bar); told often while generating, so kept cheap."""
+
     def generation_progressed(self, progress: GenerationProgress) -> None:
-        """Generation so far (sent often while generating: keep it cheap)."""
+        """Generation so far."""
+
+
+class WorkWatcher(Protocol):
+    """Follows a long step (a run's merge, a corpus adoption, an export, a tuning sweep)."""
 
     def work_progressed(self, progress: WorkProgress) -> None:
-        """A long step so far (a run's merge, a corpus adoption, an export, a tuning sweep)."""
+        """The step so far."""
 
+
+# Whoever follows this process's work: each watcher is told the events it has a method for, and no others.
+RunWatcher = StageWatcher | GenerationWatcher | WorkWatcher
 
 _watchers: list[RunWatcher] = []
 _watchers_lock = threading.Lock()
@@ -191,7 +203,7 @@ _watchers_lock = threading.Lock()
 
 @contextlib.contextmanager
 def watching(watcher: RunWatcher) -> Iterator[RunWatcher]:
-    """Tell ``watcher`` what every run of this process announces (from any thread) within the block."""
+    """Tell ``watcher`` the events it follows that any run of this process announces (from any thread) in the block."""
     with _watchers_lock:
         _watchers.append(watcher)
     try:
@@ -205,8 +217,11 @@ def _tell_watchers(event: str, value: Any) -> None:
     with _watchers_lock:
         watchers = list(_watchers)
     for watcher in watchers:
+        told = getattr(watcher, event, None)
+        if told is None:  # not an event this watcher follows
+            continue
         try:
-            getattr(watcher, event)(value)
+            told(value)
         except Exception:  # a view is for humans: never worth failing a run over
             _logger.debug("run watcher failed event=%s", event, exc_info=True)
 

@@ -22,11 +22,13 @@ from rich.progress import (
 )
 
 from datagen.app.runview import stdout_is_terminal
-from datagen.progress import GenerationProgress, Stage, WorkProgress, watching
+from datagen.progress import WorkProgress, watching
 
 
 class WorkBars:
-    """One rich bar per step the core reports (:class:`datagen.progress.RunWatcher`).
+    """One rich bar per step the core reports: a :class:`datagen.progress.WorkWatcher`.
+
+    Stages and generation belong to a run's view (:mod:`datagen.app.runview`), so the bars do not follow them.
 
     Args:
         progress: The bars' display.
@@ -35,12 +37,6 @@ class WorkBars:
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self._tasks: dict[str, TaskID] = {}
-
-    def stage_entered(self, stage: Stage) -> None:
-        """Not shown: a command's steps are its bars."""
-
-    def generation_progressed(self, progress: GenerationProgress) -> None:
-        """Not shown: generation belongs to a run (:mod:`datagen.app.runview`)."""
 
     def work_progressed(self, progress: WorkProgress) -> None:
         """Move the step's bar (made at its first report)."""

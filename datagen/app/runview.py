@@ -87,7 +87,7 @@ def _seconds(seconds: float) -> str:
 
 
 class RunView:
-    """What the view shows, fed by the run's announcements (:class:`datagen.progress.RunWatcher`).
+    """What the view shows, fed by the run's announcements (every event of :data:`datagen.progress.RunWatcher`).
 
     Every change and every render holds one lock: the run announces from its own threads, rich draws from its
     refresh thread.
