@@ -49,6 +49,7 @@ import yaml
 from datagen.app.codeversion import code_version
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from datagen.host.gpu_lock import gpu_lock_name, is_held, lock_path
+from datagen.output.local import TEMP_PREFIX
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.prefect_stack import PrefectStack, basic_auth_header, copy_checkout, free_port
 from tests.support.workers import worker_port
@@ -735,11 +736,15 @@ def test_a_cancelled_run_stops_its_servers(stack: Stack, tmp_path: Path) -> None
 
 
 def _stored(root: Path) -> dict[str, str]:
-    """Every file under ``root`` and the sha256 of its bytes."""
+    """Every stored object under ``root`` and the sha256 of its bytes.
+
+    A write in progress (the local store's temporary file, renamed into place once whole) is not an object yet:
+    the snapshot may catch one that the run renames a moment later.
+    """
     return {
         str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
         for path in root.rglob("*")
-        if path.is_file()
+        if path.is_file() and not path.name.startswith(TEMP_PREFIX)
     }
 
 
