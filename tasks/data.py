@@ -14,6 +14,7 @@ from prefect.futures import PrefectFuture
 
 import datagen.dataset.merge
 import datagen.generation.shard
+import datagen.generation.shard_assembly
 import datagen.prompts.datasets.corpus
 import datagen.prompts.ledger
 import datagen.prompts.prepare
@@ -253,7 +254,8 @@ def stored_shard_summaries(context: RunContext, prepared: list[PreparedDataset])
     if not all(store.exists(layout.shard_done(s.dataset, s.shard_index)) for s in shards):
         return None
     summaries = [
-        datagen.generation.shard.latest_shard_summary(store, layout, s.dataset, s.shard_index) for s in shards
+        datagen.generation.shard_assembly.latest_shard_summary(store, layout, s.dataset, s.shard_index)
+        for s in shards
     ]
     assert all(summary is not None for summary in summaries), "a done shard has its summary"
     return [summary for summary in summaries if summary is not None]

@@ -47,7 +47,7 @@ from datagen.records import CompletionRecord, FailureRecord, Message, PromptReco
 
 # Finish reasons after which the conversation may go on: the answer is whole.
 CONTINUING_FINISH: Final = frozenset({"stop", "tool_calls"})
-# Per-request seeds below 2**31, as datagen.generation.shard draws them (some engines parse seeds as int32).
+# Per-request seeds below 2**31, as shard_requests.py draws them (some engines parse seeds as int32).
 SEED_MODULUS: Final = 2**31
 
 

@@ -30,10 +30,10 @@ policy on the bucket.
 
 A storage fault costs nothing finished: a part flush that fails transiently keeps its results buffered and
 is tried again at the next checkpoint (the shard goes on generating); the last flush is tried for up to
-:data:`STORAGE_PATIENCE_S`. When the shard still ends with results unstored (the task is then retried, or
-the run stops), they are left in :class:`HeldResults`, owned by the flow for the whole run, and the next
-attempt of the shard in this process stores them first instead of generating them again. A fault retrying
-cannot fix (no space, no permission, the bucket gone) raises
+:data:`~datagen.generation.shard_parts.STORAGE_PATIENCE_S`. When the shard still ends with results unstored
+(the task is then retried, or the run stops), they are left in :class:`HeldResults`, owned by the flow for
+the whole run, and the next attempt of the shard in this process stores them first instead of generating
+them again. A fault retrying cannot fix (no space, no permission, the bucket gone) raises
 :class:`~datagen.errors.UnfixableStorageError` at once, and stops the dispatcher's admission for every shard
 (:meth:`~datagen.generation.dispatcher.Dispatcher.stop_admission`): each answer after it would be lost, so the
 work lost is bounded by what was in flight and unstored then.
@@ -42,59 +42,44 @@ work lost is bounded by what was in flight and unstored then.
 shard existed (it left a part, or held results in this process): the work redone after an interruption.
 It is an upper bound of the requests that were actually in flight then, because the earlier attempt may
 not have started all of them; it is 0 for a shard's first attempt.
+
+This module owns the shard's run (steps 1 to 4 in order, the stream of requests, what is held after a fault);
+the requests are built in :mod:`~datagen.generation.shard_requests`, the parts read and written in
+:mod:`~datagen.generation.shard_parts`, the final files and done marker in
+:mod:`~datagen.generation.shard_assembly`.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import Callable
 
 from datagen.config import RunConfig
 from datagen.errors import (
     ConfigError,
     NoLiveServersError,
-    OutputExistsError,
-    StorageError,
     TransientRequestError,
     UnfixableStorageError,
     WindowClosingError,
     is_transient,
-    unfixable_storage_error,
 )
-from datagen.generation.conversation import Conversation, ConversationChains
+from datagen.generation.conversation import ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
+from datagen.generation.shard_assembly import assemble, latest_shard_summary
+from datagen.generation.shard_parts import PartWriter, read_parts
+from datagen.generation.shard_requests import build_conversations, build_requests
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
-from datagen.records import (
-    CompletionRecord,
-    FailureRecord,
-    PromptRecord,
-    PromptShardRef,
-    SamplingParams,
-    ShardSummary,
-)
+from datagen.records import CompletionRecord, FailureRecord, PromptShardRef, ShardSummary
 
 logger = logging.getLogger(__name__)
-
-PART_NAME = re.compile(r"(completions|failures)-(\d+)\.jsonl")
-# Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
-SEED_MODULUS = 2**31
-
-# How long the shard's last flush keeps trying a storage that fails transiently (S3 refusing connections, 5xx)
-# before the shard gives up (its results stay held for the next attempt): an outage of minutes costs nothing.
-STORAGE_PATIENCE_S = 300.0
-STORAGE_RETRY_MAX_S = 10.0
 
 ProgressCallback = Callable[[int, int], None]
 
@@ -276,7 +261,7 @@ def generate_shard(
         len(to_send),
         resent,
     )
-    writer = _PartWriter(
+    writer = PartWriter(
         store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part, retry_round
     )
     if kept_completions or kept_failures:
@@ -309,7 +294,7 @@ def generate_shard(
         expected=expected,
         chains=chains,
     )
-    summary = _assemble(
+    summary = assemble(
         store,
         layout,
         shard,
@@ -334,245 +319,6 @@ def generate_shard(
         summary.generation_s,
     )
     return summary
-
-
-def latest_shard_summary(store: Store, layout: RunLayout, dataset: str, index: int) -> ShardSummary | None:
-    """The shard's outcome: the done marker of its highest retry round (None while it is not done).
-
-    Rounds follow each other (round R starts only from round R - 1's marker), so the markers are probed in
-    order: a shard never retried costs two existence checks.
-    """
-    if not store.exists(layout.shard_done(dataset, index)):
-        return None
-    retry_round = 0
-    while store.exists(layout.shard_done(dataset, index, retry_round + 1)):
-        retry_round += 1
-    return ShardSummary.model_validate(store.read_json(layout.shard_done(dataset, index, retry_round)))
-
-
-def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> list[GenerationRequest]:
-    """Every request of a shard: each prompt times ``samples_per_prompt``, in prompt order.
-
-    With a sampling mix (``datasets[].sampling_mix``), each prompt samples with the setting its id draws
-    (:func:`~datagen.config.prompts.choose_setting`), the same in every attempt. When the sampling has a seed,
-    each request gets its own seed derived from it, the prompt id and the sample index, so samples of one
-    prompt differ and a rerun draws the same ones.
-
-    Args:
-        store: The store holding the prompt shard.
-        config: The run configuration.
-        shard: The prompt shard.
-
-    Returns:
-        The requests.
-
-    """
-    dataset = config.dataset(shard.dataset)
-    requests = []
-    for line in store.iter_lines(shard.path):
-        # Straight from the JSON bytes: pydantic's own parser, no intermediate dicts.
-        prompt = PromptRecord.model_validate_json(line)
-        setting, sampling = config.sampling_for_prompt(dataset, prompt.prompt_id)
-        for sample_index in range(sampling.samples_per_prompt):
-            requests.append(
-                GenerationRequest(
-                    prompt=prompt,
-                    sample_index=sample_index,
-                    sampling=_sampling_for_request(sampling, prompt.prompt_id, sample_index),
-                    sampling_setting=setting,
-                    dataset=shard.dataset,
-                )
-            )
-    return requests
-
-
-def build_conversations(store: Store, config: RunConfig, shard: PromptShardRef) -> ConversationChains:
-    """Every on-policy conversation of a shard: each prompt times ``samples_per_prompt``, in prompt order.
-
-    Each prompt samples with the setting of its dataset's mix its id draws, as :func:`build_requests`; seeds
-    are derived per turn (:func:`~datagen.generation.conversation.turn_seed`).
-
-    Args:
-        store: The store holding the prompt shard.
-        config: The run configuration.
-        shard: The prompt shard.
-
-    Returns:
-        The shard's conversations, none of them started.
-
-    """
-    dataset = config.dataset(shard.dataset)
-    conversations = []
-    for line in store.iter_lines(shard.path):
-        prompt = PromptRecord.model_validate_json(line)
-        setting, sampling = config.sampling_for_prompt(dataset, prompt.prompt_id)
-        for sample_index in range(sampling.samples_per_prompt):
-            conversations.append(Conversation(prompt, sample_index, sampling, setting, shard.dataset))
-    return ConversationChains(conversations)
-
-
-def _sampling_for_request(sampling: SamplingParams, prompt_id: str, sample_index: int) -> SamplingParams:
-    if sampling.seed is None:
-        return sampling
-    digest = hashlib.sha256(f"{sampling.seed}/{prompt_id}/{sample_index}".encode()).digest()
-    return sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "big") % SEED_MODULUS})
-
-
-@dataclass
-class ShardParts:
-    """What the checkpoint parts of a shard hold, first occurrence of each request key kept.
-
-    Attributes:
-        completions: Completion per request key, in part order.
-        failures: Failure per request key, in part order.
-        part_count: How many part objects exist.
-        next_completions_part: The first completions part index above every existing one.
-        next_failures_part: The first failures part index above every existing one.
-
-    """
-
-    completions: dict[str, CompletionRecord] = field(default_factory=dict)
-    failures: dict[str, FailureRecord] = field(default_factory=dict)
-    part_count: int = 0
-    next_completions_part: int = 0
-    next_failures_part: int = 0
-
-    def keys(self) -> set[str]:
-        """Request keys with any result."""
-        return set(self.completions) | set(self.failures)
-
-
-def read_parts(
-    store: Store,
-    layout: RunLayout,
-    dataset: str,
-    index: int,
-    known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
-    retry_round: int = 0,
-) -> ShardParts:
-    """Read every checkpoint part of one shard (of one retry round: round 0 ignores the rounds' folders).
-
-    Args:
-        store: The run's store.
-        layout: The run's keys.
-        dataset: The dataset name.
-        index: The shard index.
-        known: Records of parts this process wrote itself, by key: used instead of reading them back
-            (write-once: a part never changes after it is written).
-        retry_round: The round whose parts to read.
-
-    Returns:
-        The parts' content.
-
-    """
-    parts = ShardParts()
-    located = []
-    prefix = layout.shard_parts_prefix(dataset, index, retry_round)
-    # One level (a retry round's folder below this round's parts is not this round's), whole names only.
-    for key in store.list_level(prefix).objects:
-        match = PART_NAME.fullmatch(key.removeprefix(f"{prefix}/"))
-        if match:
-            located.append((int(match.group(2)), match.group(1), key))
-    known = known or {}
-    for number, kind, key in sorted(located):
-        parts.part_count += 1
-        cached = known.get(key)
-        if kind == "completions":
-            parts.next_completions_part = max(parts.next_completions_part, number + 1)
-            completions = cached if cached is not None else _read_records(store, key, CompletionRecord)
-            for completion in completions:
-                assert isinstance(completion, CompletionRecord)
-                parts.completions.setdefault(completion.key, completion)
-        else:
-            parts.next_failures_part = max(parts.next_failures_part, number + 1)
-            failures = cached if cached is not None else _read_records(store, key, FailureRecord)
-            for failure in failures:
-                assert isinstance(failure, FailureRecord)
-                parts.failures.setdefault(failure.key, failure)
-    return parts
-
-
-def _read_records(
-    store: Store, key: str, model: type[CompletionRecord] | type[FailureRecord]
-) -> list[CompletionRecord] | list[FailureRecord]:
-    return [model.model_validate_json(line) for line in store.iter_lines(key)]  # type: ignore[return-value]
-
-
-@dataclass
-class _PartWriter:
-    """Writes checkpoint parts at the next free index, stepping over indices another writer took."""
-
-    store: Store
-    layout: RunLayout
-    dataset: str
-    index: int
-    next_completions: int
-    next_failures: int
-    retry_round: int = 0
-    # What this writer stored, by key: the shard's final assembly reuses it instead of reading it back.
-    written: dict[str, list[CompletionRecord] | list[FailureRecord]] = field(default_factory=dict)
-
-    def flush(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
-        """Store both lists as parts, emptying each once it is stored (what raises stays in its list).
-
-        Raises:
-            UnfixableStorageError: The write failed for a reason retrying cannot fix.
-        """
-        try:
-            if completions:
-                self.next_completions = self._write(
-                    self.layout.completions_part, self.next_completions, list(completions)
-                )
-                completions.clear()
-            if failures:
-                self.next_failures = self._write(
-                    self.layout.failures_part, self.next_failures, list(failures)
-                )
-                failures.clear()
-        except Exception as error:
-            unfixable = unfixable_storage_error(
-                error,
-                self.store.url(self.layout.shard_parts_prefix(self.dataset, self.index, self.retry_round)),
-            )
-            if unfixable is not None:
-                raise unfixable from error
-            raise
-
-    def flush_patiently(self, completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
-        """:meth:`flush`, trying again for up to :data:`STORAGE_PATIENCE_S` while storage fails transiently."""
-        deadline = time.monotonic() + STORAGE_PATIENCE_S
-        delay = 0.5
-        while True:
-            try:
-                self.flush(completions, failures)
-                return
-            except Exception as error:
-                if not is_transient(error) or time.monotonic() + delay > deadline:
-                    raise
-                logger.warning(
-                    "storage write failed, results kept and tried again dataset=%s shard=%d results=%d "
-                    "retry_in_s=%.1f error=%s",
-                    self.dataset,
-                    self.index,
-                    len(completions) + len(failures),
-                    delay,
-                    error,
-                )
-            time.sleep(delay)
-            delay = min(delay * 2, STORAGE_RETRY_MAX_S)
-
-    def _write(self, key_of: Callable[[str, int, int, int], str], part: int, records: list[Any]) -> int:
-        while True:
-            key = key_of(self.dataset, self.index, part, self.retry_round)
-            try:
-                self.store.write_jsonl(key, records)
-            except OutputExistsError:
-                # Another attempt of this shard is writing too; its parts are as good as ours.
-                part += 1
-                continue
-            logger.debug("wrote part key=%s records=%d", key, len(records))
-            self.written[key] = records
-            return part + 1
 
 
 class _Inbox:
@@ -609,7 +355,7 @@ class _Inbox:
 def _run_requests(
     dispatcher: Dispatcher,
     requests: list[GenerationRequest],
-    writer: _PartWriter,
+    writer: PartWriter,
     *,
     every: int,
     interval_s: float,
@@ -693,7 +439,7 @@ def _run_requests(
     _raise_if_unserved(unserved, writer, dispatcher.stopped_by)
 
 
-def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter, stopped_by: Exception | None) -> None:
+def _raise_if_unserved(unserved: Counter[str], writer: PartWriter, stopped_by: Exception | None) -> None:
     if not unserved:
         return
     if unserved[FailureKind.ADMISSION_STOPPED] and isinstance(stopped_by, UnfixableStorageError):
@@ -724,193 +470,3 @@ def _raise_if_unserved(unserved: Counter[str], writer: _PartWriter, stopped_by: 
         dataset=writer.dataset,
         shard=writer.index,
     )
-
-
-def _assemble(
-    store: Store,
-    layout: RunLayout,
-    shard: PromptShardRef,
-    keys: list[str],
-    *,
-    resent: int,
-    started: float,
-    known: dict[str, list[CompletionRecord] | list[FailureRecord]] | None = None,
-    previous: ShardSummary | None = None,
-    standing: list[FailureRecord] | None = None,
-    conversations: list[list[str]] | None = None,
-) -> ShardSummary:
-    """Write the final files from all parts (or verify earlier ones), then the done marker.
-
-    ``conversations`` (on-policy shards) are the turn keys of each conversation, for its counts.
-
-    For a retry round (``previous`` is the summary of the round before, ``standing`` its failures), the
-    round's completions file holds the answers of its requests, its failures file every failure of the
-    shard still standing (the earlier ones not retried, plus the retried ones that failed again), and its
-    marker the shard's whole new summary.
-    """
-    dataset, index = shard.dataset, shard.shard_index
-    retry_round = previous.retry_round + 1 if previous is not None else 0
-    parts = read_parts(store, layout, dataset, index, known, retry_round)
-    completions = [parts.completions[key] for key in keys if key in parts.completions]
-    failures = [parts.failures[key] for key in keys if key not in parts.completions and key in parts.failures]
-    missing = len(keys) - len(completions) - len(failures)
-    if missing:
-        raise StorageError(
-            f"shard {dataset}/{index}: {missing} of {len(keys)} requests have no result in "
-            f"{store.url(layout.shard_parts_prefix(dataset, index, retry_round))} after generation; rerun the "
-            "shard (finished requests are not sent again)",
-            dataset=dataset,
-            shard=index,
-        )
-    foreign = len(parts.keys() - set(keys))
-    if foreign:
-        logger.warning(
-            "parts hold requests not in the prompt shard dataset=%s shard=%d count=%d",
-            dataset,
-            index,
-            foreign,
-        )
-    completions_key = layout.completions(dataset, index, retry_round)
-    failures_key = layout.failures(dataset, index, retry_round)
-    completions = _write_or_adopt_completions(store, completions_key, completions, set(keys))
-    # The completions file decides; failures are exactly the other requests. When another attempt (a crash's
-    # predecessor, or a second process on the same run) wrote the completions first, its decision stands
-    # and the failures file is derived from it, so no request can land in both files.
-    completed = {record.key for record in completions}
-    failed_keys = [key for key in keys if key not in completed]
-    if any(key not in parts.failures for key in failed_keys):
-        parts = read_parts(store, layout, dataset, index, known, retry_round)
-    failures = [parts.failures[key] for key in failed_keys if key in parts.failures]
-    if len(failures) != len(failed_keys):
-        raise StorageError(
-            f"shard {dataset}/{index}: {len(failed_keys) - len(failures)} requests are neither in "
-            f"{store.url(completions_key)} nor failed in the checkpoint parts; rerun the shard",
-            dataset=dataset,
-            shard=index,
-        )
-    retried = set(keys)
-    kept = [failure for failure in standing or [] if failure.key not in retried]
-    failures = _write_or_verify(store, failures_key, [*kept, *failures], FailureRecord)
-    summary = ShardSummary(
-        dataset=dataset,
-        shard_index=index,
-        requests=previous.requests if previous is not None else len(keys),
-        completions=len(completions),
-        failures=len(failures),
-        prompt_tokens=sum(record.usage.prompt_tokens for record in completions),
-        completion_tokens=sum(record.usage.completion_tokens for record in completions),
-        resent_requests=resent,
-        retried_attempts=sum(max(c.attempts - 1, 0) for c in completions)
-        + sum(max(f.attempts - 1, 0) for f in failures),
-        generation_s=time.monotonic() - started,
-        completions_path=completions_key,
-        failures_path=failures_key,
-        finish_reasons=dict(Counter(record.finish_reason for record in completions)),
-        failure_reasons=dict(Counter(record.error_type for record in failures)),
-        sampling_settings=dict(
-            Counter(record.sampling_setting for record in completions if record.sampling_setting is not None)
-        ),
-        conversations=len(conversations or []),
-        conversations_completed=sum(all(key in completed for key in turns) for turns in conversations or []),
-        retry_round=retry_round,
-    )
-    if previous is not None:
-        summary = _after_round(previous, summary, new_completions=completions, kept_failures=kept)
-    done_key = layout.shard_done(dataset, index, retry_round)
-    try:
-        store.write_json(done_key, summary)
-    except OutputExistsError:
-        # Another attempt finished the same shard first; its marker describes the same files.
-        return ShardSummary.model_validate(store.read_json(done_key))
-    return summary
-
-
-def _after_round(
-    previous: ShardSummary,
-    round_summary: ShardSummary,
-    *,
-    new_completions: list[CompletionRecord],
-    kept_failures: list[FailureRecord],
-) -> ShardSummary:
-    """The shard's summary after a retry round: the round before plus this round's answers."""
-    finish_reasons = Counter(previous.finish_reasons)
-    finish_reasons.update(round_summary.finish_reasons)
-    sampling_settings = Counter(previous.sampling_settings)
-    sampling_settings.update(round_summary.sampling_settings)
-    kept_retries = sum(max(f.attempts - 1, 0) for f in kept_failures)
-    return round_summary.model_copy(
-        update={
-            "completions": previous.completions + len(new_completions),
-            "prompt_tokens": previous.prompt_tokens + round_summary.prompt_tokens,
-            "completion_tokens": previous.completion_tokens + round_summary.completion_tokens,
-            "resent_requests": previous.resent_requests + round_summary.resent_requests,
-            # The failures the round kept are in the round's count and already in the previous one.
-            "retried_attempts": previous.retried_attempts + round_summary.retried_attempts - kept_retries,
-            "generation_s": previous.generation_s + round_summary.generation_s,
-            "completions_path": previous.completions_path,
-            "retried_completions_paths": [
-                *previous.retried_completions_paths,
-                round_summary.completions_path,
-            ],
-            "finish_reasons": dict(finish_reasons),
-            "sampling_settings": dict(sampling_settings),
-        }
-    )
-
-
-RecordT = TypeVar("RecordT", CompletionRecord, FailureRecord)
-
-
-def _write_or_adopt_completions(
-    store: Store, key: str, records: list[CompletionRecord], shard_keys: set[str]
-) -> list[CompletionRecord]:
-    """Write the final completions once; if another attempt wrote them first, adopt its file.
-
-    Raises:
-        StorageError: The existing file holds requests that are not in this shard (its inputs changed).
-    """
-    try:
-        store.write_jsonl(key, records)
-        return records
-    except OutputExistsError:
-        existing = [CompletionRecord.model_validate(row) for row in store.iter_jsonl(key)]
-    unknown = {record.key for record in existing} - shard_keys
-    if unknown:
-        raise StorageError(
-            f"{store.url(key)} exists but holds {len(unknown)} requests that are not in this shard: the shard's "
-            "inputs changed between attempts. Keep the existing file and investigate; datagen never overwrites it.",
-            url=store.url(key),
-        )
-    logger.info(
-        "final completions already written by another attempt; adopted key=%s records=%d", key, len(existing)
-    )
-    return existing
-
-
-def _write_or_verify(store: Store, key: str, records: list[RecordT], model: type[RecordT]) -> list[RecordT]:
-    """Write ``records`` once; if an earlier attempt wrote ``key``, check it holds the same requests.
-
-    Returns:
-        The records now in storage (the earlier file's, when one existed).
-
-    """
-    try:
-        store.write_jsonl(key, records)
-    except OutputExistsError:
-        existing = [model.model_validate(row) for row in store.iter_jsonl(key)]
-        if _keys(existing) != _keys(records):
-            raise StorageError(
-                f"{store.url(key)} exists from an earlier attempt but holds {len(existing)} requests "
-                f"where the checkpoint parts give {len(records)}: the shard's inputs changed between "
-                "attempts. Keep the existing file and investigate; datagen never overwrites it.",
-                url=store.url(key),
-            ) from None
-        logger.info(
-            "final file already written by an earlier attempt; verified key=%s records=%d", key, len(existing)
-        )
-        return existing
-    return records
-
-
-def _keys(records: Iterable[CompletionRecord | FailureRecord]) -> set[str]:
-    return {record.key for record in records}

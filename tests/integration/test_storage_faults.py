@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-import datagen.generation.shard
+import datagen.generation.shard_parts
 from datagen.config import DatasetConfig, GenerationConfig, ModelConfig, RunConfig
 from datagen.errors import StorageError, TransientStorageError, unfixable_storage_error
 from datagen.generation.dispatcher import Dispatcher
@@ -138,7 +138,7 @@ def test_s3_failing_mid_shard_costs_nothing_finished(store: Store, proxy: S3Faul
 def test_results_an_attempt_could_not_store_are_stored_by_the_next_not_generated_again(
     store: Store, proxy: S3FaultProxy, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(datagen.generation.shard, "STORAGE_PATIENCE_S", 1.0)
+    monkeypatch.setattr(datagen.generation.shard_parts, "STORAGE_PATIENCE_S", 1.0)
     config = _config(store)
     shard = _prompt_shard(store)
     held = HeldResults()
