@@ -7,6 +7,7 @@ schema; change both together and bump ``schema_version`` on incompatible changes
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -15,6 +16,9 @@ RECORD_SCHEMA_VERSION: Final = 1
 
 Role = Literal["system", "user", "assistant", "tool"]
 FinishReason = Literal["stop", "length", "tool_calls", "abort", "content_filter", "unknown"]
+
+# Derived seeds stay below 2**31: some engines parse a seed as a signed 32-bit int.
+SEED_MODULUS: Final = 2**31
 
 
 def utc_now() -> dt.datetime:
@@ -46,6 +50,17 @@ class SamplingParams(BaseModel):
     )
     samples_per_prompt: int = Field(default=1, gt=0, le=64)
     seed: int | None = None
+
+    def seeded_for(self, *key: object) -> SamplingParams:
+        """These parameters with a seed derived from the run's seed and ``key`` (None stays None).
+
+        Every request (key: prompt id, sample index; a conversation's turn adds its turn) then draws its own
+        sample, the same one on every attempt of the run.
+        """
+        if self.seed is None:
+            return self
+        digest = hashlib.sha256("/".join(map(str, (self.seed, *key))).encode()).digest()
+        return self.model_copy(update={"seed": int.from_bytes(digest[:8], "big") % SEED_MODULUS})
 
 
 class FunctionCall(Record):

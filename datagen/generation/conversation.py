@@ -34,7 +34,6 @@ last stored turn (:meth:`Conversation.replay`).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -47,8 +46,6 @@ from datagen.records import CompletionRecord, FailureRecord, Message, PromptReco
 
 # Finish reasons after which the conversation may go on: the answer is whole.
 CONTINUING_FINISH: Final = frozenset({"stop", "tool_calls"})
-# Per-request seeds below 2**31, as shard_requests.py draws them (some engines parse seeds as int32).
-SEED_MODULUS: Final = 2**31
 
 
 @dataclass(frozen=True)
@@ -172,10 +169,7 @@ def answer_message(record: CompletionRecord) -> Message:
 
 def turn_seed(sampling: SamplingParams, prompt_id: str, sample_index: int, turn: int) -> SamplingParams:
     """``sampling`` with the seed of one turn, derived like a single request's plus the turn (None stays None)."""
-    if sampling.seed is None:
-        return sampling
-    digest = hashlib.sha256(f"{sampling.seed}/{prompt_id}/{sample_index}/{turn}".encode()).digest()
-    return sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "big") % SEED_MODULUS})
+    return sampling.seeded_for(prompt_id, sample_index, turn)
 
 
 @dataclass

@@ -73,7 +73,7 @@ from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
 from datagen.generation.shard_assembly import assemble, latest_shard_summary
-from datagen.generation.shard_parts import PartWriter, read_parts
+from datagen.generation.shard_parts import CheckpointWriter, read_parts
 from datagen.generation.shard_requests import build_conversations, build_requests
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
@@ -261,7 +261,7 @@ def generate_shard(
         len(to_send),
         resent,
     )
-    writer = PartWriter(
+    writer = CheckpointWriter(
         store, layout, dataset, index, earlier.next_completions_part, earlier.next_failures_part, retry_round
     )
     if kept_completions or kept_failures:
@@ -355,7 +355,7 @@ class _Inbox:
 def _run_requests(
     dispatcher: Dispatcher,
     requests: list[GenerationRequest],
-    writer: PartWriter,
+    writer: CheckpointWriter,
     *,
     every: int,
     interval_s: float,
@@ -439,7 +439,9 @@ def _run_requests(
     _raise_if_unserved(unserved, writer, dispatcher.stopped_by)
 
 
-def _raise_if_unserved(unserved: Counter[str], writer: PartWriter, stopped_by: Exception | None) -> None:
+def _raise_if_unserved(
+    unserved: Counter[str], writer: CheckpointWriter, stopped_by: Exception | None
+) -> None:
     if not unserved:
         return
     if unserved[FailureKind.ADMISSION_STOPPED] and isinstance(stopped_by, UnfixableStorageError):

@@ -2,7 +2,7 @@
 
 This module owns the parts under ``parts/<dataset>/shard-NNNNN/`` (``{completions,failures}-NNNNN.jsonl``, one
 folder per retry round): :func:`read_parts` gathers what every part of a round holds (how an interrupted shard
-resumes, and what its final files are assembled from), :class:`PartWriter` stores results as new parts at the
+resumes, and what its final files are assembled from), :class:`CheckpointWriter` stores results as new parts at the
 next free index, patiently while storage fails transiently (:data:`STORAGE_PATIENCE_S`).
 """
 
@@ -111,7 +111,7 @@ def _read_records(
 
 
 @dataclass
-class PartWriter:
+class CheckpointWriter:
     """Writes checkpoint parts at the next free index, stepping over indices another writer took.
 
     The shard's run (:mod:`~datagen.generation.shard`) flushes its buffered results through one per attempt;

@@ -9,16 +9,11 @@ the very same requests, so their keys find the results an earlier attempt stored
 
 from __future__ import annotations
 
-import hashlib
-
 from datagen.config import RunConfig
 from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.output.store import Store
 from datagen.records import PromptRecord, PromptShardRef, SamplingParams
-
-# Per-request seeds are drawn below 2**31 so every engine (some parse seeds as int32) accepts them.
-SEED_MODULUS = 2**31
 
 
 def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> list[GenerationRequest]:
@@ -83,7 +78,4 @@ def build_conversations(store: Store, config: RunConfig, shard: PromptShardRef) 
 
 
 def _sampling_for_request(sampling: SamplingParams, prompt_id: str, sample_index: int) -> SamplingParams:
-    if sampling.seed is None:
-        return sampling
-    digest = hashlib.sha256(f"{sampling.seed}/{prompt_id}/{sample_index}".encode()).digest()
-    return sampling.model_copy(update={"seed": int.from_bytes(digest[:8], "big") % SEED_MODULUS})
+    return sampling.seeded_for(prompt_id, sample_index)
