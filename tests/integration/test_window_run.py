@@ -3,9 +3,10 @@
 Real `datagen run` processes (the CLI's own Prefect API server) against one slow OpenAI-compatible server that
 stays up across both attempts. The first attempt's window (seconds) is shorter than the work: admission stops
 early enough that the fleet stops and training is handed back before the window ends (the box's history gives
-the measured stop and restart times), the run exits 4 with the one command that continues it, and nothing is
-published. The second attempt, the window taken out of the config (it is no part of the run's identity), sends
-only what was left, and every request is stored exactly once.
+the measured stop and restart times), the shards finished in the window are published as v0001 (the run's merge
+round 0; the run is not complete: no manifest), and the run exits 4 naming it and the one command that continues
+it. The second attempt, the window taken out of the config (it is no part of the run's identity), sends only what
+was left and publishes it as v0002 on top of v0001: every request stored and in one version's own parts, once.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pyarrow.parquet as pq
 import yaml
 
 from datagen.app.history import BoxRecord, append_record
@@ -54,7 +57,24 @@ def _stored(run_root: Path, folder: str) -> list[str]:
     ]
 
 
-def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_exactly_the_rest(
+def _done_completions(run_root: Path) -> int:
+    """Answers of the shards whose done marker is stored (the finished shards)."""
+    return sum(
+        json.loads(marker.read_text())["completions"] for marker in (run_root / "done").rglob("*.json")
+    )
+
+
+def _own_rows(version: dict[str, Any]) -> list[str]:
+    """The requests in a version's own parts (its run's, not its base's), one entry per row."""
+    return [
+        f"{row['prompt_id']}/{row['sample_index']}"
+        for shard in version["shards"]
+        if shard["source"] == RUN_ID
+        for row in pq.read_table(shard["url"], columns=["prompt_id", "sample_index"]).to_pylist()
+    ]
+
+
+def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_and_the_next_attempt_the_rest(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     state = tmp_path / "state"
@@ -95,7 +115,13 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
         assert last.endswith(f"--run-id {RUN_ID}") or f"--run-id {RUN_ID}" in last, last
         run_root = tmp_path / "out" / "runs" / RUN_ID
         assert not (run_root / "manifest.json").exists(), "a window-ended run is not complete"
-        assert not (tmp_path / "out" / "datasets").exists(), "nothing is published before every request is in"
+        versions = tmp_path / "out" / "datasets" / "drafter-expansion"
+        # What the window finished is published: exactly the rows of the shards done in it.
+        v1 = json.loads((versions / "v0001.json").read_text())
+        finished_rows = _done_completions(run_root)
+        assert 0 < finished_rows == v1["rows"] < PROMPTS, (finished_rows, v1["rows"])
+        assert f"{finished_rows} rows published as {versions / 'v0001.json'}" in last, last
+        assert sorted(path.name for path in versions.glob("v*.json")) == ["v0001.json"]
         (times_file,) = (run_root / "attempts").rglob("serving-times.json")
         times = json.loads(times_file.read_text())
         halted = dt.datetime.fromisoformat(times["halted_at"])
@@ -119,5 +145,12 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
     )
     assert not _stored(run_root, "failures")
     assert (run_root / "manifest.json").exists()
-    (version,) = (tmp_path / "out" / "datasets").rglob("v0001.json")
-    assert json.loads(version.read_text())["rows"] == PROMPTS
+    # The rest is the next version, on top of the first: the two versions' own rows are every request, once.
+    assert json.loads((versions / "v0001.json").read_text()) == v1, "a published version never changes"
+    v2 = json.loads((versions / "v0002.json").read_text())
+    assert v2["base_version"] == str(versions / "v0001.json") and v2["rows"] == PROMPTS
+    first_rows, rest_rows = _own_rows(v1), _own_rows(v2)
+    assert len(first_rows) == finished_rows and not set(first_rows) & set(rest_rows)
+    assert sorted(first_rows + rest_rows) == sorted(answered)
+    manifest = json.loads((run_root / "manifest.json").read_text())
+    assert manifest["dataset_version"] == "datasets/drafter-expansion/v0002.json"
