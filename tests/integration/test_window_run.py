@@ -7,6 +7,8 @@ the measured stop and restart times), the shards finished in the window are publ
 round 0; the run is not complete: no manifest), and the run exits 4 naming it and the one command that continues
 it. The second attempt, the window taken out of the config (it is no part of the run's identity), sends only what
 was left and publishes it as v0002 on top of v0001: every request stored and in one version's own parts, once.
+The second attempt is the series' next run (no run id), which continues the open run; the run after it takes new
+prompts and builds v0003 on v0002 (the series' last version is the window-ended run's last merge round).
 """
 
 from __future__ import annotations
@@ -36,14 +38,15 @@ CLI_TIMEOUT_S = 300
 RUN_ID = "window-1"
 
 
-def _run(config: Path, state: Path) -> subprocess.CompletedProcess[str]:
+def _run(config: Path, state: Path, run_id: str | None = RUN_ID) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(state),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("PREFECT_API_URL", None)
-    command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), "--run-id", RUN_ID]
+    command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)]
+    command += ["--run-id", run_id] if run_id else []
     return subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
     )
@@ -69,7 +72,7 @@ def _own_rows(version: dict[str, Any]) -> list[str]:
     return [
         f"{row['prompt_id']}/{row['sample_index']}"
         for shard in version["shards"]
-        if shard["source"] == RUN_ID
+        if shard["source"] == version["run_id"]
         for row in pq.read_table(shard["url"], columns=["prompt_id", "sample_index"]).to_pylist()
     ]
 
@@ -96,7 +99,8 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
             tmp_path / "run.yaml",
             server_url=server.url,
             model_dir=tiny_model_dir,
-            prompts=write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Window question"),
+            # Twice what one run takes: the series' run after the continuation takes the other half.
+            prompts=write_prompts(tmp_path / "prompts.jsonl", 2 * PROMPTS, "Window question"),
             dataset="windowed",
             shard_size=8,
             in_flight=IN_FLIGHT,
@@ -105,6 +109,9 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
             generation={"checkpoint_interval_s": 0.2},
         )
         data = yaml.safe_load(config.read_text())
+        data["series"] = "nightly"
+        data["datasets"][0]["max_prompts"] = PROMPTS
+        config.write_text(yaml.safe_dump(data))
         windowed = tmp_path / "windowed.yaml"
         windowed.write_text(yaml.safe_dump({**data, "window": {"max_hours": WINDOW_S / 3600}}))
 
@@ -133,11 +140,18 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
         sent = len(server.chat_requests())
         data.pop("window", None)
         config.write_text(yaml.safe_dump(data))
-        finished = _run(config, state)
+        # The series' next run (no run id) continues the window-ended run before it takes new prompts.
+        finished = _run(config, state, run_id=None)
         assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+        assert f"continuing run {RUN_ID} of series nightly" in finished.stderr, finished.stderr[-3000:]
         resent = [request.body["messages"][-1]["content"] for request in server.chat_requests()[sent:]]
         # Only what the window left is sent again: the unsent, and at most the requests in flight at the cut.
         assert len(resent) <= PROMPTS - len(first) + IN_FLIGHT, (len(resent), len(first))
+
+        # The run after it takes new prompts only and builds on the continuation's version.
+        after = _run(config, state, run_id=None)
+        assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-3000:]
+        assert "continuing run" not in after.stderr
 
     answered = _stored(run_root, "completions")
     assert len(answered) == len(set(answered)) == PROMPTS, (
@@ -154,3 +168,9 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
     assert sorted(first_rows + rest_rows) == sorted(answered)
     manifest = json.loads((run_root / "manifest.json").read_text())
     assert manifest["dataset_version"] == "datasets/drafter-expansion/v0002.json"
+    v3 = json.loads((versions / "v0003.json").read_text())
+    assert v3["base_version"] == str(versions / "v0002.json") and v3["rows"] == 2 * PROMPTS
+    new_rows = _own_rows(v3)
+    assert len(new_rows) == PROMPTS and not {row.split("/")[0] for row in new_rows} & {
+        row.split("/")[0] for row in answered
+    }
