@@ -346,15 +346,36 @@ class WindowClosingError(DatagenError, TimeoutError):
 class WindowEndedError(DatagenError):
     """The generation window ended the run before every request was answered; training runs again.
 
-    Everything answered is stored and nothing is published yet: the run's next attempt (the same run id)
-    sends exactly the requests left, then merges and publishes.
+    Everything answered is stored, and the shards finished so far are published as a dataset version (the
+    run's first merge round): the run's next attempt (the same run id) sends exactly the requests left, then
+    publishes the rest as the next version on top of it.
 
     Attributes:
         unsent: Requests left for the next attempt.
         requests: The run's requests in all.
+        published: The URL of the dataset version published with what was generated (None: nothing yet).
+        published_rows: The rows this run added to that version.
     """
 
-    def __init__(self, message: str, *, unsent: int, requests: int, **context: Any) -> None:
-        super().__init__(message, unsent=unsent, requests=requests, **context)
+    def __init__(
+        self,
+        message: str,
+        *,
+        unsent: int,
+        requests: int,
+        published: str | None = None,
+        published_rows: int = 0,
+        **context: Any,
+    ) -> None:
+        super().__init__(
+            message,
+            unsent=unsent,
+            requests=requests,
+            published=published,
+            published_rows=published_rows,
+            **context,
+        )
         self.unsent = unsent
         self.requests = requests
+        self.published = published
+        self.published_rows = published_rows

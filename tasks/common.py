@@ -7,7 +7,6 @@ from typing import Any
 
 from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
-from prefect.context import TaskRunContext
 
 import datagen.errors
 
@@ -28,15 +27,6 @@ def stage_cache_key(stage: str, *parts: object) -> str:
     """A cache key over the stage name and its identifying inputs (run id, incarnation, config hash...)."""
     text = "|".join([stage, *(str(part) for part in parts)])
     return f"{stage}-{hashlib.sha256(text.encode()).hexdigest()[:24]}"
-
-
-def run_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
-    """Cache key of a run-level stage: stage name + run identity (id, incarnation, config hash).
-
-    The task's run context (:class:`tasks.context.RunContext`, parameter ``context``) gives the identity.
-    """
-    run = parameters["context"].run
-    return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash)
 
 
 # The retry policy of every task whose work is idempotent: transient errors only, on the schedule above.

@@ -25,7 +25,7 @@ from datagen.output.store import Store
 from datagen.prompts.parallel import DatasetScans
 from datagen.records import PreparedDataset, PromptShardRef, ShardSummary
 from datagen.settings import get_settings
-from tasks.common import TRANSIENT_RETRIES, run_cache_key, stage_cache_key
+from tasks.common import TRANSIENT_RETRIES, stage_cache_key
 from tasks.context import RunContext
 
 
@@ -212,14 +212,25 @@ def generate_shard(
     return summary
 
 
+def _merge_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    run: RunHandle = parameters["context"].run
+    # The finished files decide what the merge publishes: a window-ended attempt's merge (its finished shards)
+    # never stands for the continuation's, which merges the rest as the run's next round.
+    files = sorted(path for shard in parameters["shards"] for path in shard.all_completions_paths)
+    return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash, *files)
+
+
 @task(
     name="merge-and-tokenize",
     task_run_name="merge-and-tokenize-{context.run_id}",
-    cache_key_fn=run_cache_key,
+    cache_key_fn=_merge_cache_key,
     **TRANSIENT_RETRIES,
 )
 def merge_and_tokenize(context: RunContext, shards: list[ShardSummary]) -> dict[str, Any]:
-    """Render every completion with the target's chat template, mask, and write Parquet + a dataset version."""
+    """Tokenize the finished completions not merged yet into Parquet and a dataset version (a merge round).
+
+    Returns the run's merge over all its rounds.
+    """
     summary = datagen.dataset.merge.merge_and_tokenize(context.store, context.layout, context.config)
     data: dict[str, Any] = summary.model_dump(mode="json")
     get_run_logger().info(

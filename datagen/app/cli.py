@@ -82,8 +82,9 @@ def run(
 
     Exit codes: 0 done; 1 the run failed (resume with --run-id); 2 bad config or preflight refusal (nothing
     halted); 3 the run is complete and stored but training was not restarted (its environment changed since the
-    halt: the last line says what); 4 the generation window ended the run first (training runs again; the same
-    --run-id continues it); 130/143 interrupted by SIGINT/SIGTERM (servers stopped; resume with --run-id).
+    halt: the last line says what); 4 the generation window ended the run first (training runs again, what
+    finished is published; the same --run-id sends the rest); 130/143 interrupted by SIGINT/SIGTERM (servers
+    stopped; resume with --run-id).
     """
     from datagen.app.preflight import check_output_reachable
     from datagen.app.pullstep import default_checkout

@@ -69,8 +69,8 @@ EXIT_DONE = 0
 EXIT_RUN_FAILED = 1
 EXIT_REFUSED = 2
 EXIT_TRAINING_HELD_BACK = 3
-# The generation window ended the run before every request was answered: training runs again, nothing is
-# published yet, and the same command (its run id) continues it.
+# The generation window ended the run before every request was answered: training runs again, what finished is
+# published as a dataset version, and the same command (its run id) sends the rest and publishes the next one.
 EXIT_WINDOW_ENDED = 4
 # The shell's convention for a process ended by a signal: 128 + the signal number.
 SIGNAL_EXIT_BASE = 128
@@ -280,10 +280,15 @@ def run_in_terminal(
             return EXIT_RUN_FAILED, None
         except WindowEndedError as ended:
             _FILE_ONLY.info("window ended", exc_info=True)
+            published = (
+                f"{ended.published_rows} rows published as {ended.published}"
+                if ended.published
+                else "nothing published yet"
+            )
             _echo_error(
                 f"datagen: run {run_id}: the generation window ended with {ended.unsent} of {ended.requests} "
-                f"requests not yet answered; training runs again, every answer is stored. Continue with: "
-                f"{resume_command}"
+                f"requests not yet answered; training runs again, every answer is stored, {published}. Send the "
+                f"rest (the next version) with: {resume_command}"
             )
             return EXIT_WINDOW_ENDED, None
         except TrainingNotRestartedError as held_back:

@@ -10,21 +10,29 @@ holding at most one part and a few shards in memory.
 Then it writes a dataset version manifest (``datasets/<name>/vNNNN.json``) listing the base version's
 shards (referenced, never rewritten) plus the new parts, and finally the tokenize summary.
 
-Resume: the summary is written last and checked first, so a finished merge is never redone. Parts left
+A run merges in rounds (:mod:`datagen.dataset.merge_rounds`): each round takes the finished files no earlier
+round took, so a window-ended attempt publishes what it finished and the run's continuation the rest, as the
+next version on top of it.
+
+Resume: a round's summary is written last and checked first, so a finished round is never redone. Parts left
 by an interrupted attempt are kept: their rows are recomputed for the counts but not written again, after
 checking that they still end at the same completion (each part records its last source row).
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from datagen.config import RunConfig, TokenizeConfig
+from datagen.dataset.merge_rounds import (
+    MergeRoundShards,
+    TokenizeSummary,
+    combine_rounds,
+    finished_rounds,
+    next_merge_round,
+)
 from datagen.dataset.parts import PART_LAST_SOURCE_KEY, PartWriter, RowTally, shard_table
 from datagen.dataset.tokenize_workers import (
     IN_PROCESS_BELOW_BYTES,
@@ -47,41 +55,8 @@ from datagen.errors import OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_versions_prefix, parse_dataset_version
 from datagen.output.store import Store
 from datagen.progress import WorkProgress, report_work
-from datagen.records import utc_now
 
 logger = logging.getLogger(__name__)
-
-
-class TokenizeSummary(BaseModel):
-    """What merge-and-tokenize produced; written last as ``tokenized/summary.json``."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    schema_version: int = 1
-    run_id: str
-    tokenizer: str
-    shards_read: int = Field(description="Completion shards with a done marker that were read.")
-    shards_incomplete: list[str] = Field(
-        default_factory=list, description="Completion shards without a done marker (not read)."
-    )
-    completions_read: int
-    rows: int
-    total_tokens: int
-    loss_tokens: int
-    rows_by_dataset: dict[str, int] = Field(default_factory=dict)
-    tokens_by_dataset: dict[str, int] = Field(default_factory=dict)
-    dropped_by_reason: dict[str, int] = Field(default_factory=dict)
-    parts: list[TokenizedPartRef] = Field(default_factory=list)
-    resumed_parts: int = Field(default=0, description="Parts found from an interrupted attempt and kept.")
-    dataset_name: str
-    dataset_version: str = Field(description="Key of the dataset version manifest written for this run.")
-    dataset_version_url: str
-    dataset_version_rows: int = Field(description="Rows of the whole version (base shards included).")
-    base_version: str | None = None
-    exports: list[ExportRecord] = Field(
-        default_factory=list, description="Trainer exports of the version (`tokenize.formats`)."
-    )
-    created_at: dt.datetime = Field(default_factory=utc_now)
 
 
 @dataclass(frozen=True)
@@ -117,53 +92,74 @@ class PartsTally(RowTally):
 def merge_and_tokenize(
     store: Store, layout: RunLayout, config: RunConfig, *, in_process_below: int = IN_PROCESS_BELOW_BYTES
 ) -> TokenizeSummary:
-    """Tokenize every finished completion shard of a run into Parquet parts and a new dataset version.
+    """Merge every finished completion shard of a run not merged yet: Parquet parts and a new dataset version.
+
+    Each call merges the files no earlier merge round took, as the run's next round (:mod:`merge_rounds`):
+    a window-ended attempt publishes the shards finished in it, the run's continuation the rest, as the next
+    version on top of it. An interrupted round is finished first, with the files it fixed.
 
     Args:
         store: The run's output store.
         layout: The run's keys.
-        config: The run configuration (``tokenize`` section, ``model.tokenizer``).
+        config: The run configuration (``tokenize`` section, ``model.tokenizer``; ``tokenize.base_version`` is
+            the base of the run's first round).
         in_process_below: Without ``tokenize.workers``, fewer bytes of completions than this are tokenized
             in this process (see :func:`~datagen.dataset.tokenize_workers.plan_workers`).
 
     Returns:
-        The summary; the stored one, untouched, when the merge already finished.
+        The run's merge over all its rounds (:func:`combine_rounds`; one round: its stored summary, untouched).
 
     Raises:
         ConfigError: The tokenizer or the base version cannot be read.
-        TokenizeError: Parts of an interrupted attempt do not match the completions any more.
+        TokenizeError: Parts of an interrupted round do not match the completions any more.
 
     """
-    if store.exists(layout.tokenized_summary):
-        stored = TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
-        finished = len(_finished_shards(store, layout)[0])
-        if finished > stored.shards_read:
-            # A merge that published part of the run (a window ended) while shards were unfinished, then a
-            # continuation finished them: returning the stored summary would leave their answers in no version.
-            raise TokenizeError(
-                f"run {layout.run_id}: its merge published {stored.dataset_version} from {stored.shards_read} "
-                f"completion shards, and {finished - stored.shards_read} more finished since: a run merges once, "
-                "so their answers would be in no dataset version. Their answers are stored; publish them with a "
-                "merge of their own before the run's manifest is written.",
-                run_id=layout.run_id,
-            )
+    merged = 0
+    while True:
+        finished, incomplete = _finished_shards(store, layout)
+        round_shards = next_merge_round(store, layout, list(finished), config.tokenize.base_version)
+        if round_shards is None:
+            break
+        _merge_round(store, layout, config, round_shards, finished, incomplete, in_process_below)
+        merged += 1
+    if not merged:
         logger.info("merge already complete run_id=%s", layout.run_id)
-        return stored
+    return combine_rounds(finished_rounds(store, layout))
+
+
+def _merge_round(
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    round_shards: MergeRoundShards,
+    finished: dict[str, int],
+    incomplete: list[str],
+    in_process_below: int,
+) -> TokenizeSummary:
+    """Tokenize one merge round's files into its parts, publish its version, write its summary last."""
     settings = config.tokenize
-    base = read_base_version(store, settings.base_version) if settings.base_version else None
-    shard_sizes, incomplete = _finished_shards(store, layout)
-    logger.info("merging run_id=%s shards=%d", layout.run_id, len(shard_sizes))
+    number = round_shards.merge_round
+    missing = [key for key in round_shards.shards if key not in finished]
+    if missing:
+        raise TokenizeError(
+            f"run {layout.run_id}: merge round {number} lists {missing[0]}, which has no done marker now; the "
+            "run's completions changed since. Start a new run id.",
+            run_id=layout.run_id,
+        )
+    base = read_base_version(store, round_shards.base_version) if round_shards.base_version else None
+    logger.info("merging run_id=%s round=%d shards=%d", layout.run_id, number, len(round_shards.shards))
     parts, tally, resumed = write_tokenized_parts(
         store,
         layout,
         store,
-        list(shard_sizes),
+        round_shards.shards,
         tokenizer=config.model.tokenizer,
         settings=settings,
-        shard_bytes=sum(shard_sizes.values()),
+        shard_bytes=sum(finished[key] for key in round_shards.shards),
         in_process_below=in_process_below,
+        merge_round=number,
     )
-    version_key, version = _write_dataset_version(store, layout, config, parts, base)
+    version_key, version = _write_dataset_version(store, layout, config, parts, base, number)
     summary = TokenizeSummary(
         run_id=layout.run_id,
         tokenizer=config.model.tokenizer,
@@ -182,20 +178,25 @@ def merge_and_tokenize(
         dataset_version=version_key,
         dataset_version_url=store.url(version_key),
         dataset_version_rows=version.rows,
-        base_version=settings.base_version,
+        base_version=round_shards.base_version,
         exports=version.exports,
+        merge_round=number,
+        shards_merged=round_shards.shards,
     )
     try:
-        store.write_json(layout.tokenized_summary, summary)
+        store.write_json(layout.merge_summary(number), summary)
     except OutputExistsError:
-        # Another process on the same run finished the merge first; its summary describes the same parts.
+        # Another process on the same run finished the round first; its summary describes the same parts.
         logger.info(
-            "tokenize summary already written by another attempt; adopting it run_id=%s", layout.run_id
+            "tokenize summary already written by another attempt; adopting it run_id=%s round=%d",
+            layout.run_id,
+            number,
         )
-        return TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
+        return TokenizeSummary.model_validate(store.read_json(layout.merge_summary(number)))
     logger.info(
-        "merged run_id=%s rows=%d loss_tokens=%d parts=%d dropped=%s version=%s",
+        "merged run_id=%s round=%d rows=%d loss_tokens=%d parts=%d dropped=%s version=%s",
         layout.run_id,
+        number,
         summary.rows,
         summary.loss_tokens,
         len(parts),
@@ -215,6 +216,7 @@ def write_tokenized_parts(
     settings: TokenizeConfig,
     shard_bytes: int,
     in_process_below: int = IN_PROCESS_BELOW_BYTES,
+    merge_round: int = 0,
 ) -> tuple[list[TokenizedPartRef], PartsTally, int]:
     """Tokenize completions files into the write-once Parquet parts of ``layout``, resuming an earlier attempt.
 
@@ -231,6 +233,7 @@ def write_tokenized_parts(
         shard_bytes: Bytes of the completions files (from the listing): with ``settings.workers`` unset, less
             than ``in_process_below`` is tokenized in this process (:func:`plan_workers`).
         in_process_below: See ``shard_bytes``.
+        merge_round: The run's merge round whose parts these are (their keys).
 
     Returns:
         Every part (kept and new, in order), the counts, and how many parts were kept.
@@ -239,7 +242,7 @@ def write_tokenized_parts(
         TokenizeError: Kept parts do not match the completions any more.
 
     """
-    existing = _existing_parts(store, layout, settings.rows_per_part)
+    existing = _existing_parts(store, layout, settings.rows_per_part, merge_round)
     tally = PartsTally()
     parts: list[TokenizedPartRef] = [
         TokenizedPartRef(key=part.key, url=store.url(part.key), rows=part.rows, source=layout.run_id)
@@ -256,6 +259,7 @@ def write_tokenized_parts(
         on_part=lambda key, url, rows: parts.append(
             TokenizedPartRef(key=key, url=url, rows=rows, source=layout.run_id)
         ),
+        merge_round=merge_round,
     )
 
     def make_job() -> TokenizeJob:
@@ -326,19 +330,21 @@ def _finished_shards(store: Store, layout: RunLayout) -> tuple[dict[str, int], l
     return finished, incomplete
 
 
-def _existing_parts(store: Store, layout: RunLayout, rows_per_part: int) -> list[_ExistingPart]:
-    """Parts left by an interrupted attempt, checked to be contiguous and full (the last may be short)."""
+def _existing_parts(
+    store: Store, layout: RunLayout, rows_per_part: int, merge_round: int = 0
+) -> list[_ExistingPart]:
+    """Parts a merge round's interrupted attempt left, checked to be contiguous and full (the last may be short)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    level = store.list_level(f"{layout.root}/tokenized").objects
-    keys = [key for key in level if layout.parse_tokenized_part(key) is not None]
+    level = store.list_level(layout.tokenized_prefix(merge_round)).objects
+    keys = [key for key in level if layout.parse_tokenized_part(key, merge_round) is not None]
     parts: list[_ExistingPart] = []
     for position, key in enumerate(keys):
-        if key != layout.tokenized_part(position):
+        if key != layout.tokenized_part(position, merge_round):
             raise TokenizeError(
                 f"Tokenized parts of run {layout.run_id} are not contiguous ({key} where "
-                f"{layout.tokenized_part(position)} was expected); start a new run id.",
+                f"{layout.tokenized_part(position, merge_round)} was expected); start a new run id.",
                 run_id=layout.run_id,
             )
         metadata = pq.read_metadata(pa.BufferReader(store.read_bytes(key)))
@@ -383,8 +389,9 @@ def _write_dataset_version(
     config: RunConfig,
     parts: list[TokenizedPartRef],
     base: tuple[str, DatasetVersion] | None,
+    merge_round: int,
 ) -> tuple[str, DatasetVersion]:
-    """Write the next free version of the dataset (or return this run's version from an earlier attempt)."""
+    """Write the next free version of the dataset (or return this merge round's version from an earlier attempt)."""
     name = config.tokenize.dataset_name
     numbers: list[int] = []
     for key in store.list_level(dataset_versions_prefix(name)).objects:
@@ -393,8 +400,12 @@ def _write_dataset_version(
             continue
         numbers.append(number)
         stored = store.read_json(key)
-        if isinstance(stored, dict) and stored.get("run_id") == layout.run_id:
-            # An interrupted attempt of this run already published its version: reuse it, never add a second.
+        if (
+            isinstance(stored, dict)
+            and stored.get("run_id") == layout.run_id
+            and stored.get("merge_round", 0) == merge_round
+        ):
+            # An interrupted attempt of this round already published its version: reuse it, never add a second.
             return key, DatasetVersion.model_validate(stored)
     inherited: list[TokenizedPartRef] = []
     inherited_sources: list[CompletionSourceRef] = []
@@ -432,6 +443,7 @@ def _write_dataset_version(
             shards=shards,
             completion_sources=inherited_sources,
             exports=exports,
+            merge_round=merge_round,
         ),
     )
     logger.info("wrote dataset version key=%s rows=%d shards=%d", key, version.rows, len(shards))

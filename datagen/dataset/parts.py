@@ -110,6 +110,7 @@ class PartWriter:
         row_group_rows: Rows per Parquet row group.
         first_index: Index of the first part this writer writes.
         on_part: Called with ``(key, url, rows)`` after each part is written.
+        merge_round: The run's merge round the parts belong to (their keys: ``layout.tokenized_part``).
 
     """
 
@@ -122,9 +123,11 @@ class PartWriter:
         row_group_rows: int,
         first_index: int,
         on_part: Callable[[str, str, int], None],
+        merge_round: int = 0,
     ) -> None:
         self.store = store
         self.layout = layout
+        self.merge_round = merge_round
         self.rows_per_part = rows_per_part
         self.row_group_rows = row_group_rows
         self.index = first_index
@@ -161,7 +164,7 @@ class PartWriter:
             sink, schema, compression=PART_COMPRESSION, use_dictionary=DICTIONARY_COLUMNS
         ) as writer:
             writer.write_table(table, row_group_size=self.row_group_rows)
-        key = self.layout.tokenized_part(self.index)
+        key = self.layout.tokenized_part(self.index, self.merge_round)
         info = self.store.write_bytes(key, sink.getvalue())
         logger.info("wrote tokenized part key=%s rows=%d bytes=%d", key, self._rows, info.size_bytes)
         self.on_part(key, info.url, self._rows)

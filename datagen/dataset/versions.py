@@ -97,6 +97,11 @@ class DatasetVersion(BaseModel):
     base_version: str | None = None
     rows: int
     shards: list[TokenizedPartRef]
+    merge_round: int = Field(
+        default=0,
+        ge=0,
+        description="The run's merge round that published it (a run's later rounds extend it).",
+    )
     adopted_from: str | None = Field(
         default=None, description="Corpus URL this version adopted in place (`datagen corpus adopt`)."
     )

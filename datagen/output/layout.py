@@ -20,8 +20,10 @@ Keys are relative to the output root (a local directory or ``s3://bucket/prefix`
     runs/<run_id>/completions/<dataset>/shard-00000.retry-0001.jsonl   answers of round 1 (its requests only)
     runs/<run_id>/failures/<dataset>/shard-00000.retry-0001.jsonl      every failure still standing after it
     runs/<run_id>/done/<dataset>/shard-00000.retry-0001.json           round 1's marker: the shard's new summary
+    runs/<run_id>/tokenized/shards.json             merge round 0: the completions files it merges, before its parts
     runs/<run_id>/tokenized/part-00000.parquet
-    runs/<run_id>/tokenized/summary.json
+    runs/<run_id>/tokenized/summary.json            merge round 0's summary, written after its version
+    runs/<run_id>/tokenized/round-0001/{shards.json,part-00000.parquet,summary.json}   merge round 1 (the rest)
     runs/<run_id>/report.json, report.md
     runs/<run_id>/manifest.json                     written last: every object, counts, checksums
     runs/<run_id>/series.json                       series runs: earlier runs excluded, base version
@@ -48,6 +50,7 @@ from typing import Final, overload
 SHARD_DIGITS = 5
 VERSION_DIGITS = 4
 RETRY_DIGITS = 4
+MERGE_ROUND_DIGITS = 4
 # The folders at the top of an output root: everything datagen writes lies in one of them.
 LAYOUT_FOLDERS: Final = ("runs", "series", "datasets")
 
@@ -96,7 +99,9 @@ class RunLayout:
 
     # The fixed objects of a run, one row each: (key below the root, what it holds).
     config = _RunObject("config.json", "The resolved config, the run's first object.")
-    tokenized_summary = _RunObject("tokenized/summary.json", "The tokenize summary, written after all parts.")
+    tokenized_summary = _RunObject(
+        "tokenized/summary.json", "Merge round 0's tokenize summary, written after its parts and version."
+    )
     report_json = _RunObject("report.json", "The machine-readable report.")
     report_md = _RunObject("report.md", "The human-readable report.")
     manifest = _RunObject("manifest.json", "The run manifest, written last.")
@@ -166,9 +171,26 @@ class RunLayout:
         """Where all final completion shards live."""
         return f"{self.root}/completions"
 
-    def tokenized_part(self, index: int) -> str:
-        """One Parquet part of tokenized training rows."""
-        return f"{self.root}/tokenized/part-{index:0{SHARD_DIGITS}d}.parquet"
+    # A run's merge comes in rounds (0 first): a round merges the finished completions files no earlier round
+    # merged, into parts and a dataset version of its own (a window-ended attempt publishes round 0, the run's
+    # continuation round 1 on top of it). Round 0 keeps the keys of a run merged once.
+
+    def tokenized_prefix(self, merge_round: int = 0) -> str:
+        """The folder of one merge round's parts, list of merged files and summary."""
+        folder = f"{self.root}/tokenized"
+        return f"{folder}/round-{merge_round:0{MERGE_ROUND_DIGITS}d}" if merge_round else folder
+
+    def tokenized_part(self, index: int, merge_round: int = 0) -> str:
+        """One Parquet part of tokenized training rows (of one merge round)."""
+        return f"{self.tokenized_prefix(merge_round)}/part-{index:0{SHARD_DIGITS}d}.parquet"
+
+    def merge_shards(self, merge_round: int = 0) -> str:
+        """The completions files a merge round merges, fixed before its first part (a resume merges the same)."""
+        return f"{self.tokenized_prefix(merge_round)}/shards.json"
+
+    def merge_summary(self, merge_round: int = 0) -> str:
+        """A merge round's tokenize summary, written last (round 0's is :attr:`tokenized_summary`)."""
+        return f"{self.tokenized_prefix(merge_round)}/summary.json"
 
     def parse_completions(self, key: str) -> tuple[str, int, int] | None:
         """``(dataset, shard index, retry round)`` when ``key`` is exactly one of this run's completions files."""
@@ -179,13 +201,13 @@ class RunLayout:
         found = (dataset, int(match["index"]), int(match["round"] or 0))
         return found if self.completions(*found) == key else None
 
-    def parse_tokenized_part(self, key: str) -> int | None:
-        """The part's index when ``key`` is exactly one of this run's tokenized parts."""
-        match = _PART_FILE.fullmatch(key.removeprefix(f"{self.root}/tokenized/"))
+    def parse_tokenized_part(self, key: str, merge_round: int = 0) -> int | None:
+        """The part's index when ``key`` is exactly one of this run's tokenized parts of ``merge_round``."""
+        match = _PART_FILE.fullmatch(key.removeprefix(f"{self.tokenized_prefix(merge_round)}/"))
         if match is None:
             return None
         index = int(match["index"])
-        return index if self.tokenized_part(index) == key else None
+        return index if self.tokenized_part(index, merge_round) == key else None
 
     def hosts_object(self, attempt_id: str, name: str, host: str | None = None) -> str:
         """A multi-host handshake object of one parent attempt: the parent's (no ``host``) or a host's."""

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import RunConfig
+from datagen.dataset.merge_rounds import finished_rounds
 from datagen.errors import OutputExistsError, SeriesConflictError
 from datagen.output.layout import RunLayout, parse_series_ledger, series_ledger, series_ledger_prefix
 from datagen.output.store import Store
@@ -89,12 +90,15 @@ def _ledger_runs(store: Store, series: str) -> list[str]:
 
 
 def _published_version(store: Store, run_id: str) -> tuple[dt.datetime, str] | None:
-    """When and under which key a run published its dataset version (None: not merged yet)."""
-    key = RunLayout(run_id).tokenized_summary
-    if not store.exists(key):
+    """When and under which key a run published its last dataset version (None: not merged yet).
+
+    A run merged in rounds (a window ended it, its continuation published the rest) published one version per
+    round, each on top of the one before: the last one holds all of them.
+    """
+    rounds = finished_rounds(store, RunLayout(run_id))
+    if not rounds:
         return None
-    summary = store.read_json(key)
-    return dt.datetime.fromisoformat(summary["created_at"]), str(summary["dataset_version"])
+    return rounds[-1].created_at, rounds[-1].dataset_version
 
 
 def open_series_entry(store: Store, config: RunConfig) -> SeriesEntry:

@@ -12,7 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from datagen.config import RunConfig
-from datagen.dataset.merge import TokenizeSummary, merge_and_tokenize
+from datagen.dataset.merge import merge_and_tokenize
+from datagen.dataset.merge_rounds import TokenizeSummary
 from datagen.dataset.tokenizer import load_tokenizer
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
 from datagen.errors import TokenizeError
@@ -200,26 +201,19 @@ def test_interrupted_merge_keeps_written_parts_and_finishes_identically(
 
 
 def test_resume_refuses_parts_that_no_longer_match_the_completions(
-    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path, tiny_model_dir: Path
 ) -> None:
     store, layout, config, _ = run
     complete = merge_and_tokenize(store, layout, config)
     for key in [layout.tokenized_summary, complete.dataset_version, layout.tokenized_part(2)]:
         (store_root / key).unlink()
-    # A shard that sorts first appears after the parts were written: the rows they cover shift.
-    write_shard(store, layout, "aaa", 0, [completion("aaa", 0, "New first row.")])
-
+    # The filters changed since the parts were written: the truncated answer is a row now, the rows they cover shift.
     with pytest.raises(TokenizeError, match="changed since"):
-        merge_and_tokenize(store, layout, config)
+        merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir, include_truncated=True))
 
 
-def test_a_merge_that_left_shards_unfinished_refuses_to_stand_for_them_once_they_finish(
-    run: tuple[Store, RunLayout, RunConfig, dict[str, str]],
-) -> None:
-    store, layout, config, _ = run
-    published = merge_and_tokenize(store, layout, config)  # beta/1 unfinished (a window ended, say)
-    assert merge_and_tokenize(store, layout, config) == published  # nothing new: the merge stands
-    # The continuation finishes beta/1: the stored merge no longer covers every answer.
+def _finish_beta_1(store: Store, layout: RunLayout) -> None:
+    """beta/1's done marker: its completions file (written by populate) is finished now."""
     store.write_json(
         layout.shard_done("beta", 1),
         ShardSummary(
@@ -235,8 +229,80 @@ def test_a_merge_that_left_shards_unfinished_refuses_to_stand_for_them_once_they
             failures_path=layout.failures("beta", 1),
         ),
     )
-    with pytest.raises(TokenizeError, match="1 more finished since: a run merges once"):
-        merge_and_tokenize(store, layout, config)
+
+
+def own_rows(root: Path, version: DatasetVersion) -> list[str]:
+    """The prompt ids of a version's own parts (those its run wrote, not its base's)."""
+    return [
+        row["prompt_id"]
+        for shard in version.shards
+        if shard.source == RUN_ID
+        for row in pq.read_table(root / str(shard.key), columns=["prompt_id"]).to_pylist()
+    ]
+
+
+def test_shards_finished_after_a_merge_are_published_by_the_next_round_on_top_of_it(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+) -> None:
+    store, layout, config, expected = run
+    published = merge_and_tokenize(store, layout, config)  # beta/1 unfinished (a window ended, say)
+    before = tree(store_root)
+    assert merge_and_tokenize(store, layout, config) == published  # nothing new: the merge stands
+    assert tree(store_root) == before
+    _finish_beta_1(store, layout)  # the continuation finishes beta/1
+
+    merged = merge_and_tokenize(store, layout, config)
+
+    assert published.merge_round == 0 and published.shards_merged == [
+        layout.completions("alpha", 0),
+        layout.completions("alpha", 1),
+        layout.completions("beta", 0),
+    ]
+    assert TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary)) == published
+    second = TokenizeSummary.model_validate(store.read_json(layout.merge_summary(1)))
+    assert second.shards_merged == [layout.completions("beta", 1)] and second.rows == 1
+    assert [part.key for part in second.parts] == [layout.tokenized_part(0, 1)]
+    assert second.base_version == published.dataset_version == dataset_version("drafter-expansion", 1)
+    assert second.dataset_version == dataset_version("drafter-expansion", 2)
+    # The run's merge: both rounds' rows, the last round's version.
+    assert (merged.rows, merged.merge_round, merged.dataset_version) == (9, 1, second.dataset_version)
+    assert merged.rows_by_dataset == {"alpha": 6, "beta": 3}
+    v1 = DatasetVersion.model_validate(store.read_json(published.dataset_version))
+    v2 = DatasetVersion.model_validate(store.read_json(second.dataset_version))
+    assert (v1.rows, v2.rows, v2.merge_round) == (8, 9, 1)
+    assert v2.base_version == store.url(published.dataset_version)
+    assert v2.parquet_urls()[:3] == v1.parquet_urls()
+    # Every answer in exactly one version's own parts.
+    assert sorted(own_rows(store_root, v1)) == sorted(expected)
+    assert own_rows(store_root, v2) == ["beta-009"]
+    assert merge_and_tokenize(store, layout, config) == merged
+
+
+def layout_parts(layout: RunLayout, first: int, end: int) -> list[str]:
+    return [layout.tokenized_part(index) for index in range(first, end)]
+
+
+def test_an_interrupted_round_finishes_with_its_own_files_and_a_shard_finished_meanwhile_goes_to_the_next(
+    run: tuple[Store, RunLayout, RunConfig, dict[str, str]], store_root: Path
+) -> None:
+    store, layout, config, _ = run
+    complete = merge_and_tokenize(store, layout, config)
+    # A crash after round 0's first part; beta/1 finishes before the merge runs again.
+    for key in [layout.tokenized_summary, complete.dataset_version, *layout_parts(layout, 1, 3)]:
+        (store_root / key).unlink()
+    _finish_beta_1(store, layout)
+
+    merged = merge_and_tokenize(store, layout, config)
+
+    resumed = TokenizeSummary.model_validate(store.read_json(layout.tokenized_summary))
+    same = {"created_at", "resumed_parts", "shards_incomplete"}  # beta/1 was unfinished when round 0 began
+    assert resumed.model_dump(exclude=same) == complete.model_dump(exclude=same)
+    assert resumed.resumed_parts == 1
+    second = TokenizeSummary.model_validate(store.read_json(layout.merge_summary(1)))
+    assert second.shards_merged == [layout.completions("beta", 1)]
+    assert merged.rows == complete.rows + 1 and merged.dataset_version == dataset_version(
+        "drafter-expansion", 2
+    )
 
 
 def test_new_version_references_a_protected_base_and_never_overwrites_versions(

@@ -3,9 +3,12 @@
 Real `datagen run` processes (the CLI's own Prefect API server) against one slow OpenAI-compatible server that
 stays up across both attempts. The first attempt's window (seconds) is shorter than the work: admission stops
 early enough that the fleet stops and training is handed back before the window ends (the box's history gives
-the measured stop and restart times), the run exits 4 with the one command that continues it, and nothing is
-published. The second attempt, the window taken out of the config (it is no part of the run's identity), sends
-only what was left, and every request is stored exactly once.
+the measured stop and restart times), the shards finished in the window are published as v0001 (the run's merge
+round 0; the run is not complete: no manifest), and the run exits 4 naming it and the one command that continues
+it. The second attempt, the window taken out of the config (it is no part of the run's identity), sends only what
+was left and publishes it as v0002 on top of v0001: every request stored and in one version's own parts, once.
+The second attempt is the series' next run (no run id), which continues the open run; the run after it takes new
+prompts and builds v0003 on v0002 (the series' last version is the window-ended run's last merge round).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import pyarrow.parquet as pq
 import yaml
 
 from datagen.app.history import BoxRecord, append_record
@@ -33,14 +38,15 @@ CLI_TIMEOUT_S = 300
 RUN_ID = "window-1"
 
 
-def _run(config: Path, state: Path) -> subprocess.CompletedProcess[str]:
+def _run(config: Path, state: Path, run_id: str | None = RUN_ID) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(state),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop("PREFECT_API_URL", None)
-    command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), "--run-id", RUN_ID]
+    command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)]
+    command += ["--run-id", run_id] if run_id else []
     return subprocess.run(
         command, env=env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False
     )
@@ -54,7 +60,24 @@ def _stored(run_root: Path, folder: str) -> list[str]:
     ]
 
 
-def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_exactly_the_rest(
+def _done_completions(run_root: Path) -> int:
+    """Answers of the shards whose done marker is stored (the finished shards)."""
+    return sum(
+        json.loads(marker.read_text())["completions"] for marker in (run_root / "done").rglob("*.json")
+    )
+
+
+def _own_rows(version: dict[str, Any]) -> list[str]:
+    """The requests in a version's own parts (its run's, not its base's), one entry per row."""
+    return [
+        f"{row['prompt_id']}/{row['sample_index']}"
+        for shard in version["shards"]
+        if shard["source"] == version["run_id"]
+        for row in pq.read_table(shard["url"], columns=["prompt_id", "sample_index"]).to_pylist()
+    ]
+
+
+def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_and_the_next_attempt_the_rest(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     state = tmp_path / "state"
@@ -76,7 +99,8 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
             tmp_path / "run.yaml",
             server_url=server.url,
             model_dir=tiny_model_dir,
-            prompts=write_prompts(tmp_path / "prompts.jsonl", PROMPTS, "Window question"),
+            # Twice what one run takes: the series' run after the continuation takes the other half.
+            prompts=write_prompts(tmp_path / "prompts.jsonl", 2 * PROMPTS, "Window question"),
             dataset="windowed",
             shard_size=8,
             in_flight=IN_FLIGHT,
@@ -85,6 +109,9 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
             generation={"checkpoint_interval_s": 0.2},
         )
         data = yaml.safe_load(config.read_text())
+        data["series"] = "nightly"
+        data["datasets"][0]["max_prompts"] = PROMPTS
+        config.write_text(yaml.safe_dump(data))
         windowed = tmp_path / "windowed.yaml"
         windowed.write_text(yaml.safe_dump({**data, "window": {"max_hours": WINDOW_S / 3600}}))
 
@@ -95,7 +122,13 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
         assert last.endswith(f"--run-id {RUN_ID}") or f"--run-id {RUN_ID}" in last, last
         run_root = tmp_path / "out" / "runs" / RUN_ID
         assert not (run_root / "manifest.json").exists(), "a window-ended run is not complete"
-        assert not (tmp_path / "out" / "datasets").exists(), "nothing is published before every request is in"
+        versions = tmp_path / "out" / "datasets" / "drafter-expansion"
+        # What the window finished is published: exactly the rows of the shards done in it.
+        v1 = json.loads((versions / "v0001.json").read_text())
+        finished_rows = _done_completions(run_root)
+        assert 0 < finished_rows == v1["rows"] < PROMPTS, (finished_rows, v1["rows"])
+        assert f"{finished_rows} rows published as {versions / 'v0001.json'}" in last, last
+        assert sorted(path.name for path in versions.glob("v*.json")) == ["v0001.json"]
         (times_file,) = (run_root / "attempts").rglob("serving-times.json")
         times = json.loads(times_file.read_text())
         halted = dt.datetime.fromisoformat(times["halted_at"])
@@ -107,11 +140,18 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
         sent = len(server.chat_requests())
         data.pop("window", None)
         config.write_text(yaml.safe_dump(data))
-        finished = _run(config, state)
+        # The series' next run (no run id) continues the window-ended run before it takes new prompts.
+        finished = _run(config, state, run_id=None)
         assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
+        assert f"continuing run {RUN_ID} of series nightly" in finished.stderr, finished.stderr[-3000:]
         resent = [request.body["messages"][-1]["content"] for request in server.chat_requests()[sent:]]
         # Only what the window left is sent again: the unsent, and at most the requests in flight at the cut.
         assert len(resent) <= PROMPTS - len(first) + IN_FLIGHT, (len(resent), len(first))
+
+        # The run after it takes new prompts only and builds on the continuation's version.
+        after = _run(config, state, run_id=None)
+        assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-3000:]
+        assert "continuing run" not in after.stderr
 
     answered = _stored(run_root, "completions")
     assert len(answered) == len(set(answered)) == PROMPTS, (
@@ -119,5 +159,18 @@ def test_a_window_shorter_than_the_work_ends_in_time_and_the_next_attempt_sends_
     )
     assert not _stored(run_root, "failures")
     assert (run_root / "manifest.json").exists()
-    (version,) = (tmp_path / "out" / "datasets").rglob("v0001.json")
-    assert json.loads(version.read_text())["rows"] == PROMPTS
+    # The rest is the next version, on top of the first: the two versions' own rows are every request, once.
+    assert json.loads((versions / "v0001.json").read_text()) == v1, "a published version never changes"
+    v2 = json.loads((versions / "v0002.json").read_text())
+    assert v2["base_version"] == str(versions / "v0001.json") and v2["rows"] == PROMPTS
+    first_rows, rest_rows = _own_rows(v1), _own_rows(v2)
+    assert len(first_rows) == finished_rows and not set(first_rows) & set(rest_rows)
+    assert sorted(first_rows + rest_rows) == sorted(answered)
+    manifest = json.loads((run_root / "manifest.json").read_text())
+    assert manifest["dataset_version"] == "datasets/drafter-expansion/v0002.json"
+    v3 = json.loads((versions / "v0003.json").read_text())
+    assert v3["base_version"] == str(versions / "v0002.json") and v3["rows"] == 2 * PROMPTS
+    new_rows = _own_rows(v3)
+    assert len(new_rows) == PROMPTS and not {row.split("/")[0] for row in new_rows} & {
+        row.split("/")[0] for row in answered
+    }

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from datagen.config import RunConfig
-from datagen.dataset.merge import TokenizeSummary, merge_and_tokenize
+from datagen.dataset.merge import merge_and_tokenize
+from datagen.dataset.merge_rounds import TokenizeSummary
 from datagen.dataset.versions import DatasetVersion
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store

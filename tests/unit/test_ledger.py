@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 from typing import Any
@@ -9,8 +10,9 @@ from typing import Any
 import pytest
 
 from datagen.config import RunConfig, parse_run_config
+from datagen.dataset.merge_rounds import TokenizeSummary
 from datagen.errors import SeriesConflictError
-from datagen.output.layout import RunLayout
+from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.runs import open_run
 from datagen.output.store import Store
 from datagen.prompts.ledger import (
@@ -94,19 +96,46 @@ def test_a_resumed_run_recomputes_the_same_ledger_and_the_later_series_runs_stay
     assert again == first and entry.earlier_runs == []
 
 
+def _published(store: Store, run_id: str, merge_round: int, version: int, created_at: str) -> None:
+    """A merge round of ``run_id`` that published ``version`` (the summary it writes last)."""
+    key = dataset_version("drafter-expansion", version)
+    summary = TokenizeSummary(
+        run_id=run_id,
+        tokenizer="/m",
+        shards_read=1,
+        completions_read=1,
+        rows=1,
+        total_tokens=1,
+        loss_tokens=1,
+        dataset_name="drafter-expansion",
+        dataset_version=key,
+        dataset_version_url=f"/store/{key}",
+        dataset_version_rows=1,
+        merge_round=merge_round,
+        shards_merged=[],
+        created_at=dt.datetime.fromisoformat(created_at),
+    )
+    store.write_json(RunLayout(run_id).merge_summary(merge_round), summary)
+
+
 def test_the_next_run_builds_on_the_series_last_published_version(tmp_path: Path) -> None:
     _prompts(tmp_path / "q.jsonl", 10)
     store = Store(str(tmp_path / "store"))
     _prepare_night(store, _config(tmp_path, "night-1"))
-    store.write_json(
-        RunLayout("night-1").tokenized_summary,
-        {
-            "created_at": "2026-12-01T01:00:00+00:00",
-            "dataset_version": "datasets/drafter-expansion/v0001.json",
-        },
-    )
+    _published(store, "night-1", 0, 1, "2026-12-01T01:00:00+00:00")
     _, entry = _prepare_night(store, _config(tmp_path, "night-2"))
     assert entry.base_version == "datasets/drafter-expansion/v0001.json"
+
+
+def test_a_run_published_in_rounds_is_built_on_at_its_last_rounds_version(tmp_path: Path) -> None:
+    _prompts(tmp_path / "q.jsonl", 10)
+    store = Store(str(tmp_path / "store"))
+    _prepare_night(store, _config(tmp_path, "night-1"))
+    # A window ended night-1 (round 0: v0001); its continuation published the rest (round 1: v0002 on v0001).
+    _published(store, "night-1", 0, 1, "2026-12-01T07:00:00+00:00")
+    _published(store, "night-1", 1, 2, "2026-12-02T03:00:00+00:00")
+    _, entry = _prepare_night(store, _config(tmp_path, "night-2"))
+    assert entry.base_version == "datasets/drafter-expansion/v0002.json"
 
 
 def test_two_runs_of_one_series_at_once_are_stopped_before_generating(tmp_path: Path) -> None:

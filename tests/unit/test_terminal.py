@@ -12,8 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from datagen.app.terminal import EXIT_REFUSED, EXIT_RUN_FAILED, run_in_terminal, terminal_logging
-from datagen.errors import DatagenError, PreflightError, TooManyFailuresError
+from datagen.app.terminal import (
+    EXIT_REFUSED,
+    EXIT_RUN_FAILED,
+    EXIT_WINDOW_ENDED,
+    run_in_terminal,
+    terminal_logging,
+)
+from datagen.errors import DatagenError, PreflightError, TooManyFailuresError, WindowEndedError
 
 RESUME = "datagen run --config run.yaml --run-id r-1"
 # A signalled run must stop at once; a generous bound for a loaded 2-core box.
@@ -67,6 +73,25 @@ def test_a_run_ended_by_its_failures_names_the_one_resume_that_gets_further(
     # A plain resume of a run whose failures are worth sending again would end the same way.
     assert f"resume with: {resume} (full log:" in line, line
     assert line.count("resume with") == 1 and line.count("--retry-failed") == (1 if retryable else 0), line
+
+
+@pytest.mark.parametrize(
+    ("published", "rows", "said"),
+    [
+        ("/out/datasets/d/v0001.json", 40, "40 rows published as /out/datasets/d/v0001.json"),
+        (None, 0, "nothing"),
+    ],
+)
+def test_a_run_the_window_ended_exits_4_naming_what_it_published_and_the_command_that_sends_the_rest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], published: str | None, rows: int, said: str
+) -> None:
+    def end() -> None:
+        raise WindowEndedError("window", unsent=56, requests=96, published=published, published_rows=rows)
+
+    assert _run(tmp_path, end) == (EXIT_WINDOW_ENDED, None)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "the generation window ended with 56 of 96 requests not yet answered" in line, line
+    assert said in line and line.endswith(RESUME), line
 
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
