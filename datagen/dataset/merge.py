@@ -159,6 +159,16 @@ def _merge_round(
         in_process_below=in_process_below,
         merge_round=number,
     )
+    if tally.completions_read and not tally.rows:
+        # A version without a row would read as done; the answers stay stored for a run that keeps them.
+        dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(tally.dropped.items()))
+        raise TokenizeError(
+            f"run {layout.run_id}: every one of the {tally.completions_read} completions merged was dropped "
+            f"({dropped}), so no dataset version was published; every answer stays stored. Answers that hit "
+            "max_tokens are kept only with tokenize.include_truncated: true; a new run id with a larger "
+            "sampling.max_tokens or that setting makes training rows.",
+            run_id=layout.run_id,
+        )
     version_key, version = _write_dataset_version(store, layout, config, parts, base, number)
     summary = TokenizeSummary(
         run_id=layout.run_id,

@@ -472,3 +472,26 @@ def test_another_runs_layout_nested_in_this_runs_folders_is_never_read(
     assert summary.dataset_version == dataset_version("drafter-expansion", 1)
     version = DatasetVersion.model_validate(store.read_json(summary.dataset_version))
     assert version.rows == 8 and [shard.key for shard in version.shards] == [p.key for p in summary.parts]
+
+
+def test_a_round_whose_every_completion_is_dropped_publishes_no_version_and_says_how_to_keep_them(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    store, layout = Store(str(store_root)), RunLayout(RUN_ID)
+    write_shard(
+        store,
+        layout,
+        "alpha",
+        0,
+        [completion("alpha", i, "cut off", finish_reason="length") for i in range(3)],
+    )
+    with pytest.raises(
+        TokenizeError, match=r"every one of the 3 completions merged was dropped \(truncated 3\)"
+    ) as refused:
+        merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir))
+    assert "tokenize.include_truncated: true" in str(refused.value)
+    assert not (store_root / "datasets").exists(), "a version without a row would read as done"
+    assert not store.exists(layout.merge_summary(0)), "the round is not finished"
+    # The round was not spent: merged keeping truncated answers, the same files make its rows.
+    kept = merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir, include_truncated=True))
+    assert kept.rows == 3 and kept.dataset_version_rows == 3
