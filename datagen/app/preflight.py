@@ -525,7 +525,6 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("mix", _check_mix, False),
     ("output location", _check_output_location, False),
     ("run identity", _check_run_identity, True),
-    ("write-once", _check_write_once, True),
     ("datasets readable", _check_datasets, False),
     ("model and tokenizer", _check_model, False),
     ("engine", _check_engine, False),
@@ -535,11 +534,16 @@ CHECKS: list[tuple[str, Callable[[RunConfig, Store], str], bool]] = [
     ("base dataset version", _check_base_version, True),
     ("training job", _check_training, True),
     ("gpu lock", _check_gpu_lock, False),
+    # The one check that writes (a probe object in the run's folder), last: a run any other check refuses
+    # leaves nothing behind.
+    ("write-once", _check_write_once, True),
 ]
 
 
 # Checks that write, and the checks that must pass first: nothing is written for a run refused anyway.
-NEEDS: dict[str, tuple[str, ...]] = {"write-once": ("output location", "run identity")}
+NEEDS: dict[str, tuple[str, ...]] = {
+    "write-once": tuple(name for name, _, _ in CHECKS if name != "write-once")
+}
 
 
 # Checks of the box that generates. In a multi-host run each host part runs them on its own box (with its

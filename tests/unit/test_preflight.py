@@ -290,6 +290,8 @@ def test_a_corrupt_tokenizer_json_is_refused_before_anything_stops(
         run_preflight(_config(tmp_path, broken))
     (problem,) = raised.value.problems
     assert problem.startswith("model and tokenizer:") and "tokenizer" in problem, problem
+    written = [path for path in (tmp_path / "out").rglob("*") if path.is_file()]
+    assert not written, f"a refused run wrote into the output: {written}"
 
 
 def test_a_box_gpu_lock_this_user_cannot_open_is_refused_with_the_fix(
