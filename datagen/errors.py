@@ -195,6 +195,14 @@ class TokenizeError(DatagenError, ValueError):
     """A completion cannot be rendered or masked with the target tokenizer's chat template."""
 
 
+class NoTrainingRowsError(TokenizeError):
+    """Every completion a merge read was dropped: no version is published, and a resume would end the same.
+
+    The answers stay stored; what makes rows is another run (a larger ``max_tokens``, other merge settings), so
+    the message names that instead of a resume command.
+    """
+
+
 # --- interruption --------------------------------------------------------------------------------
 
 

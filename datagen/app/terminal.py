@@ -39,6 +39,7 @@ import typer
 from datagen.errors import (
     ConfigError,
     DatagenError,
+    NoTrainingRowsError,
     PreflightError,
     RunCancelled,
     RunInterrupted,
@@ -299,6 +300,10 @@ def run_in_terminal(
             _FILE_ONLY.info("run refused", exc_info=True)
             _echo_error(f"datagen: {refused}")
             return EXIT_REFUSED, None
+        except NoTrainingRowsError as nothing:
+            _FILE_ONLY.error("run failed", exc_info=True)
+            _echo_error(f"datagen: run {run_id} failed: {nothing} (full log: {log_path})")
+            return EXIT_RUN_FAILED, None
         except DatagenError as error:
             _FILE_ONLY.error("run failed", exc_info=True)
             _echo_error(

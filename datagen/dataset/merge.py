@@ -51,7 +51,7 @@ from datagen.dataset.versions import (
     claim_version,
     read_base_version,
 )
-from datagen.errors import OutputExistsError, TokenizeError
+from datagen.errors import NoTrainingRowsError, OutputExistsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_versions_prefix, parse_dataset_version
 from datagen.output.store import Store
 from datagen.progress import WorkProgress, report_work
@@ -162,7 +162,7 @@ def _merge_round(
     if tally.completions_read and not tally.rows:
         # A version without a row would read as done; the answers stay stored for a run that keeps them.
         dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(tally.dropped.items()))
-        raise TokenizeError(
+        raise NoTrainingRowsError(
             f"run {layout.run_id}: every one of the {tally.completions_read} completions merged was dropped "
             f"({dropped}), so no dataset version was published; every answer stays stored. Answers that hit "
             "max_tokens are kept only with tokenize.include_truncated: true; a new run id with a larger "

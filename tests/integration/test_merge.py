@@ -16,7 +16,7 @@ from datagen.dataset.merge import merge_and_tokenize
 from datagen.dataset.merge_rounds import TokenizeSummary
 from datagen.dataset.tokenizer import load_tokenizer
 from datagen.dataset.versions import DatasetVersion, TokenizedPartRef
-from datagen.errors import TokenizeError
+from datagen.errors import NoTrainingRowsError, TokenizeError
 from datagen.output.layout import RunLayout, dataset_version
 from datagen.output.objects import size_text
 from datagen.output.store import Store
@@ -486,7 +486,7 @@ def test_a_round_whose_every_completion_is_dropped_publishes_no_version_and_says
         [completion("alpha", i, "cut off", finish_reason="length") for i in range(3)],
     )
     with pytest.raises(
-        TokenizeError, match=r"every one of the 3 completions merged was dropped \(truncated 3\)"
+        NoTrainingRowsError, match=r"every one of the 3 completions merged was dropped \(truncated 3\)"
     ) as refused:
         merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir))
     assert "tokenize.include_truncated: true" in str(refused.value)

@@ -19,7 +19,13 @@ from datagen.app.terminal import (
     run_in_terminal,
     terminal_logging,
 )
-from datagen.errors import DatagenError, PreflightError, TooManyFailuresError, WindowEndedError
+from datagen.errors import (
+    DatagenError,
+    NoTrainingRowsError,
+    PreflightError,
+    TooManyFailuresError,
+    WindowEndedError,
+)
 
 RESUME = "datagen run --config run.yaml --run-id r-1"
 # A signalled run must stop at once; a generous bound for a loaded 2-core box.
@@ -73,6 +79,18 @@ def test_a_run_ended_by_its_failures_names_the_one_resume_that_gets_further(
     # A plain resume of a run whose failures are worth sending again would end the same way.
     assert f"resume with: {resume} (full log:" in line, line
     assert line.count("resume with") == 1 and line.count("--retry-failed") == (1 if retryable else 0), line
+
+
+def test_a_run_whose_every_answer_was_dropped_names_no_resume_that_would_end_the_same(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def fail() -> None:
+        raise NoTrainingRowsError("every one of the 3 completions merged was dropped (truncated 3)")
+
+    assert _run(tmp_path, fail) == (EXIT_RUN_FAILED, None)
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert "run r-1 failed: every one of the 3 completions" in line and "r-1.log" in line, line
+    assert RESUME not in line and "resume" not in line, line
 
 
 @pytest.mark.parametrize(
