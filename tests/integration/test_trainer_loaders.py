@@ -1,7 +1,8 @@
 """SpecForge's and speculators' own data loading read a datagen dataset version as-is, every row unchanged.
 
 The dataset: two versions written by real merges on the real Qwen3 tokenizer and chat template
-(:mod:`tests.support.trainer_rows`), the second extending the first, exported by ``datagen export``. Each trainer
+(:mod:`tests.support.trainer_rows`; single-turn, dataset multi-turn and tool rows, and every turn of on-policy
+conversations), the second extending the first, exported by ``datagen export``. Each trainer
 runs in its own venv (the PyPI wheel installed ``--no-deps`` plus its light dependencies,
 :mod:`tests.support.trainer_venvs`) on the exact commands ``datagen export`` printed
 (:mod:`tests.support.trainer_load`): SpecForge 0.2.0's ``load_config`` + ``prepare_prompt_tasks``, speculators
@@ -14,6 +15,7 @@ import json
 import os
 import shlex
 import subprocess
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from datagen.app.cli import app
 from datagen.dataset.export import find_export
 from datagen.dataset.versions import DatasetVersion, ExportRecord
 from datagen.output.store import Store
+from tests.support.on_policy import SCRIPTS
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.support.trainer_rows import merge_run, parquet_rows
 from tests.support.trainer_venvs import ensure_venv
@@ -70,7 +73,19 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     version = DatasetVersion.model_validate(store.read_json(second.dataset_version))
     record = find_export(store, version)
     assert record is not None
+    # On-policy turns share their conversation's prompt id: every turn is a row (2 runs x 2 shards each).
+    conversations = Counter(prompt_id for url in version.parquet_urls() for prompt_id in _prompt_ids(url))
+    assert sorted(n for n in conversations.values() if n > 1) == sorted(
+        len(script[2]) for script in SCRIPTS.values() for _ in range(4)
+    )
     return Exported(root, tokenizer, version, record, result.output)
+
+
+def _prompt_ids(url: str) -> list[str]:
+    import pyarrow.parquet as pq
+
+    ids: list[str] = pq.read_table(url, columns=["prompt_id"]).column("prompt_id").to_pylist()
+    return ids
 
 
 def load(trainer: str, workdir: Path, tokenizer: Path, commands: Sequence[str]) -> dict[str, Any]:

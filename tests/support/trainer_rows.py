@@ -3,7 +3,8 @@
 Version 1 is a run's parts; version 2 extends it (``tokenize.base_version``) with a second run's parts, so an
 export of version 2 holds base and new rows. The completions cover what the loss mask depends on: thinking
 and non-thinking answers, a system prompt, earlier assistant turns, tool calls and a tool response, a
-truncated answer (kept), and non-ASCII text.
+truncated answer (kept), non-ASCII text, and every turn of on-policy conversations (:mod:`tests.support.on_policy`:
+histories of the target's own answers with reasoning, a spliced tool result, a truncated last turn).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from datagen.records import (
     TokenUsage,
     ToolCall,
 )
+from tests.support.on_policy import SCRIPTS, converse
 
 WEATHER_TOOL = {
     "type": "function",
@@ -59,7 +61,7 @@ def _record(
 
 
 def completions(dataset: str, offset: int) -> list[CompletionRecord]:
-    """Seven varied completions of one dataset (prompt ids from ``offset``)."""
+    """Seven varied completions of one dataset (prompt ids from ``offset``), then on-policy conversations' turns."""
     user = Message(role="user", content=f"What is {offset} + 2? Explain briefly.")
     records = [
         _record(
@@ -129,6 +131,8 @@ def completions(dataset: str, offset: int) -> list[CompletionRecord]:
             finish_reason="length",
         ),
     ]
+    for index, name in enumerate(sorted(SCRIPTS), start=offset + len(records)):
+        records += converse(name, dataset=dataset, prompt_id=f"{dataset}-{index:03d}", model="qwen3")
     return records
 
 

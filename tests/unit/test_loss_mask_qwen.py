@@ -6,6 +6,10 @@ text alone (what the prompt render is, what the model generated); it is shown to
 token, so a passing test means something. Rows are also compared with an independent reference: the
 template rendered through ``apply_chat_template``, the full text tokenized with character offsets, the
 overlap rule applied token by token.
+
+On-policy conversations' rows (:mod:`tests.support.on_policy`: each turn's record made by the code that makes it
+in a run, its history the target's own earlier answers) are among the cases: each turn's mask must be exactly
+that turn's answer, none of the earlier answers, reasoning or spliced tool results it follows.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from datagen.records import (
     TokenUsage,
     ToolCall,
 )
+from tests.support.on_policy import DATASET_ANSWER, SCRIPTS, converse, on_policy_records
 from tests.support.qwen import QWEN3_VOCAB_SIZE, THINK_TOKEN_ID, build_qwen_tokenizer_dir
 
 END = "<|im_end|>"
@@ -218,6 +223,7 @@ CASES: dict[str, CompletionRecord] = {
         thinking=False,
         finish_reason="length",
     ),
+    **on_policy_records(),
 }
 
 
@@ -281,6 +287,63 @@ def test_multi_turn_trains_only_on_the_last_turn(qwen: tuple[str, Any]) -> None:
     # Both templates drop the reasoning of turns before the last user query (Qwen3.6 keeps it only when the
     # request sets preserve_thinking, which datagen's requests never do).
     assert "Old reasoning" not in tokenizer.decode(row.input_ids)
+
+
+@pytest.mark.parametrize("conversation", sorted(SCRIPTS))
+def test_on_policy_rows_train_only_on_their_own_turns_answer(
+    qwen: tuple[str, Any], conversation: str
+) -> None:
+    _, tokenizer = qwen
+    records = converse(conversation)
+    for rec in records:
+        assert rec.turn is not None
+        row = check(tokenizer, rec)
+        trained = masked(tokenizer, row)
+        context = tokenizer.decode(
+            [t for t, bit in zip(row.input_ids, row.loss_mask, strict=True) if not bit]
+        )
+        assert DATASET_ANSWER not in tokenizer.decode(row.input_ids), "the history is the target's own"
+        assert (rec.completion.content or "").strip() in trained
+        if rec.completion.reasoning_content:
+            assert rec.completion.reasoning_content.strip() in trained
+        for earlier in records[: rec.turn]:
+            said, thought = earlier.completion.content, earlier.completion.reasoning_content
+            if said:
+                assert said.strip() in context and said.strip() not in trained
+            if thought:
+                assert thought.strip() not in trained
+            for call in earlier.completion.tool_calls or []:
+                assert call.function.name in context and call.function.name not in trained
+        if rec.turn and rec.messages[-1].role == "tool":
+            assert rec.messages[-1].content in context, "the spliced tool result is context"
+    # Reasoning of turns before the row's last user query is not even rendered (the templates drop it).
+    last = records[-1]
+    if conversation == "thinking":
+        text = tokenizer.decode(check(tokenizer, last).input_ids)
+        assert all(earlier.completion.reasoning_content not in text for earlier in records[:-1])
+
+
+@pytest.mark.parametrize("conversation", sorted(SCRIPTS))
+def test_checker_rejects_a_mask_that_also_trains_an_earlier_answer(
+    qwen: tuple[str, Any], conversation: str
+) -> None:
+    # What a trainer that trains every assistant turn of the render would do to an on-policy row.
+    _, tokenizer = qwen
+    records = converse(conversation)
+    rec, earlier = records[-1], records[-2]
+    row = check(tokenizer, rec)
+    _, full = renders(tokenizer, rec)
+    said = (earlier.completion.content or "").strip()
+    assert said
+    start = full.index(said)
+    offsets = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    widened = [
+        bit | int(begin < start + len(said) and stop > start)
+        for bit, (begin, stop) in zip(row.loss_mask, offsets, strict=True)
+    ]
+    assert widened != row.loss_mask
+    with pytest.raises(AssertionError):
+        assert_mask_exact(tokenizer, rec, row.input_ids, widened)
 
 
 def test_parallel_tool_calls_are_trained_on_in_the_templates_format(qwen: tuple[str, Any]) -> None:

@@ -3,7 +3,9 @@
 Checked on the real Qwen3 tokenizer with the real Qwen3 and Qwen3.6 templates (``Qwen2Tokenizer``) and on the
 tiny model's tokenizer (``TokenizersBackend``): the special-token variables, the template, the token ids, and
 every render (with and without the generation prompt, thinking on, off and unset) of conversations with system
-prompts, tools, earlier reasoning, parallel tool calls and merged tool responses. Against two transformers
+prompts, tools, earlier reasoning, parallel tool calls and merged tool responses, and the requests and rows of
+on-policy conversations (:mod:`tests.support.on_policy`: the target's own earlier answers, reasoning, a spliced
+tool result). Against two transformers
 releases: the dev venv's, and the one the GPU serving set pins (``requirements/gpu.txt``), run in a venv of its
 own (:mod:`tests.support.transformers_gpu_venv`). Layouts the reader does not know exactly are left to
 transformers.
@@ -24,6 +26,7 @@ from datagen.dataset.tokenize_template import read_tokenizer_files, render_chat_
 from datagen.dataset.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.records import Message
 from tests.support import transformers_gpu_venv
+from tests.support.on_policy import on_policy_records
 from tests.support.qwen import build_qwen_tokenizer_dir
 from tests.unit.test_tokenize import make_record
 
@@ -59,6 +62,10 @@ def _conversations() -> list[tuple[list[dict[str, Any]], list[dict[str, Any]] | 
             tool_calls=answer.tool_calls,
         )
         conversations.append(([*chat, final.to_chat_dict()], tools))
+    for record in on_policy_records().values():
+        chat = [message.to_chat_dict() for message in record.messages]
+        conversations.append((chat, record.tools))
+        conversations.append(([*chat, assistant_message(record).to_chat_dict()], record.tools))
     return conversations
 
 
