@@ -22,7 +22,7 @@ from tasks.context import RunContext
 from tasks.data import CorpusIds, prepare_prompts, prepared_outcomes, prompt_scans, stored_shard_summaries
 from tasks.progress import ServingCost
 from tasks.run import check_prompts, record_generation_time, write_attempt_record
-from tasks.runtime import HostGpus
+from tasks.runtime import HostGpus, hand_back_if_gpus_free
 from tasks.series import write_ledger
 from tasks.shard_scheduler import Generated, generate_all
 from tasks.window import watch_window, window_policy
@@ -69,6 +69,13 @@ def already_generated(
         if retryable:
             return None
     logger.info("every shard is already generated: training is not halted, no server is started")
+    if not context.config.hosts:
+        # An attempt killed while stopping its fleet stored every shard but never handed training back; the
+        # next holder of the GPUs would adopt its halt, but this run takes none, so it hands training back.
+        restarted = hand_back_if_gpus_free()
+        if restarted is not None:
+            logger.info("training restarted, left halted by a killed attempt pid=%d", restarted.pid)
+            write_attempt_record(context, "training-restart", restarted)
     return Generated(prepared=prepared, summaries=summaries)
 
 

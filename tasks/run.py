@@ -79,8 +79,8 @@ def open_run(config: RunConfig, store: Store, origin: RunOrigin | None = None) -
     return run
 
 
-# The attempt records of the training job's halt and restart (written by flows/serving.py through
-# write_attempt_record).
+# The attempt records of the training job's halt and restart (written by flows/serving.py, and a restart by
+# flows/generation.py for a halt a killed attempt left; through write_attempt_record).
 TRAINING_RECORD = "training.json"
 TRAINING_RESTART_RECORD = "training-restart.json"
 

@@ -141,7 +141,9 @@ def hand_back_if_gpus_free() -> RestartRecord | None:
 
     For the cancellation/crash hook, which may run in the worker process after the flow process died: the
     kernel freed the dead run's lock, so the hook takes it (never waiting) while it restarts training. A run
-    that took the GPUs meanwhile has adopted the halt and hands training back itself.
+    that took the GPUs meanwhile has adopted the halt and hands training back itself. Also for a resume that
+    finds every shard stored (its attempt before was killed while stopping its fleet): it takes no GPUs, so
+    it adopts no halt.
     """
     path = lock_path(get_settings().lock_dir, gpu_lock_name())
     lock = HostGpuLock(path)

@@ -9,6 +9,12 @@ it. The second attempt, the window taken out of the config (it is no part of the
 was left and publishes it as v0002 on top of v0001: every request stored and in one version's own parts, once.
 The second attempt is the series' next run (no run id), which continues the open run; the run after it takes new
 prompts and builds v0003 on v0002 (the series' last version is the window-ended run's last merge round).
+
+The same series with a stand-in trainer, SIGKILLed (its whole process group) twice near the window's end, the
+moments picked from outside by the run's own lines: once admission stops with requests in flight, then, in the
+series' next run, once it stops its fleet to hand training back. The series' next run after that finishes it:
+the runs after the first kill send exactly what it left unanswered, each once; every request is stored once and
+in one version's own parts; training was halted once and restarted once; nothing of the killed runs is left.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +33,10 @@ import pyarrow.parquet as pq
 import yaml
 
 from datagen.app.history import BoxRecord, append_record
+from datagen.output.local import TEMP_PREFIX
 from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.run_configs import external_run_config, write_prompts
+from tests.support.run_states import CliRun, Trainer, describe, processes_mentioning
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = 96
@@ -77,16 +87,13 @@ def _own_rows(version: dict[str, Any]) -> list[str]:
     ]
 
 
-def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_and_the_next_attempt_the_rest(
-    tmp_path: Path, tiny_model_dir: Path
-) -> None:
-    state = tmp_path / "state"
-    # This box stops its fleet and restarts training in a fraction of a second (an external server, no job).
+def _record_fast_hand_back(state: Path, model_dir: Path) -> None:
+    """This box stops its fleet and restarts training in a fraction of a second (its history says so)."""
     append_record(
         state,
         BoxRecord(
             kind="run",
-            model=str(tiny_model_dir),
+            model=str(model_dir),
             engine="external",
             plan="external 1 x tp 1",
             output_tokens_per_s=100.0,
@@ -94,26 +101,44 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
             training_restart_s=0.1,
         ),
     )
+
+
+def _series_configs(
+    tmp_path: Path, server_url: str, model_dir: Path, training: dict[str, Any] | None = None
+) -> tuple[Path, Path]:
+    """The series' config (no window) and the same with a window of :data:`WINDOW_S`: (plain, windowed)."""
+    config = external_run_config(
+        tmp_path / "run.yaml",
+        server_url=server_url,
+        model_dir=model_dir,
+        # Twice what one run takes: the series' run after the continuation takes the other half.
+        prompts=write_prompts(tmp_path / "prompts.jsonl", 2 * PROMPTS, "Window question"),
+        dataset="windowed",
+        shard_size=8,
+        in_flight=IN_FLIGHT,
+        output=str(tmp_path / "out"),
+        protected=str(tmp_path / "train"),
+        generation={"checkpoint_interval_s": 0.2},
+    )
+    data = yaml.safe_load(config.read_text())
+    data["series"] = "nightly"
+    data["datasets"][0]["max_prompts"] = PROMPTS
+    if training is not None:
+        data["training"] = training
+    config.write_text(yaml.safe_dump(data))
+    windowed = tmp_path / "windowed.yaml"
+    windowed.write_text(yaml.safe_dump({**data, "window": {"max_hours": WINDOW_S / 3600}}))
+    return config, windowed
+
+
+def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_and_the_next_attempt_the_rest(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    _record_fast_hand_back(state, tiny_model_dir)
     with FaultServer(FaultPlan(base_delay_s=ANSWER_DELAY_S)) as server:
-        config = external_run_config(
-            tmp_path / "run.yaml",
-            server_url=server.url,
-            model_dir=tiny_model_dir,
-            # Twice what one run takes: the series' run after the continuation takes the other half.
-            prompts=write_prompts(tmp_path / "prompts.jsonl", 2 * PROMPTS, "Window question"),
-            dataset="windowed",
-            shard_size=8,
-            in_flight=IN_FLIGHT,
-            output=str(tmp_path / "out"),
-            protected=str(tmp_path / "train"),
-            generation={"checkpoint_interval_s": 0.2},
-        )
+        config, windowed = _series_configs(tmp_path, server.url, tiny_model_dir)
         data = yaml.safe_load(config.read_text())
-        data["series"] = "nightly"
-        data["datasets"][0]["max_prompts"] = PROMPTS
-        config.write_text(yaml.safe_dump(data))
-        windowed = tmp_path / "windowed.yaml"
-        windowed.write_text(yaml.safe_dump({**data, "window": {"max_hours": WINDOW_S / 3600}}))
 
         ended = _run(windowed, state)
         assert ended.returncode == 4, ended.stdout[-3000:] + ended.stderr[-3000:]
@@ -174,3 +199,125 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
     assert len(new_rows) == PROMPTS and not {row.split("/")[0] for row in new_rows} & {
         row.split("/")[0] for row in answered
     }
+
+
+def _rows(files: list[Path]) -> list[dict[str, Any]]:
+    return [row for file in files for row in map(json.loads, file.read_text().splitlines())]
+
+
+def _final_files(root: Path) -> list[Path]:
+    """Every object under ``root`` a reader may take (the store's temporary files have their own prefix)."""
+    return [path for path in root.rglob("*") if path.is_file() and not path.name.startswith(TEMP_PREFIX)]
+
+
+def _answered_prompts(run_root: Path) -> set[str]:
+    """The prompts whose answer is stored, finished shards' or checkpoint parts': a resume never sends them."""
+    files = [
+        path
+        for path in _final_files(run_root)
+        if path.suffix == ".jsonl" and ("completions" in path.parts or path.name.startswith("completions-"))
+    ]
+    return {row["prompt_id"] for row in _rows(files)}
+
+
+def _prompt_ids(run_root: Path) -> dict[str, str]:
+    """The run's prompts: the question a request carries -> its prompt id."""
+    files = [path for path in _final_files(run_root / "prompts") if path.suffix == ".jsonl"]
+    return {row["messages"][-1]["content"]: row["prompt_id"] for row in _rows(files)}
+
+
+def _sigkill_when(run: CliRun, pattern: str, what: str) -> None:
+    """SIGKILL ``run``'s whole process group once a line matches ``pattern`` (from outside, like the OOM killer)."""
+    run.wait_for(pattern, CLI_TIMEOUT_S)
+    run.send(signal.SIGKILL)
+    assert run.wait(30) is not None, f"the run SIGKILLed {what} did not end"
+
+
+def test_a_series_run_sigkilled_at_its_window_end_and_again_while_handing_back_is_finished_by_the_next_runs_each_answer_once(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    state = tmp_path / "state"
+    _record_fast_hand_back(state, tiny_model_dir)
+    trainer = Trainer(tmp_path / "trainer")
+    env = {
+        **os.environ,
+        "DATAGEN_STATE_DIR": str(state),
+        "DATAGEN_LOCK_DIR": str(tmp_path / "locks"),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
+    env.pop("PREFECT_API_URL", None)
+    transcript = tmp_path / "transcript.txt"
+    runs: list[CliRun] = []
+    run_root = tmp_path / "out" / "runs" / RUN_ID
+    try:
+        with FaultServer(FaultPlan(base_delay_s=ANSWER_DELAY_S)) as server:
+            config, windowed = _series_configs(
+                tmp_path, server.url, tiny_model_dir, trainer.training_config()
+            )
+            trainer.start()
+            # 1. The window's end: admission stops with requests in flight, and the run dies there.
+            runs.append(CliRun(windowed, RUN_ID, env, transcript))
+            _sigkill_when(runs[-1], r"window closing: admission stopped", "as its window's admission stopped")
+            answered_at_kill = _answered_prompts(run_root)
+            sent_before = len(server.chat_requests())
+            assert len(answered_at_kill) < PROMPTS, "the window ended the run before the work did"
+            # 2. The series' next run (no run id, no window this time) continues it and dies again once its
+            # generation is over, stopping its servers and handing training back.
+            runs.append(CliRun(config, None, env, transcript))
+            _sigkill_when(runs[-1], r"stage=stop-servers", "while stopping its fleet")
+            # 3. The same command again finishes the run.
+            runs.append(CliRun(config, None, env, transcript))
+            code = runs[-1].wait(CLI_TIMEOUT_S)
+            assert code == 0, runs[-1].tail()
+            resent = [
+                request.body["messages"][-1]["content"] for request in server.chat_requests()[sent_before:]
+            ]
+        assert all(f"continuing run {RUN_ID} of series nightly" in run.text for run in runs[1:]), runs[
+            -1
+        ].tail()
+
+        # The runs after the first sent exactly what it left unanswered, each request once.
+        ids = _prompt_ids(run_root)
+        assert len(ids) == PROMPTS
+        resent_ids = [ids[question] for question in resent]
+        assert len(resent_ids) == len(set(resent_ids)), "a request sent twice after the first kill"
+        assert set(resent_ids) == set(ids.values()) - answered_at_kill
+        # Every request stored exactly once, nothing failed, no object half-written.
+        answered = _stored(run_root, "completions")
+        assert len(answered) == len(set(answered)) == PROMPTS
+        assert not _stored(run_root, "failures")
+        for path in _final_files(tmp_path / "out"):
+            if path.suffix == ".jsonl":
+                _rows([path])  # every line whole
+            elif path.suffix == ".json":
+                json.loads(path.read_text())
+        assert (run_root / "manifest.json").exists()
+        # The versions chain, and their own rows are every request once.
+        versions = tmp_path / "out" / "datasets" / "drafter-expansion"
+        chain = [json.loads(path.read_text()) for path in sorted(versions.glob("v*.json"))]
+        assert chain and chain[-1]["rows"] == PROMPTS, [version["rows"] for version in chain]
+        assert chain[0]["base_version"] is None, "the series' first run builds on nothing"
+        for index, version in enumerate(chain[1:], start=1):
+            assert version["base_version"] == str(versions / f"v{index:04d}.json"), version["base_version"]
+        own_rows = [row for version in chain for row in _own_rows(version)]
+        assert sorted(own_rows) == sorted(answered)
+        manifest = json.loads((run_root / "manifest.json").read_text())
+        assert manifest["dataset_version"] == f"datasets/drafter-expansion/v{len(chain):04d}.json"
+
+        # Training was halted once and handed back once (by the run killed handing it back, or its resume).
+        assert trainer.wait_for(starts=2, timeout_s=30), f"training was not restarted:\n{trainer.summary()}"
+        time.sleep(1.0)  # a second restart (a bug) would show up now
+        assert sum(trainer.signals().values()) == 1, trainer.summary()
+        assert len(trainer.started_pids()) == 2 and trainer.running() == trainer.started_pids()[-1:], (
+            trainer.summary()
+        )
+        # Nothing of the killed runs (their Prefect API servers included) is left running.
+        trainers = set(trainer.started_pids())
+        left = [pid for run in runs for pid in run.left_running(grace_s=5.0) if pid not in trainers]
+        strays = [pid for pid, _ in processes_mentioning(str(tmp_path)) if pid not in trainers]
+        assert not left and not strays, describe(left + strays)
+    finally:
+        for run in runs:
+            run.kill()
+        trainer.stop()

@@ -89,17 +89,17 @@ class CliRun:
 
     Args:
         config: The run config file.
-        run_id: The run id (``--run-id``).
+        run_id: The run id (``--run-id``); None for a series' next run (``datagen run --config X`` alone).
         env: The process's environment.
         transcript: File the output is copied to (appended), for a failing test's message.
         cwd: Where it runs: ``python -m`` imports the code of this checkout first.
     """
 
     def __init__(
-        self, config: Path, run_id: str, env: dict[str, str], transcript: Path, cwd: Path = REPO
+        self, config: Path, run_id: str | None, env: dict[str, str], transcript: Path, cwd: Path = REPO
     ) -> None:
         self.command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)]
-        self.command += ["--run-id", run_id]
+        self.command += ["--run-id", run_id] if run_id else []
         self.transcript = transcript
         self.lines: list[tuple[float, str]] = []
         self.started = time.monotonic()
