@@ -112,6 +112,9 @@ def serve_on_this_box(
         step = time.monotonic()
         halt = halt_training(config.training, gpus.halt_record, run_id)
         times.training_halt_s = time.monotonic() - step
+        if halt.paused_since_s is not None:
+            # Adopted from a run killed while training was stopped: the pause (and a window) began with its signal.
+            times.halted_at = dt.datetime.fromtimestamp(halt.paused_since_s, dt.UTC)
         record("training", halt)
         enter_stage(logger, Stage.PROBE)
         env = probe_environment()

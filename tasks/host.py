@@ -132,6 +132,8 @@ def halt_training(training: TrainingJobConfig, halt_record: Path, run_id: str | 
             training, flow_runs=flow_runs, recording_signal=recording_signal
         )
     record_halt(halt_record, halted.model_copy(update={"done": True}))
+    if adopted is not None and adopted.signal_time_s:
+        record.paused_since_s = adopted.signal_time_s
     if record.stopped and training.restart_after_run and not halted.environments:
         record.notes.append(
             f"no Python process of the job could be read (pids {record.pids}): its environment is not recorded, "

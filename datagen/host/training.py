@@ -102,6 +102,11 @@ class HaltRecord(BaseModel):
         default=None, description="None where nothing can be checked (no nvidia-smi)."
     )
     notes: list[str] = Field(default_factory=list, description="Anything odd, e.g. a missing marker.")
+    paused_since_s: float | None = Field(
+        default=None,
+        description="Epoch time an earlier run (killed since) sent the stop signal this run adopted: training "
+        "has been paused since then, so the pause and a window count from there.",
+    )
 
 
 class RestartRecord(BaseModel):
