@@ -305,6 +305,15 @@ def test_a_series_run_sigkilled_at_its_window_end_and_again_while_handing_back_i
         manifest = json.loads((run_root / "manifest.json").read_text())
         assert manifest["dataset_version"] == f"datasets/drafter-expansion/v{len(chain):04d}.json"
 
+        # The run after the first kill adopted its halt: its pause counts from that run's stop signal, which went
+        # out before the training job was gone (what the first attempt recorded).
+        halts = [json.loads(path.read_text()) for path in (run_root / "attempts").rglob("training.json")]
+        adopted = [halt for halt in halts if halt.get("paused_since_s") is not None]
+        first = [halt for halt in halts if halt.get("paused_since_s") is None]
+        assert len(adopted) == 1 and len(first) == 1, halts
+        assert (
+            adopted[0]["paused_since_s"] <= dt.datetime.fromisoformat(first[0]["stopped_at"]).timestamp()
+        ), halts
         # Training was halted once and handed back once (by the run killed handing it back, or its resume).
         assert trainer.wait_for(starts=2, timeout_s=30), f"training was not restarted:\n{trainer.summary()}"
         time.sleep(1.0)  # a second restart (a bug) would show up now
