@@ -133,6 +133,12 @@ class RunConfig(StrictModel):
                 "fleet.router cannot be used with hosts: the run's dispatcher already routes over every "
                 "host's servers; set fleet.router: false (docs/operations.md, multi-host runbook)"
             )
+        if self.window.bounded:
+            # Silently generating past the window would break the one promise a window makes.
+            raise ValueError(
+                "window cannot be used with hosts yet: a multi-host run does not stop its hosts' generation at "
+                "the window's end; remove `window`, or run on one box (docs/operations.md, A generation window)"
+            )
         for host in self.hosts:
             try:
                 self.fleet_for(host.name)

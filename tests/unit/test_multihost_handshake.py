@@ -81,6 +81,11 @@ def test_a_host_overrides_fleet_keys_and_its_training_job_and_the_run_hash_ignor
             {"multi_host": {"start_with_hosts": 2}},
             "start_with_hosts is 2 but only 1 host",
         ),
+        (
+            [{"name": "a", "work_queue": "q"}],
+            {"window": {"max_hours": 6}},
+            "window cannot be used with hosts yet",
+        ),
     ],
 )
 def test_a_bad_hosts_section_is_refused_with_a_one_line_fix(
