@@ -266,7 +266,8 @@ class Dispatcher:
             The stream's handle (cancel it to drop the requests not in flight yet).
 
         Raises:
-            RuntimeError: The dispatcher is not running (call start() or use it as a context manager).
+            RuntimeError: The dispatcher is not running (call start() or use it as a context manager); once
+                admission was stopped (:meth:`stop_admission`), a closed dispatcher ends the requests unsent instead.
             ValueError: In exact-token mode, a request without its prompt's ids.
 
         """
@@ -277,7 +278,19 @@ class Dispatcher:
                     "exact-token mode renders prompts before they are submitted: no stream may follow"
                 )
         stream = RequestStream(requests, deliver, len(requests), follow)
-        self._thread.call_soon(self._admission.add_stream, stream)
+        try:
+            self._thread.call_soon(self._admission.add_stream, stream)
+        except RuntimeError:
+            if self._stopped_by is None:
+                raise
+            # Admission stopped for good (a window's end cut the loop, a storage fault), and a shard that was
+            # starting registers only now: its requests end unsent at once, as stop_admission promises, on this
+            # thread (the loop is gone), and its shard says why.
+            reason = f"not sent: admission stopped by {self._stopped_by}"
+            while (request := stream.take()) is not None:
+                deliver(
+                    request, failure_record(Job(request, stream), reason, FailureKind.ADMISSION_STOPPED, None)
+                )
         return stream
 
     def submit(self, request: GenerationRequest) -> Future[GenerationResult]:

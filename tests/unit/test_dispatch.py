@@ -12,7 +12,7 @@ from concurrent.futures import Future, wait
 import pytest
 
 from datagen.config import GenerationConfig
-from datagen.errors import UnfixableStorageError
+from datagen.errors import UnfixableStorageError, WindowClosingError
 from datagen.generation.dispatch_health import HEALTH_INTERVAL_S
 from datagen.generation.dispatch_state import DispatcherStats, GenerationResult
 from datagen.generation.dispatcher import Dispatcher
@@ -455,6 +455,34 @@ def test_stopped_admission_sends_nothing_more_and_ends_every_waiting_request_unf
     # Unfinished requests are not the run's failures: the progress line and the close line keep them apart.
     assert (stats.completed, stats.failed, stats.unfinished) == (2, 0, 7)
     assert "dispatcher closed completed=2 failed=0 unfinished=7 " in caplog.text
+
+
+def test_a_stream_registered_after_admission_stopped_and_the_loop_closed_ends_unsent_not_with_an_error(
+    server: FaultServer,
+) -> None:
+    # A window's end stops admission, then cuts (closes) the dispatcher; a shard task still starting registers
+    # its requests only afterwards.
+    window = WindowClosingError("the generation window is closing")
+    with dispatcher_for([server.url], cap=2) as dispatcher:
+        wait_until(lambda: len(servers_up(dispatcher)) == 1)
+        dispatcher.stop_admission(window)
+    delivered: list[GenerationResult] = []
+    dispatcher.submit_stream(
+        [make_request(f"late {index}") for index in range(3)],
+        lambda _request, result: delivered.append(result),
+    )
+    assert len(delivered) == 3 and not server.chat_requests()
+    assert all(isinstance(r, FailureRecord) and r.error_type == "admission_stopped" for r in delivered), (
+        delivered
+    )
+    assert all(
+        "the generation window is closing" in r.reason for r in delivered if isinstance(r, FailureRecord)
+    )
+    # Closed without a stop, a dispatcher still refuses: submitting to it is the caller's mistake.
+    with dispatcher_for([server.url], cap=2) as unstopped:
+        pass
+    with pytest.raises(RuntimeError, match="call start"):
+        unstopped.submit(make_request("too late"))
 
 
 def test_a_server_added_with_its_own_cap_is_kept_at_that_cap_beside_the_others() -> None:
