@@ -30,6 +30,13 @@ class TokenizeConfig(StrictModel):
         description="auto: render each answer alone after a fixed context when the chat template passes the "
         "append probe (one prompt render per prompt); full: render every prompt+answer conversation.",
     )
+    conversation_rows: Literal["per_turn", "per_conversation"] = Field(
+        default="per_turn",
+        description="Rows of on-policy conversations (`multi_turn: on_policy`): `per_turn`, one row per turn the "
+        "target answered, loss on that answer; `per_conversation`, one row per conversation (its last stored "
+        "turn, rendered whole), loss on every assistant turn the target wrote. Other datasets' rows are the "
+        "same either way (docs/tokenize.md).",
+    )
     include_truncated: bool = Field(default=False, description="Keep completions that hit max_tokens.")
     dataset_name: Slug = Field(default="drafter-expansion", description="Name of the versioned dataset.")
     base_version: str | None = Field(

@@ -234,8 +234,8 @@ class RunConfig(StrictModel):
         ``output_roots``, ``run_choices``): a
         guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
         where the run generates, not what: a run resumes on other or fewer hosts. ``series``,
-        ``generation.exact_tokens`` and ``tokenize.formats`` joined the model later: each is left out while
-        unset (or at its default) so the hashes of older runs stay the same.
+        ``generation.exact_tokens``, ``tokenize.formats`` and ``tokenize.conversation_rows`` joined the model
+        later: each is left out while unset (or at its default) so the hashes of older runs stay the same.
         """
         exclude: dict[str, Any] = {
             "run_id": True,
@@ -258,8 +258,12 @@ class RunConfig(StrictModel):
             exclude["series"] = True
         if self.generation.exact_tokens is None:
             exclude["generation"] = {"exact_tokens"}
-        if self.tokenize.formats == ["parquet"]:
-            exclude["tokenize"] = {"formats"}
+        later_tokenize = {
+            "formats": self.tokenize.formats == ["parquet"],
+            "conversation_rows": self.tokenize.conversation_rows == "per_turn",
+        }
+        if any(later_tokenize.values()):
+            exclude["tokenize"] = {name for name, default in later_tokenize.items() if default}
         return self.model_dump(mode="json", exclude=exclude)
 
     def config_hash(self) -> str:

@@ -76,12 +76,14 @@ class PartsTally(RowTally):
     tokens_by_dataset: Counter[str] = field(default_factory=Counter)
     rows_by_file: Counter[str] = field(default_factory=Counter)
     dropped: Counter[str] = field(default_factory=Counter)
+    turns_in_conversation_rows: int = 0
 
     def add(self, shard: ShardRows) -> None:
         """Count one tokenized shard."""
         self.shards_read += 1
         self.completions_read += shard.completions_read
         self.dropped.update(shard.dropped)
+        self.turns_in_conversation_rows += shard.turns_in_conversation_rows
         self.count(shard.lengths, sum(shard.loss_tokens))
         self.rows_by_dataset.update(shard.datasets)
         self.rows_by_file[shard.key] += shard.rows
@@ -182,6 +184,7 @@ def _merge_round(
         rows_by_dataset=dict(sorted(tally.rows_by_dataset.items())),
         tokens_by_dataset=dict(sorted(tally.tokens_by_dataset.items())),
         dropped_by_reason=dict(sorted(tally.dropped.items())),
+        turns_in_conversation_rows=tally.turns_in_conversation_rows,
         parts=parts,
         resumed_parts=resumed,
         dataset_name=settings.dataset_name,
@@ -278,6 +281,7 @@ def write_tokenized_parts(
             max_length_tokens=settings.max_length_tokens,
             include_truncated=settings.include_truncated,
             answer_render=settings.answer_render,
+            conversation_rows=settings.conversation_rows,
         )
 
     plan = plan_workers(settings.workers, len(keys), shard_bytes, in_process_below=in_process_below)

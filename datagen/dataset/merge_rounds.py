@@ -53,6 +53,11 @@ class TokenizeSummary(BaseModel):
     rows_by_dataset: dict[str, int] = Field(default_factory=dict)
     tokens_by_dataset: dict[str, int] = Field(default_factory=dict)
     dropped_by_reason: dict[str, int] = Field(default_factory=dict)
+    turns_in_conversation_rows: int = Field(
+        default=0,
+        description="On-policy turns a later turn's per-conversation row holds (tokenize.conversation_rows: "
+        "per_conversation): no row of their own, not dropped. completions_read = rows + these + dropped.",
+    )
     parts: list[TokenizedPartRef] = Field(default_factory=list)
     resumed_parts: int = Field(default=0, description="Parts found from an interrupted attempt and kept.")
     dataset_name: str
@@ -183,6 +188,7 @@ def combine_rounds(rounds: Sequence[TokenizeSummary]) -> TokenizeSummary:
             "rows_by_dataset": added("rows_by_dataset"),
             "tokens_by_dataset": added("tokens_by_dataset"),
             "dropped_by_reason": added("dropped_by_reason"),
+            "turns_in_conversation_rows": sum(summary.turns_in_conversation_rows for summary in rounds),
             "parts": [part for summary in rounds for part in summary.parts],
             "resumed_parts": sum(summary.resumed_parts for summary in rounds),
             "base_version": first.base_version,

@@ -223,8 +223,12 @@ class RunReport(BaseModel):
                 for name, reason in sorted(self.lost_hosts.items())
             ],
             f"- tokenized rows: **{self.totals.tokenized_rows}**"
+            + (f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else "")
             + (
-                f", loss tokens: {self.tokenize.get('loss_tokens')}" if "loss_tokens" in self.tokenize else ""
+                f" (one row per on-policy conversation: {self.tokenize['turns_in_conversation_rows']} earlier "
+                "turns are inside their conversation's row)"
+                if self.tokenize.get("turns_in_conversation_rows")
+                else ""
             ),
             "",
             "| dataset | prompts | rejected | requests | completions | failures | output tokens | rows | mix |",

@@ -25,6 +25,11 @@ on the full render; the tests check it against full-render offsets. The ids come
 Exact-ids path: when the engine returned the generated token ids, the row is the tokenized prompt render
 followed by those ids (plus ``<|im_end|>`` when generation stopped but the ids end on no stop token), and the
 mask is 1 exactly on the generated ids. Each row records which path made it (``text`` or ``ids``).
+
+Whole on-policy conversations (``encode(..., whole_conversations=True)``): the last turn's record renders the
+whole conversation; the same rule holds for its answer, and the earlier assistant turns add loss spans
+(:mod:`datagen.dataset.conversation_rows`). Those rows are tokenized whole, with character offsets, from the
+text (an earlier turn has no ids of its own in the record).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from datagen.dataset.conversation_rows import history_spans, token_spans
 from datagen.dataset.tokenize_text import TextEncoder
 from datagen.dataset.tokenizer import TokenizerSpec, render_prompt
 from datagen.errors import TokenizeError
@@ -166,13 +172,15 @@ class RejectedRow(BaseModel):
 
 @dataclass(frozen=True)
 class EncodedRow:
-    """A row in the compact form the merge writes: ids plus the one contiguous run of loss tokens.
+    """A row in the compact form the merge writes: ids plus the runs of loss tokens.
 
     Attributes:
         input_ids: Token ids of the whole conversation.
-        loss_start: Index of the first trained-on token.
-        loss_end: One past the last trained-on token (the mask is 1 on ``[loss_start, loss_end)``).
+        loss_start: Index of the first trained-on token of the answer.
+        loss_end: One past the answer's last trained-on token (the mask is 1 on ``[loss_start, loss_end)``).
         tokenized_from: ``text`` or ``ids``.
+        history_spans: ``[start, end)`` token ranges of the earlier assistant turns a per-conversation row
+            also trains on, in order, all before ``loss_start`` (empty for every other row).
 
     """
 
@@ -180,11 +188,24 @@ class EncodedRow:
     loss_start: int
     loss_end: int
     tokenized_from: TokenizedFrom
+    history_spans: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        """Every run of loss tokens, in order: the history's, then the answer's."""
+        return [*self.history_spans, (self.loss_start, self.loss_end)]
+
+    @property
+    def loss_tokens(self) -> int:
+        """Tokens the loss counts."""
+        return sum(end - start for start, end in self.spans)
 
     def loss_mask(self) -> list[int]:
         """The mask as a list of 0/1, one per token."""
-        size = len(self.input_ids)
-        return [0] * self.loss_start + [1] * (self.loss_end - self.loss_start) + [0] * (size - self.loss_end)
+        mask = [0] * len(self.input_ids)
+        for start, end in self.spans:
+            mask[start:end] = [1] * (end - start)
+        return mask
 
 
 @dataclass(frozen=True)
@@ -249,11 +270,15 @@ class RowTokenizer:
         self.renders_answer_alone = answer_render == "auto" and self._template_appends_turns()
         logger.debug("row tokenizer renders_answer_alone=%s", self.renders_answer_alone)
 
-    def encode(self, records: list[CompletionRecord]) -> list[EncodedRow | RejectedRow | TokenizeError]:
+    def encode(
+        self, records: list[CompletionRecord], *, whole_conversations: bool = False
+    ) -> list[EncodedRow | RejectedRow | TokenizeError]:
         """Tokenize a batch of completions; one result per record, in order.
 
         Args:
             records: Completions to turn into rows.
+            whole_conversations: An on-policy turn (``turn`` set) after earlier answers becomes its whole
+                conversation's row: loss on every assistant turn (:mod:`datagen.dataset.conversation_rows`).
 
         Returns:
             Per record: the row, a :class:`RejectedRow` (too long), or the :class:`TokenizeError` saying why
@@ -267,6 +292,9 @@ class RowTokenizer:
         for position, record in enumerate(records):
             try:
                 prompt = self._prompt(record)
+                if whole_conversations and record.turn is not None and _has_history(record.messages):
+                    results[position] = self._finish(record, self._conversation_row(record, prompt))
+                    continue
                 output_ids = record.completion.output_token_ids
                 if output_ids is not None:
                     results[position] = self._finish(record, self._ids_row(record, prompt, output_ids))
@@ -423,6 +451,30 @@ class RowTokenizer:
             TOKENIZED_FROM_TEXT,
         )
 
+    def _conversation_row(self, record: CompletionRecord, prompt: _Prompt) -> EncodedRow:
+        """The whole conversation's row: loss on the answer (the rule above) and on every earlier assistant turn."""
+        context = self._turn_context(record.sampling.enable_thinking)
+        if context is None:
+            raise TokenizeError(
+                f"Completion {record.key}: the chat template's generation prompt does not append to the "
+                "conversation, so its turns cannot be located; set tokenize.conversation_rows: per_turn.",
+                key=record.key,
+            )
+        regions = history_spans(prompt.text, record.messages, context[1], record.key)
+        full = prompt.text + self._answer_text(record, prompt)
+        turn_end = full.rfind(END_OF_TURN_TOKEN)
+        if turn_end < len(prompt.text):
+            raise TokenizeError(
+                f"Completion {record.key}: the rendered assistant turn does not end with {END_OF_TURN_TOKEN}; "
+                "datagen supports Qwen-style chat templates only.",
+                key=record.key,
+            )
+        ended = record.finish_reason in ENDED_TURN_REASONS
+        regions.append((len(prompt.text), turn_end + (len(END_OF_TURN_TOKEN) if ended else 0)))
+        encoding = self.backend.encode(full, add_special_tokens=False)
+        *history, (start, end) = token_spans(encoding.offsets, regions)
+        return EncodedRow(list(encoding.ids), start, end, TOKENIZED_FROM_TEXT, tuple(history))
+
     def _ids_row(self, record: CompletionRecord, prompt: _Prompt, output_ids: list[int]) -> EncodedRow:
         generated = list(output_ids)
         if record.finish_reason in ENDED_TURN_REASONS and (
@@ -493,7 +545,7 @@ def tokenize_completion(
         input_ids=result.input_ids,
         loss_mask=result.loss_mask(),
         num_tokens=len(result.input_ids),
-        num_loss_tokens=result.loss_end - result.loss_start,
+        num_loss_tokens=result.loss_tokens,
         finish_reason=record.finish_reason,
         tokenized_from=result.tokenized_from,
     )
@@ -509,6 +561,11 @@ def _has_user_query(messages: list[Message]) -> bool:
         message.role == "user" and not (message.content or "").lstrip().startswith("<tool_response>")
         for message in messages
     )
+
+
+def _has_history(messages: list[Message]) -> bool:
+    """Tell whether earlier assistant turns precede the answer (a turn of an on-policy conversation after its first)."""
+    return any(message.role == "assistant" for message in messages)
 
 
 def _probe_record(

@@ -1,13 +1,15 @@
 """Tokenize completion shards in worker processes, in order, with bounded memory.
 
 Each task is one finished completions shard, read by the parent (so workers need no storage credentials) and
-sent as bytes: a worker splits its JSON lines, validates them, drops what
-must not be trained on (counting why), tokenizes the rest in batches (:class:`~datagen.dataset.tokenize.RowTokenizer`)
-and returns the rows in columnar form (flat ``int32`` token ids, an ``int8`` mask, row lengths), which the
-parent turns into Arrow without touching Python ints. The parent consumes results in shard order, with at
-most ``2 x workers`` shards in flight, so the output order is deterministic and memory does not grow with the
-number of rows. Workers are started with ``spawn`` (safe next to the threads of a Prefect task run) and
-rebuild the Rust tokenizer from its serialized form rather than importing ``AutoTokenizer``.
+sent as bytes: a worker splits its JSON lines, validates them, drops what must not be trained on (counting
+why), tokenizes the rest in batches (:class:`~datagen.dataset.tokenize.RowTokenizer`; with
+``tokenize.conversation_rows: per_conversation``, an on-policy conversation's turns become one row,
+:mod:`~datagen.dataset.conversation_rows`) and returns the rows in columnar form (flat ``int32`` token ids, an
+``int8`` mask, row lengths), which the parent turns into Arrow without touching Python ints. The parent
+consumes results in shard order, with at most ``2 x workers`` shards in flight, so the output order is
+deterministic and memory does not grow with the number of rows. Workers are started with ``spawn`` (safe next
+to the threads of a Prefect task run) and rebuild the Rust tokenizer from its serialized form rather than
+importing ``AutoTokenizer``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from datagen.dataset.conversation_rows import (
+    PER_CONVERSATION,
+    PER_TURN,
+    ConversationGrouper,
+    ConversationRow,
+    ConversationRows,
+)
 from datagen.dataset.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
 from datagen.dataset.tokenizer import TokenizerSpec
 from datagen.errors import TokenizeError
@@ -60,6 +69,8 @@ class TokenizeJob:
         max_length_tokens: Longer rows are dropped as ``too_long``.
         include_truncated: Keep completions that hit max_tokens.
         answer_render: See :class:`~datagen.dataset.tokenize.RowTokenizer`.
+        conversation_rows: ``per_turn`` (a row per stored turn) or ``per_conversation`` (a row per on-policy
+            conversation, :mod:`~datagen.dataset.conversation_rows`).
 
     """
 
@@ -67,6 +78,7 @@ class TokenizeJob:
     max_length_tokens: int | None
     include_truncated: bool
     answer_render: AnswerRender = "auto"
+    conversation_rows: ConversationRows = PER_TURN
 
 
 @dataclass
@@ -77,6 +89,8 @@ class ShardRows:
         key: The shard's key.
         completions_read: JSON lines read.
         dropped: Completions not kept, by reason.
+        turns_in_conversation_rows: On-policy turns held as history by a later turn's per-conversation row
+            (neither rows of their own nor dropped).
         lines: Source line (0-based) of each row, for the resume check.
         lengths: Tokens per row.
         input_ids: Every row's ids, concatenated.
@@ -87,6 +101,7 @@ class ShardRows:
     key: str
     completions_read: int = 0
     dropped: Counter[str] = field(default_factory=Counter)
+    turns_in_conversation_rows: int = 0
     lines: list[int] = field(default_factory=list)
     prompt_ids: list[str] = field(default_factory=list)
     sample_indices: list[int] = field(default_factory=list)
@@ -113,11 +128,14 @@ class ShardRows:
         self.finish_reasons.append(record.finish_reason)
         self.tokenized_from.append(row.tokenized_from)
         self.lengths.append(size)
-        self.loss_tokens.append(row.loss_end - row.loss_start)
+        self.loss_tokens.append(row.loss_tokens)
         self.input_ids.extend(row.input_ids)
-        self.loss_mask += bytes(row.loss_start)
-        self.loss_mask += b"\x01" * (row.loss_end - row.loss_start)
-        self.loss_mask += bytes(size - row.loss_end)
+        done = 0
+        for start, end in row.spans:
+            self.loss_mask += bytes(start - done)
+            self.loss_mask += b"\x01" * (end - start)
+            done = end
+        self.loss_mask += bytes(size - done)
 
 
 class ShardTokenizer:
@@ -132,50 +150,76 @@ class ShardTokenizer:
     def tokenize_shard(self, key: str, data: bytes) -> ShardRows:
         """Screen and tokenize one shard's JSON lines (see the module docstring)."""
         result = ShardRows(key)
-        batch: list[tuple[int, CompletionRecord]] = []
+        batch: list[ConversationRow] = []
+        grouper = ConversationGrouper() if self.job.conversation_rows == PER_CONVERSATION else None
         for line, raw in enumerate(data.splitlines()):
             if not raw.strip():
                 continue
             result.completions_read += 1
-            record = self._screen(key, line, raw, result)
+            record = self._parse(key, line, raw, result)
             if record is None:
                 continue
-            batch.append((line, record))
+            if grouper is not None and record.turn is not None:
+                # The screen decides which turn the conversation's row ends on (conversation_rows.py).
+                finished = grouper.add(line, record, self._drop_reason(record))
+                if finished is not None:
+                    batch.append(finished)
+            else:
+                if grouper is not None:
+                    # Rows keep the shard's order: a conversation before this record ends here.
+                    finished = grouper.close()
+                    if finished is not None:
+                        batch.append(finished)
+                reason = self._drop_reason(record)
+                if reason is not None:
+                    result.dropped[reason] += 1
+                    continue
+                batch.append(ConversationRow(line, record, 0))
             if len(batch) >= BATCH_COMPLETIONS:
                 self._tokenize_batch(batch, result)
                 batch = []
+        if grouper is not None:
+            last = grouper.close()
+            if last is not None:
+                batch.append(last)
+            result.dropped.update(grouper.dropped)
         if batch:
             self._tokenize_batch(batch, result)
         return result
 
-    def _screen(self, key: str, line: int, raw: bytes, result: ShardRows) -> CompletionRecord | None:
+    def _parse(self, key: str, line: int, raw: bytes, result: ShardRows) -> CompletionRecord | None:
         try:
-            record = CompletionRecord.model_validate_json(raw)
+            return CompletionRecord.model_validate_json(raw)
         except ValidationError as error:
             result.dropped[DROP_INVALID] += 1
             logger.warning("invalid completion record key=%s line=%d error=%s", key, line, error)
             return None
+
+    def _drop_reason(self, record: CompletionRecord) -> str | None:
+        """Why a completion is not trained on (truncated, empty), or None when it is kept."""
         if record.finish_reason == "length" and not self.job.include_truncated:
-            result.dropped[DROP_TRUNCATED] += 1
-            return None
+            return DROP_TRUNCATED
         completion = record.completion
         has_text = bool(completion.content and completion.content.strip()) or bool(completion.tool_calls)
         if not has_text and not completion.output_token_ids:
-            result.dropped[DROP_EMPTY] += 1
-            return None
-        return record
+            return DROP_EMPTY
+        return None
 
-    def _tokenize_batch(self, batch: list[tuple[int, CompletionRecord]], result: ShardRows) -> None:
-        encoded = self.rows.encode([record for _, record in batch])
-        for (line, record), row in zip(batch, encoded, strict=True):
+    def _tokenize_batch(self, batch: list[ConversationRow], result: ShardRows) -> None:
+        whole = self.job.conversation_rows == PER_CONVERSATION
+        encoded = self.rows.encode([item.record for item in batch], whole_conversations=whole)
+        for item, row in zip(batch, encoded, strict=True):
+            # A refused conversation row takes the turns it would have held with it, under the same reason.
+            turns = 1 + item.history_turns
             if isinstance(row, TokenizeError):
                 # One odd record must not sink the merge; a systematic mismatch shows as a large count.
-                result.dropped[DROP_TEMPLATE] += 1
-                logger.warning("completion not renderable key=%s error=%s", record.key, row)
+                result.dropped[DROP_TEMPLATE] += turns
+                logger.warning("completion not renderable key=%s error=%s", item.record.key, row)
             elif isinstance(row, RejectedRow):
-                result.dropped[row.reason] += 1
+                result.dropped[row.reason] += turns
             else:
-                result.add(line, record, row)
+                result.add(item.line, item.record, row)
+                result.turns_in_conversation_rows += item.history_turns
 
 
 _worker: ShardTokenizer | None = None

@@ -89,6 +89,20 @@ def test_config_hash_ignores_run_id_but_not_content() -> None:
     assert first.config_hash() != third.config_hash()
 
 
+def test_conversation_rows_at_its_default_keeps_older_runs_config_hash() -> None:
+    plain = RunConfig.model_validate(MINIMAL)
+    assert "conversation_rows" not in plain.identity_dict()["tokenize"]
+    assert "formats" not in plain.identity_dict()["tokenize"]
+    default = RunConfig.model_validate({**MINIMAL, "tokenize": {"conversation_rows": "per_turn"}})
+    whole = RunConfig.model_validate({**MINIMAL, "tokenize": {"conversation_rows": "per_conversation"}})
+    jsonl = RunConfig.model_validate({**MINIMAL, "tokenize": {"formats": ["parquet", "jsonl"]}})
+    assert default.config_hash() == plain.config_hash()
+    assert whole.config_hash() != plain.config_hash()
+    assert whole.identity_dict()["tokenize"]["conversation_rows"] == "per_conversation"
+    assert "conversation_rows" not in jsonl.identity_dict()["tokenize"]
+    assert jsonl.identity_dict()["tokenize"]["formats"] == ["parquet", "jsonl"]
+
+
 def test_per_dataset_sampling_overrides_only_what_they_set() -> None:
     data = {
         **MINIMAL,
