@@ -1,8 +1,10 @@
 """SpecForge's and speculators' own data loading read a datagen dataset version as-is, every row unchanged.
 
-The dataset: two versions written by real merges on the real Qwen3 tokenizer and chat template
+The dataset: versions written by real merges on the real Qwen3 tokenizer and chat template
 (:mod:`tests.support.trainer_rows`; single-turn, dataset multi-turn and tool rows, and every turn of on-policy
-conversations), the second extending the first, exported by ``datagen export``. Each trainer
+conversations), the second extending the first, and a third extending the second with the second run's
+completions merged with ``tokenize.conversation_rows: per_conversation`` (one row per on-policy conversation,
+loss on each of its assistant turns), exported by ``datagen export``. Each trainer
 runs in its own venv (the PyPI wheel installed ``--no-deps`` plus its light dependencies,
 :mod:`tests.support.trainer_venvs`) on the exact commands ``datagen export`` printed
 (:mod:`tests.support.trainer_load`): SpecForge 0.2.0's ``load_config`` + ``prepare_prompt_tasks``, speculators
@@ -67,18 +69,50 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> Exported:
     root = tmp_path_factory.mktemp("store")
     first = merge_run(root, tokenizer, "run-a", "alpha", 0)
     second = merge_run(root, tokenizer, "run-b", "beta", 100, base_version=first.dataset_version_url)
-    result = CliRunner().invoke(app, ["export", second.dataset_version_url, "--tokenizer", str(tokenizer)])
+    # The second run's completions again, merged with one row per on-policy conversation, as the third version.
+    third = merge_run(
+        root,
+        tokenizer,
+        "run-c",
+        "beta",
+        100,
+        base_version=second.dataset_version_url,
+        conversation_rows="per_conversation",
+    )
+    result = CliRunner().invoke(app, ["export", third.dataset_version_url, "--tokenizer", str(tokenizer)])
     assert result.exit_code == 0, result.output
     store = Store(str(root))
-    version = DatasetVersion.model_validate(store.read_json(second.dataset_version))
+    version = DatasetVersion.model_validate(store.read_json(third.dataset_version))
     record = find_export(store, version)
     assert record is not None
-    # On-policy turns share their conversation's prompt id: every turn is a row (2 runs x 2 shards each).
-    conversations = Counter(prompt_id for url in version.parquet_urls() for prompt_id in _prompt_ids(url))
+    # On-policy turns share their conversation's prompt id: in the first two versions every turn is a row (2 runs x
+    # 2 shards each), in the third every conversation is one row whose mask trains each of its turns.
+    per_turn = [url for url in version.parquet_urls() if "/run-c/" not in url]
+    conversations = Counter(prompt_id for url in per_turn for prompt_id in _prompt_ids(url))
     assert sorted(n for n in conversations.values() if n > 1) == sorted(
         len(script[2]) for script in SCRIPTS.values() for _ in range(4)
     )
+    whole = [part.url for part in third.parts]
+    assert set(version.parquet_urls()) - set(per_turn) == set(whole)
+    assert third.rows == second.rows - third.turns_in_conversation_rows
+    assert third.turns_in_conversation_rows == 2 * sum(len(script[2]) - 1 for script in SCRIPTS.values())
+    runs = sorted(_loss_runs(mask) for url in whole for mask in _masks(url))
+    assert runs[-len(SCRIPTS) * 2 :] == sorted(
+        len(script[2]) for script in SCRIPTS.values() for _ in range(2)
+    )
     return Exported(root, tokenizer, version, record, result.output)
+
+
+def _masks(url: str) -> list[list[int]]:
+    import pyarrow.parquet as pq
+
+    masks: list[list[int]] = pq.read_table(url, columns=["loss_mask"]).column("loss_mask").to_pylist()
+    return masks
+
+
+def _loss_runs(mask: list[int]) -> int:
+    """Runs of trained tokens: one per assistant turn the row trains."""
+    return sum(1 for index, bit in enumerate(mask) if bit and (index == 0 or not mask[index - 1]))
 
 
 def _prompt_ids(url: str) -> list[str]:
