@@ -11,6 +11,9 @@ conversation whose second turn the server refuses ends there, its last turn coun
 A second dataset in the Hermes function-calling layout has tool conversations: where the target's call equals the
 dataset's, the recorded result is spliced in after it and the conversation goes on; where it does not, the
 conversation ends at the call, its unsent turns counted as `tool_call_diverged`.
+
+The same stored turns, merged again with `tokenize.conversation_rows: per_conversation`, make one row per
+conversation (its last stored turn, one loss run per assistant turn), every stored turn counted once.
 """
 
 from __future__ import annotations
@@ -302,6 +305,52 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
     totals = report["totals"]
     assert (totals["conversations"], totals["conversations_completed"]) == (CONVERSATIONS + TOOL_ROWS, 18)
     assert "- on-policy conversations: **20**" in (run_root / "report.md").read_text()
+    _check_conversation_rows(config, tmp_path / "out", records)
+
+
+def _check_conversation_rows(config_path: Path, output: Path, records: list[CompletionRecord]) -> None:
+    """The same stored turns merged with `tokenize.conversation_rows: per_conversation`: a row per conversation.
+
+    Each row is its conversation's last stored turn rendered whole, trained on each of the target's turns; every
+    stored turn is counted once (a row, or inside its conversation's row).
+    """
+    import pyarrow.parquet as pq
+
+    from datagen.config import load_run_config
+    from datagen.dataset.merge import merge_and_tokenize
+    from datagen.output.layout import RunLayout
+    from datagen.output.store import Store
+
+    store, stored = Store(str(output)), RunLayout("onpolicy-1")
+    layout = RunLayout("onpolicy-1-whole")
+    for folder in store.list_level(stored.completions_prefix).folders:
+        for key in store.list_level(folder).objects:
+            shard = stored.parse_completions(key)
+            assert shard is not None
+            store.write_bytes(layout.completions(*shard), store.read_bytes(key))
+            store.write_bytes(layout.shard_done(*shard), store.read_bytes(stored.shard_done(*shard)))
+    overrides = {"run_id": "onpolicy-1-whole", "tokenize": {"conversation_rows": "per_conversation"}}
+    config = load_run_config(config_path, overrides)
+    summary = merge_and_tokenize(store, layout, config)
+    last_turns: dict[tuple[str, str], int] = {}
+    for record in records:
+        key = (record.dataset, record.prompt_id)
+        last_turns[key] = max(last_turns.get(key, 0), record.turn or 0)
+    assert len(last_turns) == CONVERSATIONS + TOOL_ROWS
+    assert (summary.completions_read, summary.rows) == (len(records), len(last_turns))
+    assert summary.turns_in_conversation_rows == len(records) - len(last_turns)
+    assert summary.dropped_by_reason == {}
+    rows = [row for part in summary.parts for row in pq.read_table(part.url).to_pylist()]
+    assert sorted((row["dataset"], row["prompt_id"]) for row in rows) == sorted(last_turns)
+    for row in rows:
+        trained = sum(
+            1
+            for index, bit in enumerate(row["loss_mask"])
+            if bit and (index == 0 or not row["loss_mask"][index - 1])
+        )
+        assert trained == last_turns[(row["dataset"], row["prompt_id"])] + 1, (
+            "one loss run per assistant turn"
+        )
 
 
 def _check_tool_conversations(completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:
