@@ -23,6 +23,14 @@ each with a decoded example (``[[...]]`` marks trained text). Run from the repos
 ``make trainer-venvs``::
 
     python benchmarks/compare_trainer_masks.py --records 2000 --seed 7
+
+With ``--conversations N`` it compares per-conversation rows instead: ``N`` seeded on-policy conversations
+(``benchmarks/tokenize_data.py:make_conversations``, every turn's record made by datagen's own
+``Conversation``) merged with ``tokenize.conversation_rows: per_conversation``, and each trainer given each
+conversation's last turn's record (the whole conversation, every assistant turn the target's). datagen trains
+the earlier turns too there, so what differs is how: a newline after an earlier turn's ``<|im_end|>``, tokens
+of earlier turns only one side trains, and (speculators) earlier turns trained in rows of their own instead of
+in the conversation's row.
 """
 
 from __future__ import annotations
@@ -46,8 +54,10 @@ EMPTY_THINK = "<think>\n\n</think>\n\n"
 CATEGORIES = [
     "system prompt injected (context)",
     "newline after final <|im_end|> trained",
+    "newline after an earlier turn's <|im_end|> trained",
     "earlier assistant turns trained (same row)",
     "earlier assistant turns trained (extra rows)",
+    "earlier target turns datagen trains, not trained in this row",
     "pre-filled empty think block trained",
     "fake end of turn on truncated answer trained",
     "generated tokens not trained",
@@ -56,7 +66,9 @@ CATEGORIES = [
 Row = tuple[list[int], list[int]]
 
 
-def datagen_rows(records_path: Path, tokenizer: Path, work: Path) -> dict[tuple[str, int], Row]:
+def datagen_rows(
+    records_path: Path, tokenizer: Path, work: Path, conversation_rows: str = "per_turn"
+) -> dict[tuple[str, int], Row]:
     """datagen's rows for the records (its merge, truncated answers kept), by (prompt_id, sample_index)."""
     import pyarrow.parquet as pq
 
@@ -89,7 +101,7 @@ def datagen_rows(records_path: Path, tokenizer: Path, work: Path) -> dict[tuple[
             "model": {"path": str(tokenizer)},
             "datasets": [{"name": "mixed", "format": "openai_messages", "path": "unused"}],
             "output": str(work / "store"),
-            "tokenize": {"include_truncated": True},
+            "tokenize": {"include_truncated": True, "conversation_rows": conversation_rows},
         }
     )
     summary = merge_and_tokenize(store, layout, config)
@@ -236,7 +248,14 @@ def compare(record: dict[str, Any], mine: Row, rows: list[Row], decoder: Decoder
         if not bit or trained_here[position]:
             continue
         token = ids[position]
-        if position < final:
+        if (
+            position < final
+            and position
+            and ids[position - 1] == decoder.im_end
+            and decoder.text([token]) == NEWLINE
+        ):
+            count("newline after an earlier turn's <|im_end|> trained", position)
+        elif position < final:
             count("earlier assistant turns trained (same row)", position)
         elif position == last_end + 1 and decoder.text([token]) == NEWLINE:
             count("newline after final <|im_end|> trained", position)
@@ -246,9 +265,12 @@ def compare(record: dict[str, Any], mine: Row, rows: list[Row], decoder: Decoder
             count("pre-filled empty think block trained", position)
         else:
             count("other trained tokens", position)
+    my_final = decoder.final_turn_start(my_ids)
     for position, bit in enumerate(my_mask):
         if bit and not mine_matched[position]:
             name = "generated tokens not trained"
+            if position < my_final:
+                name = "earlier target turns datagen trains, not trained in this row"
             tally.loss_delta[name] -= 1
             if name not in seen:
                 seen.add(name)
@@ -283,22 +305,38 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--template", default="qwen3", choices=["qwen3", "qwen3.6"])
     parser.add_argument(
+        "--conversations",
+        type=int,
+        default=0,
+        help="compare per-conversation rows of this many on-policy conversations instead of --records records",
+    )
+    parser.add_argument(
         "--specforge-template",
         default="qwen3-thinking",
         help="SpecForge TEMPLATE_REGISTRY name for the target",
     )
     args = parser.parse_args()
 
-    from benchmarks.tokenize_data import make_completions
+    from benchmarks.tokenize_data import make_completions, make_conversations
     from tests.support.qwen import build_qwen_tokenizer_dir
 
     work = Path(tempfile.mkdtemp(prefix="compare-masks-"))
     tokenizer = build_qwen_tokenizer_dir(work / "tokenizer", args.template)
-    records = make_completions(args.records, args.seed)
     records_path = work / "records.jsonl"
-    records_path.write_text("".join(record.model_dump_json() + "\n" for record in records))
     started = time.monotonic()
-    mine = datagen_rows(records_path, tokenizer, work)
+    if args.conversations:
+        turns = make_conversations(args.conversations, args.seed)
+        turns_path = work / "turns.jsonl"
+        turns_path.write_text("".join(record.model_dump_json() + "\n" for record in turns))
+        mine = datagen_rows(turns_path, tokenizer, work, "per_conversation")
+        # Each conversation's row is its last turn's: the trainers get that record (the whole conversation).
+        last = {(record.prompt_id, record.sample_index): record for record in turns}
+        records = list(last.values())
+        print(f"{len(turns):,} turns of {len(records):,} on-policy conversations, one row per conversation")
+    else:
+        records = make_completions(args.records, args.seed)
+        mine = datagen_rows(records_path, tokenizer, work)
+    records_path.write_text("".join(record.model_dump_json() + "\n" for record in records))
     contenders = {
         f"SpecForge 0.2.0, template {args.specforge_template}": trainer_rows(
             "specforge",
@@ -327,7 +365,7 @@ def main() -> int:
     keyed = [mine.get((record["prompt_id"], record["sample_index"])) for record in plain]
     base.add_rows([row for row in keyed if row is not None])
     print(
-        f"# {args.records:,} records (seed {args.seed}), Qwen3 tokenizer, {args.template} chat template; "
+        f"# {len(records):,} records (seed {args.seed}), Qwen3 tokenizer, {args.template} chat template; "
         f"{sum(1 for r in plain if r['finish_reason'] == 'length')} truncated, "
         f"{sum(1 for r in plain if not r['completion'].get('reasoning_content'))} without reasoning, "
         f"{sum(1 for r in plain if not any(m['role'] == 'system' for m in r['messages']))} without a system prompt, "

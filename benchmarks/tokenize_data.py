@@ -24,6 +24,7 @@ from datagen.records import (
     CompletionRecord,
     FunctionCall,
     Message,
+    PromptRecord,
     SamplingParams,
     ShardSummary,
     TokenUsage,
@@ -111,6 +112,7 @@ PROMPT_WORDS = 190
 REASONING_WORDS = 420
 CONTENT_WORDS = 240
 TRUNCATED_SHARE = 0.02
+CONVERSATION_TRUNCATED_SHARE = 0.05
 SAMPLES_PER_PROMPT = 2
 SHARD_COMPLETIONS = 512
 
@@ -290,6 +292,92 @@ def make_completions(count: int, seed: int, vocabulary: Vocabulary = "small") ->
             if len(records) == count:
                 break
         prompt_index += 1
+    return records
+
+
+def _conversation_prompt(rng: random.Random, index: int) -> PromptRecord:
+    """A multi-turn conversation (2-3 user turns, a tool round trip in a third) ending with a user turn."""
+    messages: list[Message] = []
+    if rng.random() < 0.5:
+        messages.append(Message(role="system", content=rng.choice(SYSTEM_PROMPTS)))
+    tools = TOOLS if rng.random() < 0.35 else None
+    for turn in range(rng.randint(2, 3)):
+        messages.append(Message(role="user", content=_prose(rng, PROMPT_WORDS // 3)))
+        if tools and turn == 0:
+            calls = [_tool_call(rng, call) for call in range(rng.randint(1, 2))]
+            messages.append(Message(role="assistant", content="", tool_calls=calls))
+            for call in calls:
+                messages.append(Message(role="tool", content=_prose(rng, 30), tool_call_id=call.id))
+        messages.append(Message(role="assistant", content=f"DATASET ANSWER {_sentence(rng, 8)}"))
+    return PromptRecord(prompt_id=f"conv-{index:07d}", dataset="chat", messages=messages[:-1], tools=tools)
+
+
+def make_conversations(count: int, seed: int, vocabulary: Vocabulary = "small") -> list[CompletionRecord]:
+    """Every turn's record of ``count`` on-policy conversations, made by datagen's own ``Conversation``.
+
+    Each turn's request holds the target's earlier answers (reasoning on 75% of conversations) and the dataset's
+    next user turn, or its recorded tool results spliced in after the target's equal calls; the last turn is cut
+    at ``max_tokens`` in ``CONVERSATION_TRUNCATED_SHARE`` of conversations.
+
+    Args:
+        count: Conversations to make (one sample each).
+        seed: Seed of every choice.
+        vocabulary: ``small`` or ``wide`` (see the module docstring).
+
+    Returns:
+        The records, conversation by conversation, turns in order (as an on-policy shard stores them).
+
+    """
+    from datagen.generation.conversation import Conversation
+
+    rng = _TextRandom(seed, vocabulary)
+    records: list[CompletionRecord] = []
+    for index in range(count):
+        prompt = _conversation_prompt(rng, index)
+        thinking = rng.random() < 0.75
+        conversation = Conversation(
+            prompt, 0, SamplingParams(enable_thinking=None if thinking else False), None, prompt.dataset
+        )
+        request = conversation.request()
+        while request is not None:
+            turn = conversation.next_turn
+            reasoning = _prose(rng, REASONING_WORDS // 3) if thinking else None
+            calls = conversation.cut.dataset_calls[turn] if turn < len(conversation.cut.segments) else []
+            if calls:
+                # The target makes the dataset's calls (its own ids), so the recorded results are spliced in.
+                answer = AssistantCompletion(
+                    content="",
+                    reasoning_content=reasoning,
+                    tool_calls=[
+                        call.model_copy(update={"id": f"target_{turn}_{n}"}) for n, call in enumerate(calls)
+                    ],
+                )
+                finish = "tool_calls"
+            else:
+                answer = AssistantCompletion(
+                    content=_prose(rng, CONTENT_WORDS // 3), reasoning_content=reasoning
+                )
+                finish = "stop"
+                if turn == conversation.turns - 1 and rng.random() < CONVERSATION_TRUNCATED_SHARE:
+                    finish = "length"
+            record = CompletionRecord(
+                prompt_id=prompt.prompt_id,
+                sample_index=0,
+                dataset=prompt.dataset,
+                messages=request.prompt.messages,
+                tools=request.prompt.tools,
+                completion=answer,
+                finish_reason=finish,  # type: ignore[arg-type]
+                usage=TokenUsage(prompt_tokens=340, completion_tokens=240),
+                model="Qwen/Qwen3.6-27B",
+                engine="sglang",
+                server="http://127.0.0.1:30000",
+                sampling=request.sampling,
+                turn=request.turn,
+                latency_s=5.0,
+            )
+            records.append(record)
+            request = conversation.advance(record).request
     return records
 
 
