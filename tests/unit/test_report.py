@@ -378,6 +378,28 @@ def test_the_report_counts_conversations_and_completions_by_sampling_setting(tmp
         in markdown
     )
     assert "- d / cold: 17" in markdown and "- d / hot: 3" in markdown
+    assert "inside their conversation's row" not in markdown
+
+
+def test_per_conversation_rows_say_how_many_turns_are_inside_them(tmp_path: Path) -> None:
+    shard = _shard(0, 10).model_copy(update={"conversations": 4, "conversations_completed": 4})
+    tokenize = {"rows_by_dataset": {"d": 4}, "loss_tokens": 900, "turns_in_conversation_rows": 6}
+    report = build_report(
+        run_id="r-1",
+        config=_config(tmp_path),
+        prepared=[],
+        shards=[shard],
+        tokenize_summary=tokenize,
+        servers=1,
+        generation_wall_s=1.0,
+        dataset_mix=[],
+        mix_by_category=[],
+    )
+    assert report.totals.tokenized_rows == 4
+    assert (
+        "- tokenized rows: **4**, loss tokens: 900 (one row per on-policy conversation: 6 earlier turns are "
+        "inside their conversation's row)" in report.to_markdown()
+    )
 
 
 def test_a_run_without_conversations_or_a_sampling_mix_says_nothing_of_them(tmp_path: Path) -> None:
