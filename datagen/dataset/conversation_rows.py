@@ -159,12 +159,14 @@ class ConversationGrouper:
     """
 
     dropped: Counter[str] = field(default_factory=Counter)
-    _key: tuple[str, str, int] | None = None
-    _turn: int = -1
-    _kept: tuple[int, CompletionRecord] | None = None
-    _before: int = 0
-    _after: Counter[str] = field(default_factory=Counter)
-    _closed: set[tuple[str, str, int]] = field(default_factory=set)
+    # The conversation held: its key, its latest turn, the latest turn the screen kept, the turns before that one,
+    # and the turns after it the screen dropped (by reason); then the conversations already closed.
+    _key: tuple[str, str, int] | None = field(default=None, init=False)
+    _turn: int = field(default=-1, init=False)
+    _kept: tuple[int, CompletionRecord] | None = field(default=None, init=False)
+    _before: int = field(default=0, init=False)
+    _after: Counter[str] = field(default_factory=Counter, init=False)
+    _closed: set[tuple[str, str, int]] = field(default_factory=set, init=False)
 
     def add(self, line: int, record: CompletionRecord, drop_reason: str | None) -> ConversationRow | None:
         """Take one turn (``drop_reason``: why the screen drops it, None when kept).

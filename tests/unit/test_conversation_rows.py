@@ -72,6 +72,12 @@ EXPECTED: dict[tuple[str, int], dict[str, list[str]]] = {
             f"The tool says sunny and 18 °C.\n</think>\n\nIt is sunny in Paris, 18 °C.{END}",
         ],
     },
+    # The same with thinking off: the earlier tool-call turn (after the last user query) is rendered with Qwen3.6's
+    # empty think block, which the generation prompt pre-filled when it was generated: filler, not trained.
+    ("tool_no_thinking", 1): {
+        "qwen3": [f"{CALL_QWEN3}{END}", f"It is sunny in Paris, 18 °C.{END}"],
+        "qwen3.6": [f"{CALL_QWEN36}{END}", f"It is sunny in Paris, 18 °C.{END}"],
+    },
     # Thinking off: the earlier answer has no think block in the render; the last turn's pre-filled empty one
     # is filler. The last turn was cut at max_tokens: no end of turn trained.
     ("no_thinking_truncated", 1): {
@@ -79,6 +85,21 @@ EXPECTED: dict[tuple[str, int], dict[str, list[str]]] = {
         "qwen3.6": [f"Blue.{END}", "Blue as the sea, blue as the sky, blue as"],
     },
 }
+
+
+def conversation_turn(conversation: str, turn: int) -> CompletionRecord:
+    """A turn's record of a scripted conversation; ``tool_no_thinking``: the tool one without reasoning, thinking off."""
+    if conversation != "tool_no_thinking":
+        return converse(conversation)[turn]
+    record = converse("tool")[turn]
+    history = [message.model_copy(update={"reasoning_content": None}) for message in record.messages]
+    return record.model_copy(
+        update={
+            "messages": history,
+            "completion": record.completion.model_copy(update={"reasoning_content": None}),
+            "sampling": record.sampling.model_copy(update={"enable_thinking": False}),
+        }
+    )
 
 
 @pytest.fixture(scope="module", params=["qwen3", "qwen3.6"])
@@ -132,7 +153,7 @@ def test_a_conversations_row_trains_exactly_every_assistant_turn_the_target_wrot
     qwen: tuple[str, Path, Any], rows: RowTokenizer, conversation: str, turn: int
 ) -> None:
     name, _, tokenizer = qwen
-    record = converse(conversation)[turn]
+    record = conversation_turn(conversation, turn)
     (row,) = rows.encode([record], whole_conversations=True)
     assert isinstance(row, EncodedRow)
     trained = EXPECTED[(conversation, turn)][name]
