@@ -218,11 +218,13 @@ def _plain(record: CompletionRecord) -> CompletionRecord:
     return record.model_copy(update={"prompt_id": "plain", "turn": None})
 
 
-@pytest.mark.parametrize("include_truncated", [False, True])
-def test_a_shard_makes_one_row_per_conversation_and_counts_every_turn_once(
-    qwen: tuple[str, Path, Any], include_truncated: bool
-) -> None:
-    _, folder, _ = qwen
+@pytest.fixture(scope="module")
+def qwen3_spec(tmp_path_factory: pytest.TempPathFactory) -> TokenizerSpec:
+    # Which turn a row ends on and the counts do not depend on the template: one is enough.
+    return TokenizerSpec.load(str(build_qwen_tokenizer_dir(tmp_path_factory.mktemp("qwen3-shard"), "qwen3")))
+
+
+def test_a_shard_makes_one_row_per_conversation_and_counts_every_turn_once(qwen3_spec: TokenizerSpec) -> None:
     conversations = {name: converse(name) for name in sorted(SCRIPTS)}
     plain = _plain(converse("thinking")[0])
     records = [
@@ -231,39 +233,33 @@ def test_a_shard_makes_one_row_per_conversation_and_counts_every_turn_once(
         *conversations["thinking"],
         *conversations["tool"],
     ]
-    spec = TokenizerSpec.load(str(folder))
-    per_turn = ShardTokenizer(TokenizeJob(spec, None, include_truncated)).tokenize_shard("s", _shard(records))
-    job = TokenizeJob(spec, None, include_truncated, conversation_rows="per_conversation")
-    result = ShardTokenizer(job).tokenize_shard("s", _shard(records))
-    assert result.completions_read == per_turn.completions_read == 9
-    assert result.prompt_ids == ["no_thinking_truncated", "plain", "thinking", "tool"]
-    # The truncated last turn is dropped unless kept: then the row ends at the turn before it.
-    ends = [1 if include_truncated else 0, 0, 2, 2]
-    assert [result.lines[index] for index in range(4)] == [ends[0], 2, 5, 8]
-    assert result.finish_reasons == ["length" if include_truncated else "stop", "stop", "stop", "stop"]
-    assert result.turns_in_conversation_rows == ends[0] + 2 + 2
-    assert dict(result.dropped) == ({} if include_truncated else {"truncated": 1})
-    assert result.rows + result.turns_in_conversation_rows + sum(result.dropped.values()) == 9
-    assert per_turn.rows == (9 if include_truncated else 8)
-    # Each row equals its last turn's row tokenized alone as a whole conversation.
-    rows = RowTokenizer(spec, max_length_tokens=None)
-    offset = 0
-    for index, (length, loss) in enumerate(zip(result.lengths, result.loss_tokens, strict=True)):
-        source = records[result.lines[index]]
-        (row,) = rows.encode([source], whole_conversations=True)
-        assert isinstance(row, EncodedRow)
-        assert list(result.input_ids[offset : offset + length]) == row.input_ids
-        assert list(result.loss_mask[offset : offset + length]) == row.loss_mask()
-        assert loss == row.loss_tokens
-        offset += length
-
-
-def test_a_too_long_conversation_row_drops_every_turn_it_held(qwen: tuple[str, Path, Any]) -> None:
-    _, folder, _ = qwen
-    records = converse("thinking")
-    spec = TokenizerSpec.load(str(folder))
-    job = TokenizeJob(spec, 60, False, conversation_rows="per_conversation")
-    result = ShardTokenizer(job).tokenize_shard("s", _shard(records))
+    per_turn = ShardTokenizer(TokenizeJob(qwen3_spec, None, False)).tokenize_shard("s", _shard(records))
+    assert (per_turn.completions_read, per_turn.rows, dict(per_turn.dropped)) == (9, 8, {"truncated": 1})
+    rows = RowTokenizer(qwen3_spec, max_length_tokens=None)
+    for include_truncated in (False, True):
+        job = TokenizeJob(qwen3_spec, None, include_truncated, conversation_rows="per_conversation")
+        result = ShardTokenizer(job).tokenize_shard("s", _shard(records))
+        assert result.completions_read == 9
+        assert result.prompt_ids == ["no_thinking_truncated", "plain", "thinking", "tool"]
+        # The truncated last turn is dropped unless kept: then the row ends at the turn before it.
+        first_end = 1 if include_truncated else 0
+        assert result.lines == [first_end, 2, 5, 8]
+        assert result.finish_reasons == ["length" if include_truncated else "stop", "stop", "stop", "stop"]
+        assert result.turns_in_conversation_rows == first_end + 2 + 2
+        assert dict(result.dropped) == ({} if include_truncated else {"truncated": 1})
+        assert result.rows + result.turns_in_conversation_rows + sum(result.dropped.values()) == 9
+        # Each row equals its last turn's row tokenized alone as a whole conversation.
+        offset = 0
+        for index, (length, loss) in enumerate(zip(result.lengths, result.loss_tokens, strict=True)):
+            (row,) = rows.encode([records[result.lines[index]]], whole_conversations=True)
+            assert isinstance(row, EncodedRow)
+            assert list(result.input_ids[offset : offset + length]) == row.input_ids
+            assert list(result.loss_mask[offset : offset + length]) == row.loss_mask()
+            assert loss == row.loss_tokens
+            offset += length
+    # A row over max_length_tokens is refused with every turn it would have held.
+    job = TokenizeJob(qwen3_spec, 60, False, conversation_rows="per_conversation")
+    result = ShardTokenizer(job).tokenize_shard("s", _shard(conversations["thinking"]))
     assert (result.rows, result.turns_in_conversation_rows, dict(result.dropped)) == (0, 0, {"too_long": 3})
 
 
