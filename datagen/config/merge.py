@@ -33,9 +33,11 @@ class TokenizeConfig(StrictModel):
     conversation_rows: Literal["per_turn", "per_conversation"] = Field(
         default="per_turn",
         description="Rows of on-policy conversations (`multi_turn: on_policy`): `per_turn`, one row per turn the "
-        "target answered, loss on that answer; `per_conversation`, one row per conversation (its last stored "
-        "turn, rendered whole), loss on every assistant turn the target wrote. Other datasets' rows are the "
-        "same either way (docs/tokenize.md).",
+        "target answered, loss on that answer (each answer's exact tokens, reasoning included); "
+        "`per_conversation`, one row per conversation (its last kept turn, rendered whole), loss on every "
+        "assistant turn the target wrote as the template renders it (the history held once: far fewer tokens, "
+        "but Qwen3 templates drop earlier turns' reasoning). Other datasets' rows are the same either way "
+        "(docs/tokenize.md).",
     )
     include_truncated: bool = Field(default=False, description="Keep completions that hit max_tokens.")
     dataset_name: Slug = Field(default="drafter-expansion", description="Name of the versioned dataset.")
