@@ -136,13 +136,15 @@ def token_spans(offsets: list[tuple[int, int]], regions: list[tuple[int, int]]) 
 
 
 @dataclass(frozen=True)
-class ConversationRow:
-    """The turn a conversation's row is built from, and how many earlier turns it holds.
+class RowSource:
+    """The completion a row is built from, and how many earlier turns of its conversation the row holds.
 
     Attributes:
-        line: The turn's line in its shard (the row's source).
-        record: The turn's record: its request holds the whole conversation before its answer.
-        history_turns: Stored turns before it that the row holds as history (kept or screened out).
+        line: The completion's line in its shard (the row's source).
+        record: The completion; for a conversation's row, its last kept turn, whose request holds the whole
+            conversation before its answer.
+        history_turns: Stored turns before it that the row holds as history (kept or screened out); 0 for
+            every row that is not a whole conversation's.
 
     """
 
@@ -168,7 +170,7 @@ class ConversationGrouper:
     _after: Counter[str] = field(default_factory=Counter, init=False)
     _closed: set[tuple[str, str, int]] = field(default_factory=set, init=False)
 
-    def add(self, line: int, record: CompletionRecord, drop_reason: str | None) -> ConversationRow | None:
+    def add(self, line: int, record: CompletionRecord, drop_reason: str | None) -> RowSource | None:
         """Take one turn (``drop_reason``: why the screen drops it, None when kept).
 
         Returns:
@@ -177,7 +179,7 @@ class ConversationGrouper:
         """
         key = (record.dataset, record.prompt_id, record.sample_index)
         turn = record.turn if record.turn is not None else 0
-        finished: ConversationRow | None = None
+        finished: RowSource | None = None
         if key != self._key:
             if key in self._closed:
                 self._out_of_order(record)
@@ -197,12 +199,12 @@ class ConversationGrouper:
             self._kept = (line, record)
         return finished
 
-    def close(self) -> ConversationRow | None:
+    def close(self) -> RowSource | None:
         """End the conversation held: its row turn (None when the screen dropped every turn)."""
         if self._key is not None:
             self._closed.add(self._key)
         self.dropped.update(self._after)
-        row = None if self._kept is None else ConversationRow(self._kept[0], self._kept[1], self._before)
+        row = None if self._kept is None else RowSource(self._kept[0], self._kept[1], self._before)
         self._key, self._turn, self._kept, self._before = None, -1, None, 0
         self._after = Counter()
         return row

@@ -31,8 +31,8 @@ from datagen.dataset.conversation_rows import (
     PER_CONVERSATION,
     PER_TURN,
     ConversationGrouper,
-    ConversationRow,
     ConversationRows,
+    RowSource,
 )
 from datagen.dataset.tokenize import AnswerRender, EncodedRow, RejectedRow, RowTokenizer
 from datagen.dataset.tokenizer import TokenizerSpec
@@ -150,7 +150,7 @@ class ShardTokenizer:
     def tokenize_shard(self, key: str, data: bytes) -> ShardRows:
         """Screen and tokenize one shard's JSON lines (see the module docstring)."""
         result = ShardRows(key)
-        batch: list[ConversationRow] = []
+        batch: list[RowSource] = []
         grouper = ConversationGrouper() if self.job.conversation_rows == PER_CONVERSATION else None
         for line, raw in enumerate(data.splitlines()):
             if not raw.strip():
@@ -174,7 +174,7 @@ class ShardTokenizer:
                 if reason is not None:
                     result.dropped[reason] += 1
                     continue
-                batch.append(ConversationRow(line, record, 0))
+                batch.append(RowSource(line, record, 0))
             if len(batch) >= BATCH_COMPLETIONS:
                 self._tokenize_batch(batch, result)
                 batch = []
@@ -205,7 +205,7 @@ class ShardTokenizer:
             return DROP_EMPTY
         return None
 
-    def _tokenize_batch(self, batch: list[ConversationRow], result: ShardRows) -> None:
+    def _tokenize_batch(self, batch: list[RowSource], result: ShardRows) -> None:
         whole = self.job.conversation_rows == PER_CONVERSATION
         encoded = self.rows.encode([item.record for item in batch], whole_conversations=whole)
         for item, row in zip(batch, encoded, strict=True):
