@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from datagen.conversation_turns import ConversationTurns, split_conversation
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.failures import FailureKind, error_type, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
@@ -46,56 +47,6 @@ from datagen.records import CompletionRecord, FailureRecord, Message, PromptReco
 
 # Finish reasons after which the conversation may go on: the answer is whole.
 CONTINUING_FINISH: Final = frozenset({"stop", "tool_calls"})
-
-
-@dataclass(frozen=True)
-class ConversationTurns:
-    """A prompt's conversation cut where the target answers.
-
-    Attributes:
-        head: The messages before the first assistant turn (system prompt, first user turn).
-        segments: For each turn after the first, the dataset's messages between the assistant turn before it and
-            it: a user turn, or the results of the tools that assistant turn called.
-        dataset_calls: For each segment, the tool calls of the dataset's assistant turn before it (empty when
-            it called none).
-
-    """
-
-    head: list[Message]
-    segments: list[list[Message]]
-    dataset_calls: list[list[ToolCall]]
-
-
-def split_conversation(messages: list[Message]) -> ConversationTurns:
-    """Cut a prompt's messages where the target answers.
-
-    Args:
-        messages: The conversation without its final answer (a prompt's ``messages``).
-
-    Returns:
-        The head, the segments between the dataset's assistant turns, and those turns' tool calls.
-
-    """
-    head: list[Message] = []
-    segments: list[list[Message]] = []
-    calls: list[list[ToolCall]] = []
-    current = head
-    answer_calls: list[ToolCall] = []
-    previous_role: str | None = None
-    for message in messages:
-        if message.role == "assistant":
-            if previous_role != "assistant":
-                answer_calls = []
-            answer_calls.extend(message.tool_calls or [])
-            previous_role = message.role
-            continue
-        if previous_role == "assistant":
-            current = []
-            segments.append(current)
-            calls.append(answer_calls)
-        current.append(message)
-        previous_role = message.role
-    return ConversationTurns(head, segments, calls)
 
 
 def _call_key(call: ToolCall) -> tuple[str, str]:
@@ -212,7 +163,7 @@ class Conversation:
     @property
     def turns(self) -> int:
         """Turns planned: one per answer the target writes (to a user turn, or after a tool's result)."""
-        return 1 + len(self.cut.segments)
+        return self.cut.turns
 
     @property
     def next_turn(self) -> int:
