@@ -66,13 +66,13 @@ from datagen.errors import (
     WindowClosingError,
     is_transient,
 )
-from datagen.generation.conversation import ConversationChains
+from datagen.generation.conversation import ConversationChains, retried_turns
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
-from datagen.generation.shard_assembly import assemble, latest_shard_summary
+from datagen.generation.shard_assembly import assemble, earlier_answers, latest_shard_summary
 from datagen.generation.shard_parts import CheckpointWriter, read_parts
 from datagen.generation.shard_requests import build_conversations, build_requests
 from datagen.output.layout import RunLayout
@@ -146,7 +146,9 @@ def generate_shard(
 
     A shard already done is returned as it is, unless ``retry_failed``: then the failures its latest round
     left standing whose reason is not the prompt's own (:func:`~datagen.generation.failures.is_retryable`)
-    are sent again as the next retry round, into objects of its own (see :mod:`datagen.output.layout`).
+    are sent again as the next retry round, into objects of its own (see :mod:`datagen.output.layout`). An
+    on-policy conversation resumes after its turns stored in earlier rounds: its failed turn is sent again, then
+    the turns that failure ended (:func:`~datagen.generation.conversation.retried_turns`).
 
     Args:
         store: The run's output store.
@@ -186,20 +188,10 @@ def generate_shard(
     standing: list[FailureRecord] = []
     retry_round = 0
     if previous is not None:
-        if retry_failed and previous.failures and on_policy:
-            # A conversation's failed turn would be sent again with its stored history, and the turns it ended
-            # after it: not built yet, so the shard stays as its last round left it.
-            logger.warning(
-                "retry rounds of on-policy conversations are not supported; shard kept dataset=%s shard=%d "
-                "failures=%d",
-                dataset,
-                index,
-                previous.failures,
-            )
-            return previous.model_copy(update={"skipped": True})
         if retry_failed and previous.failures:
             standing = [FailureRecord.model_validate(row) for row in store.iter_jsonl(previous.failures_path)]
-        again = {failure.key for failure in standing if is_retryable(failure)}
+        # A conversation's retryable turn is sent again with the turns its failure ended (conversation.py).
+        again = retried_turns(standing) if on_policy else {f.key for f in standing if is_retryable(f)}
         if not again:
             logger.info(
                 "shard already done dataset=%s shard=%d round=%d completions=%d failures=%d",
@@ -223,10 +215,19 @@ def generate_shard(
     held = held if held is not None else HeldResults()
     kept_completions, kept_failures, attempted_before = held.take(dataset, index, retry_round)
     chains: ConversationChains | None = None
+    shard_conversations: list[list[str]] | None = None
+    answered: dict[str, CompletionRecord] = {}
     try:
         if on_policy:
             chains = build_conversations(store, config, shard)
+            shard_conversations = [c.turn_keys() for c in chains.conversations]
             keys = chains.keys()
+            if previous is not None:
+                # A retry round: the conversations it resumes, from their answers of earlier rounds.
+                chains = chains.only(again)
+                planned = chains.keys()
+                keys = [key for key in planned if key in again]
+                answered = earlier_answers(store, previous, set(planned) - again)
         else:
             requests = build_requests(store, config, shard)
             if previous is not None:
@@ -244,8 +245,13 @@ def generate_shard(
         to_send = [request for request in requests if request.key not in finished]
         left = len(to_send)
     else:
-        # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn).
-        stored: dict[str, CompletionRecord | FailureRecord] = {**earlier.failures, **earlier.completions}
+        # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn);
+        # a retry round's turns after the answers of earlier rounds.
+        stored: dict[str, CompletionRecord | FailureRecord] = {
+            **answered,
+            **earlier.failures,
+            **earlier.completions,
+        }
         stored |= {record.key: record for record in kept_failures if record.key not in stored}
         stored |= {record.key: record for record in kept_completions}
         to_send, ended = chains.resume(stored)
@@ -304,7 +310,7 @@ def generate_shard(
         known=writer.written,
         previous=previous,
         standing=standing,
-        conversations=[c.turn_keys() for c in chains.conversations] if chains is not None else None,
+        conversations=shard_conversations,
     )
     logger.info(
         "shard done dataset=%s shard=%d round=%d completions=%d failures=%d completion_tokens=%d resent=%d "
