@@ -327,24 +327,38 @@ def _names(calls: list[ToolCall]) -> str:
 
 
 Deliver = Callable[[GenerationRequest, GenerationResult], None]
+# Gives requests their rendered prompt's ids (exact-token mode: sglang_generate.attach_prompt_tokens), failing
+# those the chat template cannot render.
+Prepare = Callable[[list[GenerationRequest]], tuple[list[GenerationRequest], list[FailureRecord]]]
 
 
 class ConversationChains:
     """A shard's on-policy conversations, resumed from storage and advanced as their turns land.
 
+    In exact-token mode (``prepare``) each turn's prompt is rendered from its messages when the turn is built:
+    a resumed turn in the shard's thread, a turn that follows one that landed on the dispatcher's loop thread
+    (its history is known only then). A later turn's history holds the target's earlier answers as the chat
+    template renders an assistant turn (content, and reasoning and tool calls where it keeps them), and its record
+    keeps its own ``output_ids`` verbatim. A turn the template cannot render fails unsent
+    (``unrenderable_prompt``) and ends its conversation like any failed turn.
+
     Args:
         conversations: Every conversation of the shard (each prompt times its samples), in prompt order.
+        prepare: Renders turns' prompts into ids (exact-token mode); None sends messages (chat completions).
 
     """
 
-    def __init__(self, conversations: Iterable[Conversation]) -> None:
+    def __init__(self, conversations: Iterable[Conversation], prepare: Prepare | None = None) -> None:
         self.conversations = list(conversations)
+        self.prepare = prepare
         self._by_id = {(c.prompt.prompt_id, c.sample_index): c for c in self.conversations}
 
     def only(self, keys: Iterable[str]) -> ConversationChains:
         """The chains with a turn among ``keys`` (a retry round's), in the same order."""
         wanted = set(keys)
-        return ConversationChains(c for c in self.conversations if any(k in wanted for k in c.turn_keys()))
+        return ConversationChains(
+            (c for c in self.conversations if any(k in wanted for k in c.turn_keys())), self.prepare
+        )
 
     def keys(self) -> list[str]:
         """Every planned turn's key, conversation by conversation."""
@@ -359,8 +373,9 @@ class ConversationChains:
             stored: The shard's results by request key.
 
         Returns:
-            The next turn's request of each conversation still going, and the ``conversation_ended`` failures
-            of turns a stored result ended but that have none yet (to store).
+            The next turn's request of each conversation still going, and the failures to store: the
+            ``conversation_ended`` ones of turns a stored result ended but that have none yet, and (exact-token
+            mode) those of turns the template cannot render, with the turns that ends.
 
         """
         requests: list[GenerationRequest] = []
@@ -370,7 +385,21 @@ class ConversationChains:
             ended.extend(step.ended)
             if step.request is not None:
                 requests.append(step.request)
-        return requests, ended
+        ready, unsent = self._prepared(requests)
+        return ready, ended + unsent
+
+    def _prepared(
+        self, requests: list[GenerationRequest]
+    ) -> tuple[list[GenerationRequest], list[FailureRecord]]:
+        """``requests`` ready to send; a turn the template cannot render fails, ending its conversation."""
+        if self.prepare is None or not requests:
+            return requests, []
+        ready, unrenderable = self.prepare(requests)
+        unsent: list[FailureRecord] = []
+        for failure in unrenderable:
+            unsent.append(failure)
+            unsent.extend(self._by_id[(failure.prompt_id, failure.sample_index)].advance(failure).ended)
+        return ready, unsent
 
     def follower(
         self, deliver: Deliver
@@ -391,6 +420,11 @@ class ConversationChains:
             step = conversation.advance(result)
             for failure in step.ended:
                 deliver(request, failure)
-            return step.request
+            if step.request is None:
+                return None
+            ready, unsent = self._prepared([step.request])
+            for failure in unsent:
+                deliver(step.request, failure)
+            return ready[0] if ready else None
 
         return follow

@@ -11,7 +11,8 @@ Storage is the truth, checked first and written last:
    flushed as a new write-once part every ``checkpoint_every`` results or ``checkpoint_interval_s``
    seconds, whichever comes first. For on-policy conversations (``multi_turn: on_policy``) each turn is a
    request: each conversation's next turn after its last stored one is sent, and every turn that lands brings
-   its conversation's next (:mod:`~datagen.generation.conversation`);
+   its conversation's next (:mod:`~datagen.generation.conversation`; in exact-token mode each turn is rendered
+   as it is built, a later one from its history on the dispatcher's loop);
 4. when every request has a result, the final completions and failures files are assembled from all
    parts (deduplicated by request key: the first occurrence wins and a completion beats a failure),
    each written once (or verified, when an interrupted attempt already wrote it), then the done marker.
@@ -51,6 +52,7 @@ the requests are built in :mod:`~datagen.generation.shard_requests`, the parts r
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -59,7 +61,6 @@ from collections.abc import Callable
 
 from datagen.config import RunConfig
 from datagen.errors import (
-    ConfigError,
     NoLiveServersError,
     TransientRequestError,
     UnfixableStorageError,
@@ -177,13 +178,6 @@ def generate_shard(
     started = time.monotonic()
     dataset, index = shard.dataset, shard.shard_index
     on_policy = config.dataset(dataset).multi_turn == "on_policy"
-    if on_policy and dispatcher.exact_tokens:
-        # Preflight refuses this config (datagen.engines.exact_tokens_enabled); checked here before anything is read.
-        raise ConfigError(
-            f"dataset {dataset!r} generates on-policy conversations, which exact-token mode cannot render "
-            "turn by turn yet: set generation.exact_tokens: false",
-            dataset=dataset,
-        )
     previous = latest_shard_summary(store, layout, dataset, index)
     standing: list[FailureRecord] = []
     retry_round = 0
@@ -219,7 +213,13 @@ def generate_shard(
     answered: dict[str, CompletionRecord] = {}
     try:
         if on_policy:
-            chains = build_conversations(store, config, shard)
+            # Exact-token mode renders each turn as it is built: its history is known only then.
+            prepare = (
+                functools.partial(attach_prompt_tokens, encoder=prompt_encoder(config.model.tokenizer))
+                if dispatcher.exact_tokens
+                else None
+            )
+            chains = build_conversations(store, config, shard, prepare)
             shard_conversations = [c.turn_keys() for c in chains.conversations]
             keys = chains.keys()
             if previous is not None:
@@ -277,9 +277,9 @@ def generate_shard(
             index,
             len(kept_completions) + len(kept_failures),
         )
-    if dispatcher.exact_tokens:
+    if dispatcher.exact_tokens and chains is None:
         # Rendered here, in the shard task's thread, not on the dispatcher's loop; a prompt the template
-        # cannot render fails without being sent.
+        # cannot render fails without being sent (conversations' turns were rendered as they were built).
         to_send, unrenderable = attach_prompt_tokens(to_send, prompt_encoder(config.model.tokenizer))
         kept_failures.extend(unrenderable)
     try:

@@ -11,7 +11,6 @@ import pytest
 
 from datagen.config import GenerationConfig, parse_run_config
 from datagen.engines import exact_tokens_enabled
-from datagen.errors import ConfigError
 from datagen.generation.conversation import Conversation, ConversationChains, retried_turns
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
@@ -308,27 +307,12 @@ def test_the_dispatcher_admits_each_next_turn_as_the_previous_lands_and_keeps_ev
         ]
 
 
-def test_exact_token_mode_refuses_a_stream_that_follows() -> None:
-    generation = GenerationConfig()
-    dispatcher = Dispatcher(
-        ["http://127.0.0.1:9"],
-        model="m",
-        engine="sglang",
-        max_inflight_per_server=1,
-        generation=generation,
-        exact_tokens=True,
-    )
-    with pytest.raises(ValueError, match="no stream may follow"):
-        dispatcher.submit_stream([], lambda *_: None, follow=lambda *_: None)
-
-
-def test_on_policy_datasets_are_refused_in_exact_token_mode_before_anything_starts() -> None:
+def test_on_policy_datasets_take_the_engines_exact_token_mode() -> None:
     data = {
         "model": {"path": "/models/m"},
         "fleet": {"engine": "sglang"},
         "datasets": [{"name": "chat", "format": "openai_messages", "path": "x", "multi_turn": "on_policy"}],
         "output": "/tmp/out",
     }
-    with pytest.raises(ConfigError, match=r"set generation\.exact_tokens: false"):
-        exact_tokens_enabled(parse_run_config(data))
+    assert exact_tokens_enabled(parse_run_config(data)) is True
     assert exact_tokens_enabled(parse_run_config({**data, "generation": {"exact_tokens": False}})) is False
