@@ -33,8 +33,8 @@ last stored turn (:meth:`Conversation.replay`).
 
 A retry round (``--retry-failed``) resumes the same way: a conversation whose failed turn may succeed when sent
 again (:func:`~datagen.generation.failures.is_retryable`) is replayed through its turns stored in earlier rounds,
-then sends that turn again and goes on with the turns its failure ended (:func:`retried_turns`); every other
-conversation is left as it is.
+then sends that turn again and goes on with the turns its failure ended
+(:func:`~datagen.generation.failures.retried_keys`); every other conversation is left as it is.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from typing import Final
 
 from datagen.conversation_turns import ConversationTurns, split_conversation
 from datagen.generation.dispatch_state import GenerationResult
-from datagen.generation.failures import FailureKind, error_type, is_retryable, is_unfinished
+from datagen.generation.failures import FailureKind, error_type, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams, ToolCall
 
@@ -294,32 +294,6 @@ class Conversation:
                 for turn in range(first, self.turns)
             ]
         )
-
-
-def retried_turns(standing: Iterable[FailureRecord]) -> set[str]:
-    """The turn keys a retry round sends again, from the failures a shard's last round left standing.
-
-    A conversation ends at its first failed turn, so its standing failures are that turn's own and the turns it
-    ended (``conversation_ended``). When the first may succeed when sent again, all of them are retried: that
-    turn first, the others as the conversation goes on. When it is the prompt's own (a 400 about the request,
-    diverged tool calls, an answer cut at ``max_tokens``), the conversation stays as it is.
-
-    Args:
-        standing: The failures of on-policy turns still standing.
-
-    Returns:
-        The keys of the turns to send again.
-
-    """
-    by_conversation: dict[tuple[str, int], list[FailureRecord]] = {}
-    for failure in standing:
-        by_conversation.setdefault((failure.prompt_id, failure.sample_index), []).append(failure)
-    again: set[str] = set()
-    for failures in by_conversation.values():
-        first = min(failures, key=lambda failure: failure.turn or 0)
-        if is_retryable(first):
-            again.update(failure.key for failure in failures)
-    return again
 
 
 def _names(calls: list[ToolCall]) -> str:

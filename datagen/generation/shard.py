@@ -67,10 +67,10 @@ from datagen.errors import (
     WindowClosingError,
     is_transient,
 )
-from datagen.generation.conversation import ConversationChains, retried_turns
+from datagen.generation.conversation import ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
+from datagen.generation.failures import FailureKind, is_unfinished, retried_keys
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
 from datagen.generation.shard_assembly import assemble, earlier_answers, latest_shard_summary
@@ -149,7 +149,7 @@ def generate_shard(
     left standing whose reason is not the prompt's own (:func:`~datagen.generation.failures.is_retryable`)
     are sent again as the next retry round, into objects of its own (see :mod:`datagen.output.layout`). An
     on-policy conversation resumes after its turns stored in earlier rounds: its failed turn is sent again, then
-    the turns that failure ended (:func:`~datagen.generation.conversation.retried_turns`).
+    the turns that failure ended (:func:`~datagen.generation.failures.retried_keys`).
 
     Args:
         store: The run's output store.
@@ -184,8 +184,7 @@ def generate_shard(
     if previous is not None:
         if retry_failed and previous.failures:
             standing = [FailureRecord.model_validate(row) for row in store.iter_jsonl(previous.failures_path)]
-        # A conversation's retryable turn is sent again with the turns its failure ended (conversation.py).
-        again = retried_turns(standing) if on_policy else {f.key for f in standing if is_retryable(f)}
+        again = retried_keys(standing)
         if not again:
             logger.info(
                 "shard already done dataset=%s shard=%d round=%d completions=%d failures=%d",
