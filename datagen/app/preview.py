@@ -6,6 +6,10 @@ from this box's own history (:mod:`datagen.app.history`): the rate measured for 
 fleet shape, the answer lengths measured for the model on each dataset, and the measured times of halting
 training, starting and stopping the fleet and restarting training. Without history it falls back to a
 ``datagen tune`` result, then to the planner's rough rate, and says which source each figure came from.
+
+A prompt of an on-policy dataset (``multi_turn: on_policy``) is a conversation of one request per turn the
+target answers (:func:`datagen.conversation_turns.split_conversation`, the cut the run itself sends by): the
+preview reads such a dataset to price its mean turns per conversation, and measured answer lengths are per turn.
 """
 
 from __future__ import annotations
@@ -54,14 +58,33 @@ class DatasetPreview(BaseModel):
         description="Prompts the run would take; None: every valid row (unknown yet)."
     )
     samples_per_prompt: int = 1
+    on_policy: bool = Field(
+        default=False, description="Each prompt sample is a conversation of turns (`multi_turn: on_policy`)."
+    )
+    turns_per_conversation: float | None = Field(
+        default=1.0,
+        ge=1,
+        description="Requests per prompt sample: 1 unless on-policy, else the dataset's mean turns per "
+        "conversation; None: on-policy and not read yet (priced as 1 turn, a lower bound).",
+    )
     max_tokens: int
     mean_answer_tokens: float
     answer_source: AnswerSource
 
     @property
+    def conversations(self) -> int:
+        """Prompt samples: conversations of an on-policy dataset, requests of any other (0 while unknown)."""
+        return (self.prompts or 0) * self.samples_per_prompt
+
+    @property
+    def requests(self) -> float:
+        """Expected requests (turns of an on-policy dataset) of the dataset (0 while its prompts are unknown)."""
+        return self.conversations * (self.turns_per_conversation or 1.0)
+
+    @property
     def output_tokens(self) -> float:
         """Expected output tokens of the dataset (0 while its prompt count is unknown)."""
-        return (self.prompts or 0) * self.samples_per_prompt * self.mean_answer_tokens
+        return self.requests * self.mean_answer_tokens
 
 
 class Overheads(BaseModel):
@@ -120,8 +143,15 @@ class CostPreview(BaseModel):
 
     @property
     def complete(self) -> bool:
-        """Every dataset's prompt count is known (else the figures are a lower bound)."""
-        return all(item.prompts is not None for item in self.datasets)
+        """Every dataset's prompt count (and turns, on-policy) is known (else the figures are a lower bound)."""
+        return all(
+            item.prompts is not None and item.turns_per_conversation is not None for item in self.datasets
+        )
+
+    @property
+    def requests(self) -> float:
+        """Expected requests of the whole run (each turn of a conversation is one)."""
+        return sum(item.requests for item in self.datasets)
 
     @property
     def output_tokens(self) -> float:
@@ -155,6 +185,7 @@ class CostPreview(BaseModel):
                 for item in self.datasets
             )
             + ")",
+            f"requests: {bound}{self.requests:,.0f}" + _conversation_counts(self.datasets),
             f"expected output tokens: {bound}{self.output_tokens:,.0f}",
             f"expected rate: {self.output_tokens_per_s:,.0f} output tok/s ({self.rate_detail})",
             f"expected generation: {bound}{format_duration(self.generation_s)}",
@@ -165,15 +196,34 @@ class CostPreview(BaseModel):
             f"expected GPU-hours: {gpu_hours}",
         ]
         for item in self.datasets:
+            turns = ""
+            if item.on_policy:
+                turns = (
+                    " x turns unknown (counted as 1)"
+                    if item.turns_per_conversation is None
+                    else f" x {item.turns_per_conversation:.2f} turns per conversation"
+                )
             lines.append(
                 f"  {item.dataset}: {item.mean_answer_tokens:,.0f} output tokens per answer "
                 f"({item.answer_source}; max_tokens {item.max_tokens}) x {item.samples_per_prompt} sample(s)"
+                + turns
             )
         return lines
 
     def to_markdown(self) -> str:
         """The preview as a section of the preflight artifact."""
         return "\n".join(["## Expected cost", "", *[f"- {line.strip()}" for line in self.lines()]]) + "\n"
+
+
+def _conversation_counts(datasets: Sequence[DatasetPreview]) -> str:
+    """`` (chat: 16 conversations, 48 turns)`` for the on-policy datasets; empty without any."""
+    counted = [
+        f"{item.dataset}: {item.conversations:,} conversations, "
+        + ("turns unknown" if item.turns_per_conversation is None else f"{item.requests:,.0f} turns")
+        for item in datasets
+        if item.on_policy
+    ]
+    return f" ({'; '.join(counted)})" if counted else ""
 
 
 def _recent(records: Sequence[BoxRecord]) -> list[BoxRecord]:
@@ -243,6 +293,7 @@ def estimate_cost(
     history: Sequence[BoxRecord],
     *,
     prompts_by_dataset: Mapping[str, int] | None = None,
+    turns_by_dataset: Mapping[str, float] | None = None,
     gpus: int | None = None,
     plan: str | None = None,
 ) -> CostPreview:
@@ -253,6 +304,8 @@ def estimate_cost(
         history: The box's records (:func:`datagen.app.history.read_history`).
         prompts_by_dataset: The prepared prompts per dataset when known (exact); else the mix's quotas, the
             same :func:`datagen.prompts.mix.plan_mix` the preparation samples to.
+        turns_by_dataset: The mean turns per conversation of on-policy datasets, when read; an on-policy
+            dataset missing here is priced as one turn per conversation, and the preview says it is a lower bound.
         gpus: GPUs the fleet will hold; else the last run of the model on this box's, else unknown.
         plan: The fleet's shape (:func:`datagen.app.history.plan_key`) when planned: rates of that shape win.
 
@@ -277,11 +330,15 @@ def estimate_cost(
         # A sampling mix is priced at its largest answer: an estimate that errs long.
         max_tokens = config.max_tokens_for(dataset)
         mean, source = _answer_tokens(records, dataset.name, max_tokens)
+        on_policy = dataset.multi_turn == "on_policy"
+        turns = (turns_by_dataset or {}).get(dataset.name) if on_policy else 1.0
         datasets.append(
             DatasetPreview(
                 dataset=dataset.name,
                 prompts=prompts,
                 samples_per_prompt=sampling.samples_per_prompt,
+                on_policy=on_policy,
+                turns_per_conversation=turns,
                 max_tokens=max_tokens,
                 mean_answer_tokens=mean,
                 answer_source=source,
@@ -321,19 +378,31 @@ def fleet_gpus(config: RunConfig) -> int | None:
     return len(gpus)
 
 
-def count_unbounded_prompts(config: RunConfig) -> dict[str, int]:
-    """The prompts of every dataset without a quota, counted by reading it (rows that normalise, deduplicated).
+def count_prompts_and_turns(config: RunConfig) -> tuple[dict[str, int], dict[str, float]]:
+    """Read the datasets whose counts the config does not give: each is read once, if at all.
 
-    The run's later filters (language, existing corpus, prompt length) may drop a few more: an upper bound.
+    The run's later filters (language, existing corpus, prompt length) may drop a few more prompts: an upper bound.
+
+    Returns:
+        The prompts of every dataset without a quota (rows that normalise, deduplicated), and the mean turns per
+        conversation of every on-policy dataset (over all its prompts: a quota samples them evenly).
     """
     from datagen.prompts.datasets.inspect import inspect_dataset
 
     quotas = plan_mix(config)
-    return {
-        dataset.name: inspect_dataset(dataset.format, dataset.path, multi_turn=dataset.multi_turn).prompts
-        for dataset in config.datasets
-        if quotas.quota(dataset.name) is None
-    }
+    prompts: dict[str, int] = {}
+    turns: dict[str, float] = {}
+    for dataset in config.datasets:
+        unbounded = quotas.quota(dataset.name) is None
+        on_policy = dataset.multi_turn == "on_policy"
+        if not unbounded and not on_policy:
+            continue
+        report = inspect_dataset(dataset.format, dataset.path, multi_turn=dataset.multi_turn)
+        if unbounded:
+            prompts[dataset.name] = report.prompts
+        if on_policy:
+            turns[dataset.name] = report.mean_turns
+    return prompts, turns
 
 
 def preview_on_this_box(
@@ -347,17 +416,21 @@ def preview_on_this_box(
     Args:
         config: The resolved run config.
         prompts_by_dataset: The prepared prompts per dataset, when known.
-        count_unbounded: Read the datasets without a quota to count their prompts (else their count stays
-            unknown and the figures are a lower bound): the CLI and preflight do, before anything is halted.
+        count_unbounded: Read the datasets without a quota to count their prompts, and the on-policy ones to
+            count their turns (else those stay unknown and the figures are a lower bound): the CLI and preflight
+            do, before anything is halted.
     """
     from datagen.app.history import read_history
     from datagen.settings import get_settings
 
-    if count_unbounded and prompts_by_dataset is None:
-        prompts_by_dataset = count_unbounded_prompts(config)
+    turns_by_dataset: dict[str, float] | None = None
+    if count_unbounded:
+        counted, turns_by_dataset = count_prompts_and_turns(config)
+        prompts_by_dataset = prompts_by_dataset if prompts_by_dataset is not None else counted
     return estimate_cost(
         config,
         read_history(get_settings().state_dir),
         prompts_by_dataset=prompts_by_dataset,
+        turns_by_dataset=turns_by_dataset,
         gpus=fleet_gpus(config),
     )

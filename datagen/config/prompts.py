@@ -137,8 +137,8 @@ class DatasetConfig(StrictModel):
         description="Multi-turn rows: `last_turn` answers the last turn after the dataset's own history; "
         "`every_turn` one prompt per assistant turn, each after the dataset's history; `on_policy` answers every "
         "user turn in order after the target's own earlier answers, the dataset's recorded tool results spliced "
-        "in after the target's equal calls (one record per turn; chat completions only: "
-        "`generation.exact_tokens: false`). Drafters train best on `on_policy` data.",
+        "in after the target's equal calls (one record per turn; in exact-token mode each turn is rendered from "
+        "its history as it is sent, and its output ids kept). Drafters train best on `on_policy` data.",
     )
     max_prompt_tokens: int | None = Field(
         default=None, gt=0, description="Drop longer prompts (tools included)."

@@ -98,22 +98,11 @@ def exact_tokens_enabled(config: RunConfig) -> bool:
         True to send token ids to ``/generate``; False for the OpenAI chat-completions path.
 
     Raises:
-        ConfigError: ``generation.exact_tokens`` is true for an engine that has no ``/generate``; or the mode
-            would be on for a run with on-policy conversations (their later turns are rendered as they come,
-            which exact-token mode does not do yet).
+        ConfigError: ``generation.exact_tokens`` is true for an engine that has no ``/generate``.
 
     """
     rules = engine_class(config.fleet.engine)
     requested = config.generation.exact_tokens
-    enabled = rules.supports_generate if requested is None else requested
-    on_policy = [dataset.name for dataset in config.datasets if dataset.multi_turn == "on_policy"]
-    if enabled and on_policy:
-        raise ConfigError(
-            f"dataset(s) {', '.join(on_policy)} generate on-policy conversations, which go through chat "
-            "completions: set generation.exact_tokens: false (exact-token mode cannot render a conversation's "
-            "later turns yet)",
-            datasets=on_policy,
-        )
     if requested is None:
         return rules.supports_generate
     if requested and not rules.allows_exact_tokens:

@@ -30,6 +30,11 @@ turn:
 A turn that ended unfinished (no live server, the dispatcher closed) stops its chain without a stored result:
 the turns after it are handed back as unfinished too, and the shard's next attempt resumes the chain from its
 last stored turn (:meth:`Conversation.replay`).
+
+A retry round (``--retry-failed``) resumes the same way: a conversation whose failed turn may succeed when sent
+again (:func:`~datagen.generation.failures.is_retryable`) is replayed through its turns stored in earlier rounds,
+then sends that turn again and goes on with the turns its failure ended
+(:func:`~datagen.generation.failures.retried_keys`); every other conversation is left as it is.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from datagen.conversation_turns import ConversationTurns, split_conversation
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.failures import FailureKind, error_type, is_unfinished
 from datagen.generation.openai_chat import GenerationRequest
@@ -46,56 +52,6 @@ from datagen.records import CompletionRecord, FailureRecord, Message, PromptReco
 
 # Finish reasons after which the conversation may go on: the answer is whole.
 CONTINUING_FINISH: Final = frozenset({"stop", "tool_calls"})
-
-
-@dataclass(frozen=True)
-class ConversationTurns:
-    """A prompt's conversation cut where the target answers.
-
-    Attributes:
-        head: The messages before the first assistant turn (system prompt, first user turn).
-        segments: For each turn after the first, the dataset's messages between the assistant turn before it and
-            it: a user turn, or the results of the tools that assistant turn called.
-        dataset_calls: For each segment, the tool calls of the dataset's assistant turn before it (empty when
-            it called none).
-
-    """
-
-    head: list[Message]
-    segments: list[list[Message]]
-    dataset_calls: list[list[ToolCall]]
-
-
-def split_conversation(messages: list[Message]) -> ConversationTurns:
-    """Cut a prompt's messages where the target answers.
-
-    Args:
-        messages: The conversation without its final answer (a prompt's ``messages``).
-
-    Returns:
-        The head, the segments between the dataset's assistant turns, and those turns' tool calls.
-
-    """
-    head: list[Message] = []
-    segments: list[list[Message]] = []
-    calls: list[list[ToolCall]] = []
-    current = head
-    answer_calls: list[ToolCall] = []
-    previous_role: str | None = None
-    for message in messages:
-        if message.role == "assistant":
-            if previous_role != "assistant":
-                answer_calls = []
-            answer_calls.extend(message.tool_calls or [])
-            previous_role = message.role
-            continue
-        if previous_role == "assistant":
-            current = []
-            segments.append(current)
-            calls.append(answer_calls)
-        current.append(message)
-        previous_role = message.role
-    return ConversationTurns(head, segments, calls)
 
 
 def _call_key(call: ToolCall) -> tuple[str, str]:
@@ -212,7 +168,7 @@ class Conversation:
     @property
     def turns(self) -> int:
         """Turns planned: one per answer the target writes (to a user turn, or after a tool's result)."""
-        return 1 + len(self.cut.segments)
+        return self.cut.turns
 
     @property
     def next_turn(self) -> int:
@@ -345,19 +301,38 @@ def _names(calls: list[ToolCall]) -> str:
 
 
 Deliver = Callable[[GenerationRequest, GenerationResult], None]
+# Gives requests their rendered prompt's ids (exact-token mode: sglang_generate.attach_prompt_tokens), failing
+# those the chat template cannot render.
+Prepare = Callable[[list[GenerationRequest]], tuple[list[GenerationRequest], list[FailureRecord]]]
 
 
 class ConversationChains:
     """A shard's on-policy conversations, resumed from storage and advanced as their turns land.
 
+    In exact-token mode (``prepare``) each turn's prompt is rendered from its messages when the turn is built:
+    a resumed turn in the shard's thread, a turn that follows one that landed on the dispatcher's loop thread
+    (its history is known only then). A later turn's history holds the target's earlier answers as the chat
+    template renders an assistant turn (content, and reasoning and tool calls where it keeps them), and its record
+    keeps its own ``output_ids`` verbatim. A turn the template cannot render fails unsent
+    (``unrenderable_prompt``) and ends its conversation like any failed turn.
+
     Args:
         conversations: Every conversation of the shard (each prompt times its samples), in prompt order.
+        prepare: Renders turns' prompts into ids (exact-token mode); None sends messages (chat completions).
 
     """
 
-    def __init__(self, conversations: Iterable[Conversation]) -> None:
+    def __init__(self, conversations: Iterable[Conversation], prepare: Prepare | None = None) -> None:
         self.conversations = list(conversations)
+        self.prepare = prepare
         self._by_id = {(c.prompt.prompt_id, c.sample_index): c for c in self.conversations}
+
+    def only(self, keys: Iterable[str]) -> ConversationChains:
+        """The chains with a turn among ``keys`` (a retry round's), in the same order."""
+        wanted = set(keys)
+        return ConversationChains(
+            (c for c in self.conversations if any(k in wanted for k in c.turn_keys())), self.prepare
+        )
 
     def keys(self) -> list[str]:
         """Every planned turn's key, conversation by conversation."""
@@ -372,8 +347,9 @@ class ConversationChains:
             stored: The shard's results by request key.
 
         Returns:
-            The next turn's request of each conversation still going, and the ``conversation_ended`` failures
-            of turns a stored result ended but that have none yet (to store).
+            The next turn's request of each conversation still going, and the failures to store: the
+            ``conversation_ended`` ones of turns a stored result ended but that have none yet, and (exact-token
+            mode) those of turns the template cannot render, with the turns that ends.
 
         """
         requests: list[GenerationRequest] = []
@@ -383,7 +359,21 @@ class ConversationChains:
             ended.extend(step.ended)
             if step.request is not None:
                 requests.append(step.request)
-        return requests, ended
+        ready, unsent = self._prepared(requests)
+        return ready, ended + unsent
+
+    def _prepared(
+        self, requests: list[GenerationRequest]
+    ) -> tuple[list[GenerationRequest], list[FailureRecord]]:
+        """``requests`` ready to send; a turn the template cannot render fails, ending its conversation."""
+        if self.prepare is None or not requests:
+            return requests, []
+        ready, unrenderable = self.prepare(requests)
+        unsent: list[FailureRecord] = []
+        for failure in unrenderable:
+            unsent.append(failure)
+            unsent.extend(self._by_id[(failure.prompt_id, failure.sample_index)].advance(failure).ended)
+        return ready, unsent
 
     def follower(
         self, deliver: Deliver
@@ -404,6 +394,11 @@ class ConversationChains:
             step = conversation.advance(result)
             for failure in step.ended:
                 deliver(request, failure)
-            return step.request
+            if step.request is None:
+                return None
+            ready, unsent = self._prepared([step.request])
+            for failure in unsent:
+                deliver(step.request, failure)
+            return ready[0] if ready else None
 
         return follow

@@ -260,7 +260,8 @@ class Dispatcher:
                 thread: keep it short (hand the result to a queue).
             follow: Called on the loop thread right after each ``deliver``; the request it returns (an on-policy
                 conversation's next turn) joins the stream and is admitted at once, ahead of every backlog, and
-                its result comes back the same way. Keep it short too.
+                its result comes back the same way. Keep it short too; in exact-token mode the request it returns
+                carries its prompt's ids (it renders them: one render per turn).
 
         Returns:
             The stream's handle (cancel it to drop the requests not in flight yet).
@@ -273,10 +274,6 @@ class Dispatcher:
         """
         if self.exact_tokens:
             require_prompt_tokens(requests)
-            if follow is not None:
-                raise ValueError(
-                    "exact-token mode renders prompts before they are submitted: no stream may follow"
-                )
         stream = RequestStream(requests, deliver, len(requests), follow)
         try:
             self._thread.call_soon(self._admission.add_stream, stream)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from datagen.errors import TooManyFailuresError
 from datagen.output.store import Store
@@ -145,6 +145,37 @@ def is_retryable(failure: FailureRecord) -> bool:
     return fate(failure.error_type, status=failure.last_status, reason=failure.reason) is Fate.SEND_AGAIN
 
 
+def retried_keys(standing: Iterable[FailureRecord]) -> set[str]:
+    """The request keys ``--retry-failed`` sends again, of the failures a shard's latest round left standing.
+
+    A plain request is sent again when its failure may succeed (:func:`is_retryable`). An on-policy conversation
+    ends at its first failed turn, so its standing failures are that turn's own and the turns it ended
+    (``conversation_ended``): when the first may succeed, all of them are sent again, that turn first and the
+    others as the conversation goes on; when it is the prompt's own (a 400 about the request, diverged tool
+    calls, an answer cut at ``max_tokens``), the conversation stays as it is.
+
+    Args:
+        standing: The standing failures of one shard.
+
+    Returns:
+        The keys of the requests (turns) to send again.
+
+    """
+    again: set[str] = set()
+    conversations: dict[tuple[str, int], list[FailureRecord]] = {}
+    for failure in standing:
+        if failure.turn is None:
+            if is_retryable(failure):
+                again.add(failure.key)
+        else:
+            conversations.setdefault((failure.prompt_id, failure.sample_index), []).append(failure)
+    for failures in conversations.values():
+        first = min(failures, key=lambda failure: failure.turn or 0)
+        if is_retryable(first):
+            again.update(failure.key for failure in failures)
+    return again
+
+
 def dominant_failure(summaries: Sequence[ShardSummary]) -> tuple[str, int]:
     """The failure type most requests ended with, and how many (``("", 0)`` without failures)."""
     reasons: Counter[str] = Counter()
@@ -224,5 +255,5 @@ def retryable_failures(store: Store, summaries: Sequence[ShardSummary]) -> int:
     for summary in summaries:
         if summary.failures:
             rows = store.iter_jsonl(summary.failures_path)
-            count += sum(is_retryable(FailureRecord.model_validate(row)) for row in rows)
+            count += len(retried_keys(FailureRecord.model_validate(row) for row in rows))
     return count

@@ -8,7 +8,8 @@ raw text for the record (:mod:`datagen.generation.qwen_markup`); ``/generate`` a
 reasoning or tool-call parser.
 
 Prompts are rendered in the shard task's thread before its requests reach the dispatcher
-(:func:`attach_prompt_tokens`); the dispatcher's loop only builds bodies and parses answers.
+(:func:`attach_prompt_tokens`); the dispatcher's loop only builds bodies and parses answers, except for an
+on-policy conversation's later turn, rendered as the turn before lands (its history is known only then).
 """
 
 from __future__ import annotations
@@ -150,16 +151,16 @@ def attach_prompt_tokens(
     """
     index: dict[tuple[str, bool | None], int] = {}
     unique: list[tuple[PromptRecord, bool | None]] = []
-    for request in requests:
-        key = (request.prompt.prompt_id, request.sampling.enable_thinking)
+    keys = [_render_key(request) for request in requests]
+    for request, key in zip(requests, keys, strict=True):
         if key not in index:
             index[key] = len(unique)
             unique.append((request.prompt, request.sampling.enable_thinking))
     encoded = encoder.encode(unique)
     ready: list[GenerationRequest] = []
     failures: list[FailureRecord] = []
-    for request in requests:
-        tokens = encoded[index[(request.prompt.prompt_id, request.sampling.enable_thinking)]]
+    for request, key in zip(requests, keys, strict=True):
+        tokens = encoded[index[key]]
         if isinstance(tokens, TokenizeError):
             failures.append(
                 FailureRecord(
@@ -169,11 +170,18 @@ def attach_prompt_tokens(
                     reason=f"the chat template cannot render the prompt: {tokens}",
                     error_type=error_type(FailureKind.UNRENDERABLE_PROMPT),
                     attempts=0,
+                    turn=request.turn,
                 )
             )
         else:
             ready.append(request.model_copy(update={"prompt_tokens": tokens}))
     return ready, failures
+
+
+def _render_key(request: GenerationRequest) -> tuple[str, bool | None]:
+    """What a render depends on: the prompt and the thinking switch; a conversation's later turn its own history."""
+    name = request.key if request.turn else request.prompt.prompt_id
+    return name, request.sampling.enable_thinking
 
 
 def render_prompt_ids(tokenizer: Any, request: GenerationRequest) -> list[int]:

@@ -11,7 +11,8 @@ Storage is the truth, checked first and written last:
    flushed as a new write-once part every ``checkpoint_every`` results or ``checkpoint_interval_s``
    seconds, whichever comes first. For on-policy conversations (``multi_turn: on_policy``) each turn is a
    request: each conversation's next turn after its last stored one is sent, and every turn that lands brings
-   its conversation's next (:mod:`~datagen.generation.conversation`);
+   its conversation's next (:mod:`~datagen.generation.conversation`; in exact-token mode each turn is rendered
+   as it is built, a later one from its history on the dispatcher's loop);
 4. when every request has a result, the final completions and failures files are assembled from all
    parts (deduplicated by request key: the first occurrence wins and a completion beats a failure),
    each written once (or verified, when an interrupted attempt already wrote it), then the done marker.
@@ -51,6 +52,7 @@ the requests are built in :mod:`~datagen.generation.shard_requests`, the parts r
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -59,7 +61,6 @@ from collections.abc import Callable
 
 from datagen.config import RunConfig
 from datagen.errors import (
-    ConfigError,
     NoLiveServersError,
     TransientRequestError,
     UnfixableStorageError,
@@ -69,10 +70,10 @@ from datagen.errors import (
 from datagen.generation.conversation import ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.failures import FailureKind, is_retryable, is_unfinished
+from datagen.generation.failures import FailureKind, is_unfinished, retried_keys
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder
-from datagen.generation.shard_assembly import assemble, latest_shard_summary
+from datagen.generation.shard_assembly import assemble, earlier_answers, latest_shard_summary
 from datagen.generation.shard_parts import CheckpointWriter, read_parts
 from datagen.generation.shard_requests import build_conversations, build_requests
 from datagen.output.layout import RunLayout
@@ -146,7 +147,9 @@ def generate_shard(
 
     A shard already done is returned as it is, unless ``retry_failed``: then the failures its latest round
     left standing whose reason is not the prompt's own (:func:`~datagen.generation.failures.is_retryable`)
-    are sent again as the next retry round, into objects of its own (see :mod:`datagen.output.layout`).
+    are sent again as the next retry round, into objects of its own (see :mod:`datagen.output.layout`). An
+    on-policy conversation resumes after its turns stored in earlier rounds: its failed turn is sent again, then
+    the turns that failure ended (:func:`~datagen.generation.failures.retried_keys`).
 
     Args:
         store: The run's output store.
@@ -175,31 +178,13 @@ def generate_shard(
     started = time.monotonic()
     dataset, index = shard.dataset, shard.shard_index
     on_policy = config.dataset(dataset).multi_turn == "on_policy"
-    if on_policy and dispatcher.exact_tokens:
-        # Preflight refuses this config (datagen.engines.exact_tokens_enabled); checked here before anything is read.
-        raise ConfigError(
-            f"dataset {dataset!r} generates on-policy conversations, which exact-token mode cannot render "
-            "turn by turn yet: set generation.exact_tokens: false",
-            dataset=dataset,
-        )
     previous = latest_shard_summary(store, layout, dataset, index)
     standing: list[FailureRecord] = []
     retry_round = 0
     if previous is not None:
-        if retry_failed and previous.failures and on_policy:
-            # A conversation's failed turn would be sent again with its stored history, and the turns it ended
-            # after it: not built yet, so the shard stays as its last round left it.
-            logger.warning(
-                "retry rounds of on-policy conversations are not supported; shard kept dataset=%s shard=%d "
-                "failures=%d",
-                dataset,
-                index,
-                previous.failures,
-            )
-            return previous.model_copy(update={"skipped": True})
         if retry_failed and previous.failures:
             standing = [FailureRecord.model_validate(row) for row in store.iter_jsonl(previous.failures_path)]
-        again = {failure.key for failure in standing if is_retryable(failure)}
+        again = retried_keys(standing)
         if not again:
             logger.info(
                 "shard already done dataset=%s shard=%d round=%d completions=%d failures=%d",
@@ -223,10 +208,25 @@ def generate_shard(
     held = held if held is not None else HeldResults()
     kept_completions, kept_failures, attempted_before = held.take(dataset, index, retry_round)
     chains: ConversationChains | None = None
+    shard_conversations: list[list[str]] | None = None
+    answered: dict[str, CompletionRecord] = {}
     try:
         if on_policy:
-            chains = build_conversations(store, config, shard)
+            # Exact-token mode renders each turn as it is built: its history is known only then.
+            prepare = (
+                functools.partial(attach_prompt_tokens, encoder=prompt_encoder(config.model.tokenizer))
+                if dispatcher.exact_tokens
+                else None
+            )
+            chains = build_conversations(store, config, shard, prepare)
+            shard_conversations = [c.turn_keys() for c in chains.conversations]
             keys = chains.keys()
+            if previous is not None:
+                # A retry round: the conversations it resumes, from their answers of earlier rounds.
+                chains = chains.only(again)
+                planned = chains.keys()
+                keys = [key for key in planned if key in again]
+                answered = earlier_answers(store, previous, set(planned) - again)
         else:
             requests = build_requests(store, config, shard)
             if previous is not None:
@@ -244,8 +244,13 @@ def generate_shard(
         to_send = [request for request in requests if request.key not in finished]
         left = len(to_send)
     else:
-        # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn).
-        stored: dict[str, CompletionRecord | FailureRecord] = {**earlier.failures, **earlier.completions}
+        # Each conversation goes on after its last stored turn (a completion beats a failure of the same turn);
+        # a retry round's turns after the answers of earlier rounds.
+        stored: dict[str, CompletionRecord | FailureRecord] = {
+            **answered,
+            **earlier.failures,
+            **earlier.completions,
+        }
         stored |= {record.key: record for record in kept_failures if record.key not in stored}
         stored |= {record.key: record for record in kept_completions}
         to_send, ended = chains.resume(stored)
@@ -271,9 +276,9 @@ def generate_shard(
             index,
             len(kept_completions) + len(kept_failures),
         )
-    if dispatcher.exact_tokens:
+    if dispatcher.exact_tokens and chains is None:
         # Rendered here, in the shard task's thread, not on the dispatcher's loop; a prompt the template
-        # cannot render fails without being sent.
+        # cannot render fails without being sent (conversations' turns were rendered as they were built).
         to_send, unrenderable = attach_prompt_tokens(to_send, prompt_encoder(config.model.tokenizer))
         kept_failures.extend(unrenderable)
     try:
@@ -304,7 +309,7 @@ def generate_shard(
         known=writer.written,
         previous=previous,
         standing=standing,
-        conversations=[c.turn_keys() for c in chains.conversations] if chains is not None else None,
+        conversations=shard_conversations,
     )
     logger.info(
         "shard done dataset=%s shard=%d round=%d completions=%d failures=%d completion_tokens=%d resent=%d "

@@ -37,6 +37,20 @@ def latest_shard_summary(store: Store, layout: RunLayout, dataset: str, index: i
     return ShardSummary.model_validate(store.read_json(layout.shard_done(dataset, index, retry_round)))
 
 
+def earlier_answers(store: Store, previous: ShardSummary, keys: set[str]) -> dict[str, CompletionRecord]:
+    """The answers of ``keys`` that earlier rounds of a shard stored (its first generation's and each retry round's).
+
+    A retry round of on-policy conversations resumes each from these (the history of the turn it sends again).
+    """
+    answers: dict[str, CompletionRecord] = {}
+    for path in [previous.completions_path, *previous.retried_completions_paths]:
+        for line in store.iter_lines(path):
+            record = CompletionRecord.model_validate_json(line)
+            if record.key in keys:
+                answers[record.key] = record
+    return answers
+
+
 def assemble(
     store: Store,
     layout: RunLayout,
@@ -70,7 +84,8 @@ def assemble(
         known: Records of parts this process wrote itself, by key (read instead of the parts themselves).
         previous: The summary of the round before, for a retry round.
         standing: The failures the round before left standing, for a retry round.
-        conversations: The turn keys of each conversation (on-policy shards), for its counts.
+        conversations: The turn keys of each conversation of the shard (on-policy shards, every conversation in a
+            retry round too), for its counts.
 
     Returns:
         The shard's summary, as its done marker holds it (another attempt's, when that one finished first).
@@ -123,6 +138,7 @@ def assemble(
     retried = set(keys)
     kept = [failure for failure in standing or [] if failure.key not in retried]
     failures = _write_or_verify(store, failures_key, [*kept, *failures], FailureRecord)
+    still_failing = _keys(failures)
     summary = ShardSummary(
         dataset=dataset,
         shard_index=index,
@@ -143,7 +159,10 @@ def assemble(
             Counter(record.sampling_setting for record in completions if record.sampling_setting is not None)
         ),
         conversations=len(conversations or []),
-        conversations_completed=sum(all(key in completed for key in turns) for turns in conversations or []),
+        # Every turn has one outcome over the rounds: a conversation is complete when none of its turns still fails.
+        conversations_completed=sum(
+            not any(key in still_failing for key in turns) for turns in conversations or []
+        ),
         retry_round=retry_round,
     )
     if previous is not None:

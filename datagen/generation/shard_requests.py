@@ -10,7 +10,7 @@ the very same requests, so their keys find the results an earlier attempt stored
 from __future__ import annotations
 
 from datagen.config import RunConfig
-from datagen.generation.conversation import Conversation, ConversationChains
+from datagen.generation.conversation import Conversation, ConversationChains, Prepare
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.output.store import Store
 from datagen.records import PromptRecord, PromptShardRef, SamplingParams
@@ -52,7 +52,9 @@ def build_requests(store: Store, config: RunConfig, shard: PromptShardRef) -> li
     return requests
 
 
-def build_conversations(store: Store, config: RunConfig, shard: PromptShardRef) -> ConversationChains:
+def build_conversations(
+    store: Store, config: RunConfig, shard: PromptShardRef, prepare: Prepare | None = None
+) -> ConversationChains:
     """Every on-policy conversation of a shard: each prompt times ``samples_per_prompt``, in prompt order.
 
     Each prompt samples with the setting of its dataset's mix its id draws, as :func:`build_requests`; seeds
@@ -62,6 +64,7 @@ def build_conversations(store: Store, config: RunConfig, shard: PromptShardRef) 
         store: The store holding the prompt shard.
         config: The run configuration.
         shard: The prompt shard.
+        prepare: Renders each turn's prompt into ids as the turn is built (exact-token mode).
 
     Returns:
         The shard's conversations, none of them started.
@@ -74,7 +77,7 @@ def build_conversations(store: Store, config: RunConfig, shard: PromptShardRef) 
         setting, sampling = config.sampling_for_prompt(dataset, prompt.prompt_id)
         for sample_index in range(sampling.samples_per_prompt):
             conversations.append(Conversation(prompt, sample_index, sampling, setting, shard.dataset))
-    return ConversationChains(conversations)
+    return ConversationChains(conversations, prepare)
 
 
 def _sampling_for_request(sampling: SamplingParams, prompt_id: str, sample_index: int) -> SamplingParams:

@@ -12,6 +12,10 @@ vocabulary: reasoning, tool calls, stops and truncations). Then, for every Parqu
 and the same check fails on a mask shifted by one token either way. Both Qwen templates run: Qwen3 (the
 model opens its own think block, JSON tool calls) and Qwen3.6 (the template pre-fills ``<think>``, XML tool
 calls), on the tiny model's vocabulary.
+
+A dataset of on-policy conversations (``multi_turn: on_policy``) runs in the same mode: each later turn is rendered
+from the target's own earlier answers as it is sent, each turn's record keeps its served ``output_ids``, and its
+row passes the same check; a conversation whose first turn the template refuses fails there, unsent, and ends.
 """
 
 from __future__ import annotations
@@ -48,8 +52,12 @@ ONLY_TOOL_RESPONSE = "<tool_response>\n21 degrees\n</tool_response>"
 pytestmark = pytest.mark.usefixtures("prefect_api")
 
 
-def _write_prompts(directory: Path) -> tuple[Path, Path]:
-    chat, tools = directory / "chat.jsonl", directory / "tools.jsonl"
+TALKS = 4
+TALK_TURNS = 3
+
+
+def _write_prompts(directory: Path) -> tuple[Path, Path, Path]:
+    chat, tools, talk = directory / "chat.jsonl", directory / "tools.jsonl", directory / "talk.jsonl"
     with chat.open("w") as handle:
         for index in range(10):
             messages: list[dict[str, Any]] = [
@@ -70,11 +78,24 @@ def _write_prompts(directory: Path) -> tuple[Path, Path]:
         for index in range(10):
             message = {"role": "user", "content": f"What is the weather in city {index}?"}
             handle.write(json.dumps({"messages": [message], "tools": [WEATHER_TOOL]}) + "\n")
-    return chat, tools
+    with talk.open("w") as handle:
+        # On-policy conversations; the last one opens with only a tool response (Qwen3.6 cannot render it).
+        for index in range(TALKS + 1):
+            messages = [{"role": "system", "content": "You are terse."}] if index % 2 == 0 else []
+            for turn in range(TALK_TURNS):
+                question = (
+                    ONLY_TOOL_RESPONSE if index == TALKS and turn == 0 else f"Talk {index}, question {turn}?"
+                )
+                messages += [
+                    {"role": "user", "content": question},
+                    {"role": "assistant", "content": "DATASET ANSWER"},
+                ]
+            handle.write(json.dumps({"messages": messages}) + "\n")
+    return chat, tools, talk
 
 
 def _config(tmp_path: Path, tokenizer_dir: Path, url: str) -> Path:
-    chat, tools = _write_prompts(tmp_path)
+    chat, tools, talk = _write_prompts(tmp_path)
     config = {
         "run_id": RUN_ID,
         # External servers: only the tokenizer is read here; they serve the model under their own name.
@@ -96,6 +117,7 @@ def _config(tmp_path: Path, tokenizer_dir: Path, url: str) -> Path:
                 "shard_size": 4,
                 "sampling": {"enable_thinking": False},
             },
+            {"name": "talk", "format": "openai_messages", "path": str(talk), "multi_turn": "on_policy"},
         ],
         "output": str(tmp_path / "out"),
         "generation": {
@@ -106,8 +128,9 @@ def _config(tmp_path: Path, tokenizer_dir: Path, url: str) -> Path:
             "request_timeout_s": 30,
             "checkpoint_every": 4,
             "checkpoint_interval_s": 0.5,
-            # The one unrenderable prompt (2 of 32 requests) fails on purpose: the run must still publish.
-            "max_failed_share": 0.1,
+            # The one unrenderable prompt (2 of 32 requests) fails on purpose, and conversations end at answers
+            # cut at max_tokens (a fifth of them) or at a turn the template refuses: the run must still publish.
+            "max_failed_share": 0.4,
         },
         "tokenize": {"rows_per_part": 16, "include_truncated": True, "workers": 1},
     }
@@ -156,6 +179,27 @@ def check_row(input_ids: list[int], loss_mask: list[int], answer: ServedAnswer, 
     assert all(loss_mask[first:]), "the trained tokens are not one run to the end of the row"
 
 
+def _key(record: dict[str, Any]) -> str:
+    """A record's request key, as the server saw it in the ``rid``."""
+    turn = record.get("turn")
+    return f"{record['prompt_id']}/{record['sample_index']}" + ("" if turn is None else f"/{turn}")
+
+
+def _answer_of(row: dict[str, Any], served: dict[str, list[ServedAnswer]]) -> ServedAnswer:
+    """The served answer a row was made from: of its prompt sample, the one whose prompt ids the row begins with.
+
+    Rows carry no turn: a conversation's turns share the prompt id and are told apart by their prompts.
+    """
+    prefix = row["input_ids"][: row["loss_mask"].index(1)]
+    sample = f"{row['prompt_id']}/{row['sample_index']}"
+    (answer,) = [
+        answers[-1]
+        for key, answers in served.items()
+        if sample in (key, key.rsplit("/", 1)[0]) and answers[-1].input_ids == prefix
+    ]
+    return answer
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -173,18 +217,28 @@ def test_an_exact_token_run_trains_on_exactly_the_output_ids_the_server_sent(
 
     run_root = tmp_path / "out" / "runs" / RUN_ID
     completions = {
-        f"{row['prompt_id']}/{row['sample_index']}": row
+        _key(row): row
         for path in sorted((run_root / "completions").rglob("*.jsonl"))
         for row in _read_jsonl(path)
     }
     failures = [row for path in sorted((run_root / "failures").rglob("*.jsonl")) for row in _read_jsonl(path)]
-    assert len(completions) + len(failures) == 11 * 2 + 10
+    assert len(completions) + len(failures) == 11 * 2 + 10 + (TALKS + 1) * TALK_TURNS
+    single = [(row["error_type"], row["attempts"]) for row in failures if row["dataset"] != "talk"]
+    ended = sorted((row["turn"], row["error_type"]) for row in failures if row["dataset"] == "talk")
     if template == "qwen3.6":
-        # The template refuses the prompt without a user query: its two samples fail without being sent.
-        assert [(row["error_type"], row["attempts"]) for row in failures] == [("unrenderable_prompt", 0)] * 2
+        # The template refuses the prompt without a user query: its two samples fail without being sent; so does
+        # the conversation opening with one, its later turns ended with it.
+        assert single == [("unrenderable_prompt", 0)] * 2
+        assert (0, "unrenderable_prompt") in ended
         assert not any("21 degrees" in server.decode(answer.input_ids) for (answer, *_) in served.values())
     else:
-        assert failures == []
+        assert single == []
+        assert any(
+            row["turn"] == 0 and row["messages"][-1]["content"] == ONLY_TOOL_RESPONSE
+            for row in completions.values()
+        ), "Qwen3 renders the conversation opening with a tool response"
+    assert {kind for _, kind in ended} <= {"unrenderable_prompt", "conversation_ended"}
+    assert all(turn > 0 for turn, kind in ended if kind == "conversation_ended")
 
     for key, record in completions.items():
         answers = served[key]
@@ -194,15 +248,25 @@ def test_an_exact_token_run_trains_on_exactly_the_output_ids_the_server_sent(
         assert record["completion"]["reasoning_content"] == answer.reasoning
         calls = record["completion"]["tool_calls"] or []
         assert [call["function"] for call in calls] == ([answer.tool_call] if answer.tool_call else [])
+        if record["turn"]:
+            # A later turn was rendered from the target's own answer of the turn before, as its record holds it.
+            before = completions[f"{record['prompt_id']}/{record['sample_index']}/{record['turn'] - 1}"]
+            said = record["messages"][-2]
+            assert record["messages"][:-2] == before["messages"] and said["role"] == "assistant"
+            assert said["content"] == before["completion"]["content"]
+            assert said.get("reasoning_content") == before["completion"]["reasoning_content"]
+            # As the template renders an earlier assistant turn (Qwen3.6 trims its content).
+            assert before["completion"]["content"].strip() in server.decode(answer.input_ids)
+    assert any(record["turn"] == TALK_TURNS - 1 for record in completions.values()), "conversations went on"
 
     rows = [
         row
         for part in sorted((run_root / "tokenized").glob("part-*.parquet"))
         for row in pq.read_table(part).to_pylist()
     ]
-    assert sorted(f"{row['prompt_id']}/{row['sample_index']}" for row in rows) == sorted(completions)
-    for row in rows:
-        answer = served[f"{row['prompt_id']}/{row['sample_index']}"][-1]
+    answered = [_answer_of(row, served) for row in rows]
+    assert sorted(answer.key for answer in answered) == sorted(completions), "one row per completion"
+    for row, answer in zip(rows, answered, strict=True):
         assert row["tokenized_from"] == "ids"
         check_row(row["input_ids"], row["loss_mask"], answer, end_of_turn_id)
     finishes = {row["finish_reason"] for row in rows}
@@ -213,8 +277,7 @@ def test_an_exact_token_run_trains_on_exactly_the_output_ids_the_server_sent(
     ), "some stopped answers leave the stop token out of their ids (the end-of-turn rule is exercised)"
 
     # The check is sharp: the same rows with the mask shifted by one token either way fail it.
-    for row in rows[:8]:
-        answer = served[f"{row['prompt_id']}/{row['sample_index']}"][-1]
+    for row, answer in list(zip(rows, answered, strict=True))[:8]:
         mask = row["loss_mask"]
         for shifted in ([0, *mask[:-1]], [*mask[1:], 0]):
             with pytest.raises(AssertionError):

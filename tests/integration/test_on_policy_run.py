@@ -8,6 +8,11 @@ then for each earlier turn the target's stored answer and the dataset's next use
 answers); the server saw each conversation's turns in order; conversations interleaved on the server; the
 conversation whose second turn the server refuses ends there, its last turn counted as `conversation_ended`.
 
+Two conversations meet a failing server at a later turn (HTTP 500 on every try: a failure worth sending again),
+which ends the run Failed (its failed share); `--retry-failed` then resumes each from its turns stored in the first
+round: the failed turn and the turns its failure ended are sent once each, nothing stored is sent again, and their
+histories hold the target's own earlier answers. The run's preflight priced exactly the turns the run sent.
+
 A second dataset in the Hermes function-calling layout has tool conversations: where the target's call equals the
 dataset's, the recorded result is spliced in after it and the conversation goes on; where it does not, the
 conversation ends at the call, its unsent turns counted as `tool_call_diverged`.
@@ -33,6 +38,7 @@ from typing import Any
 import pytest
 import yaml
 
+from datagen.app.preview import CostPreview
 from datagen.records import CompletionRecord, FailureRecord
 from tests.support.fault_server import FaultPlan, FaultServer
 
@@ -40,6 +46,8 @@ CONVERSATIONS = 16
 USER_TURNS = 3
 # The conversation whose second user turn the server refuses (HTTP 400, not retried).
 REFUSED = 5
+# (conversation, turn) whose question fails with HTTP 500 until the retry round (retries exhausted: sent again).
+FLAKY = {(9, 1), (12, 2)}
 FLOW_TIMEOUT_S = 300
 KILLS = 2
 LATER_TURNS_PER_ATTEMPT = 4
@@ -55,6 +63,12 @@ class _SerialServer(FaultServer):
         super().__init__(plan)
         self._serials = itertools.count()
         self._serial_lock = threading.Lock()
+        # While set, a question marked #flaky is answered HTTP 500 on every try.
+        self.flaky = True
+
+    def _choose_fault(self, body: dict[str, Any] | None) -> str:
+        fault = super()._choose_fault(body)
+        return "500" if self.flaky and "#flaky" in self._content(body) else fault
 
     def _success(self, fault: str, body: dict[str, Any], content: str) -> dict[str, Any]:
         answer = super()._success(fault, body, content)
@@ -69,7 +83,8 @@ class _SerialServer(FaultServer):
 def _question(conversation: int, turn: int) -> str:
     # Refused on every attempt the run may make of it (the stand-in counts attempts by question).
     refuse = " [[400,400,400,400]]" if conversation == REFUSED and turn == 1 else ""
-    return f"Conversation {conversation:02d}, question {turn}?{refuse}"
+    flaky = " #flaky" if (conversation, turn) in FLAKY else ""
+    return f"Conversation {conversation:02d}, question {turn}?{refuse}{flaky}"
 
 
 def _write_dataset(path: Path) -> Path:
@@ -160,7 +175,8 @@ def _config(tmp_path: Path, server_url: str, model_dir: Path) -> Path:
             "checkpoint_every": 4,
             "checkpoint_interval_s": 0.2,
             "backoff_initial_s": 0.05,
-            "max_failed_share": 0.2,
+            # 4 failures of the prompts' own (6.7%) pass; with the 3 flaky turns' (11.7%) the run fails.
+            "max_failed_share": 0.1,
         },
         "training": {"kind": "none"},
     }
@@ -169,7 +185,7 @@ def _config(tmp_path: Path, server_url: str, model_dir: Path) -> Path:
     return path
 
 
-def _start(config: Path, tmp_path: Path, prefect_api: str, log: Path) -> subprocess.Popen[bytes]:
+def _start(config: Path, tmp_path: Path, prefect_api: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "PREFECT_API_URL": prefect_api,
@@ -180,7 +196,7 @@ def _start(config: Path, tmp_path: Path, prefect_api: str, log: Path) -> subproc
     }
     with log.open("ab") as handle:
         return subprocess.Popen(
-            [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)],
+            [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config), *extra],
             env=env,
             stdout=handle,
             stderr=subprocess.STDOUT,
@@ -196,12 +212,13 @@ def _stored_later_turns(run_root: Path) -> int:
 
 
 def _records(run_root: Path, kind: str) -> list[dict[str, Any]]:
-    return [
-        json.loads(line)
-        for file in sorted((run_root / kind).rglob("*.jsonl"))
-        for line in file.read_text().splitlines()
-        if line
-    ]
+    """Every completion of every round; with ``failures``, those of each shard's latest round (still standing)."""
+    files = sorted((run_root / kind).rglob("*.jsonl"))
+    if kind == "failures":
+        # <dataset>/shard-NNNNN[.retry-RRRR].jsonl, sorted: a shard's latest round comes last.
+        latest = {(file.parent, file.name.split(".")[0]): file for file in files}
+        files = [latest[shard] for shard in sorted(latest)]
+    return [json.loads(line) for file in files for line in file.read_text().splitlines() if line]
 
 
 def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_sigkills(
@@ -236,10 +253,32 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
                 "killed mid-conversation"
             )
         resumed = _start(config, tmp_path, prefect_api, log)
-        assert resumed.wait(FLOW_TIMEOUT_S) == 0, log.read_text()[-4000:]
+        assert resumed.wait(FLOW_TIMEOUT_S) == 1, log.read_text()[-4000:]
+        # The advice counts the turns the retry round sends: the two flaky turns and the one they ended.
+        assert "send the 3 failed requests worth sending again" in log.read_text()[-3000:], log.read_text()[
+            -4000:
+        ]
+        first_round = {(f["prompt_id"], f["turn"]): f for f in _records(run_root, "failures")}
+        marks.append(len(server.chat_requests()))
+        # The server is fixed: the retry round sends the flaky turns and the turns their failures ended.
+        server.flaky = False
+        retried = _start(config, tmp_path, prefect_api, log, "--retry-failed")
+        assert retried.wait(FLOW_TIMEOUT_S) == 0, log.read_text()[-4000:]
         seen = [request.body for request in server.chat_requests() if request.body is not None]
         max_in_flight = server.max_in_flight
-    assert marks[-1] < len(seen), "the resumed run sent the turns still to do"
+    assert marks[-2] < marks[-1], "the resumed run sent the turns still to do"
+    kinds = sorted(f["error_type"] for f in first_round.values() if f["dataset"] == "chat")
+    assert kinds[:3] == ["conversation_ended", "conversation_ended", "http_400"], kinds
+    assert len(kinds) == 5 and set(kinds[3:]) <= {"retries_exhausted", "repeated_internal_error"}, kinds
+    resent = sorted(
+        (
+            int(body["messages"][1]["content"].split()[1].rstrip(",")),
+            sum(m["role"] == "user" for m in body["messages"]) - 1,
+        )
+        for body in seen[marks[-1] :]
+    )
+    # Each flaky turn once, then conversation 9's last turn (its failure had ended it); nothing stored again.
+    assert resent == [(9, 1), (9, 2), (12, 2)], resent
 
     records = [CompletionRecord.model_validate(row) for row in _records(run_root, "completions")]
     errors = [FailureRecord.model_validate(row) for row in _records(run_root, "failures")]
@@ -284,7 +323,8 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
         assert "DATASET ANSWER" not in json.dumps([r.model_dump(mode="json") for r in turns.values()])
 
     # The server saw each conversation's turns in order (a turn's request is sent after the one before landed).
-    # Within each attempt (after a kill, a turn that landed but was not stored is sent again, before its next).
+    # Within each attempt (after a kill, a turn that landed but was not stored is sent again, before its next);
+    # the retry round's turns each came after the answers of the first round, their history.
     bounds = [*marks, len(seen)]
     for attempt in (seen[start:end] for start, end in itertools.pairwise(bounds)):
         turn_seen: dict[str, list[int]] = defaultdict(list)
@@ -305,6 +345,16 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
     totals = report["totals"]
     assert (totals["conversations"], totals["conversations_completed"]) == (CONVERSATIONS + TOOL_ROWS, 18)
     assert "- on-policy conversations: **20**" in (run_root / "report.md").read_text()
+    # The preview each attempt's preflight showed priced the turns the run planned, conversation by conversation.
+    for preflight in sorted(run_root.glob("attempts/*/preflight.json")):
+        shown = json.loads(preflight.read_text())["preview"]
+        assert shown is not None, f"{preflight}: no preview"
+        preview = CostPreview.model_validate(shown)
+        assert {(d.dataset, d.conversations, d.requests) for d in preview.datasets} == {
+            ("chat", CONVERSATIONS, CONVERSATIONS * USER_TURNS),
+            ("fc", TOOL_ROWS, TOOL_ROWS * USER_TURNS),
+        }
+        assert preview.requests == len(keys) and preview.complete
     _check_conversation_rows(config, tmp_path / "out", records)
 
 

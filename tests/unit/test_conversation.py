@@ -11,11 +11,10 @@ import pytest
 
 from datagen.config import GenerationConfig, parse_run_config
 from datagen.engines import exact_tokens_enabled
-from datagen.errors import ConfigError
 from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
-from datagen.generation.failures import FailureKind, is_retryable
+from datagen.generation.failures import FailureKind, is_retryable, retried_keys
 from datagen.generation.openai_chat import GenerationRequest
 from datagen.records import (
     AssistantCompletion,
@@ -128,6 +127,12 @@ def test_a_failed_turn_ends_its_conversation_with_one_conversation_ended_failure
     ]
     assert step.ended[0].reason == "turn 0 failed: retries_exhausted"
     assert not is_retryable(step.ended[0]), "a turn with no history to send is not sent again on its own"
+    # A retry round sends the failed turn again, and with it the turns its failure ended.
+    failed = _failure(first, FailureKind.RETRIES_EXHAUSTED)
+    assert retried_keys([*step.ended, failed]) == {"conv/0/0", "conv/0/1", "conv/0/2"}
+    refused = _conversation()
+    own = _failure(refused.request(), FailureKind.HTTP_STATUS).model_copy(update={"error_type": "http_400"})
+    assert retried_keys([own, *refused.advance(own).ended]) == set(), "the prompt's own failure stays"
 
 
 def test_an_answer_cut_at_max_tokens_ends_the_conversation_and_names_why() -> None:
@@ -135,6 +140,7 @@ def test_an_answer_cut_at_max_tokens_ends_the_conversation_and_names_why() -> No
     step = conversation.advance(_answer(conversation.request(), "cut", finish="length"))
     assert [f.turn for f in step.ended] == [1, 2]
     assert step.ended[0].reason == "turn 0 ended with finish_reason length"
+    assert retried_keys(step.ended) == set(), "a cut answer is stored: no retry round sends its turns"
 
 
 def test_an_unfinished_turn_hands_back_the_rest_unfinished_so_the_next_attempt_sends_them() -> None:
@@ -301,27 +307,12 @@ def test_the_dispatcher_admits_each_next_turn_as_the_previous_lands_and_keeps_ev
         ]
 
 
-def test_exact_token_mode_refuses_a_stream_that_follows() -> None:
-    generation = GenerationConfig()
-    dispatcher = Dispatcher(
-        ["http://127.0.0.1:9"],
-        model="m",
-        engine="sglang",
-        max_inflight_per_server=1,
-        generation=generation,
-        exact_tokens=True,
-    )
-    with pytest.raises(ValueError, match="no stream may follow"):
-        dispatcher.submit_stream([], lambda *_: None, follow=lambda *_: None)
-
-
-def test_on_policy_datasets_are_refused_in_exact_token_mode_before_anything_starts() -> None:
+def test_on_policy_datasets_take_the_engines_exact_token_mode() -> None:
     data = {
         "model": {"path": "/models/m"},
         "fleet": {"engine": "sglang"},
         "datasets": [{"name": "chat", "format": "openai_messages", "path": "x", "multi_turn": "on_policy"}],
         "output": "/tmp/out",
     }
-    with pytest.raises(ConfigError, match=r"set generation\.exact_tokens: false"):
-        exact_tokens_enabled(parse_run_config(data))
+    assert exact_tokens_enabled(parse_run_config(data)) is True
     assert exact_tokens_enabled(parse_run_config({**data, "generation": {"exact_tokens": False}})) is False

@@ -31,6 +31,7 @@ SHARED_MODULES = frozenset(
         "literals",
         "escape",
         "progress",
+        "conversation_turns",
     }
 )
 STAGES = ("output", "dataset", "engines", "host", "prompts", "generation", "app")

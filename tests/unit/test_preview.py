@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from datagen.app.preview import (
     ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS,
     DEFAULT_FLEET_START_S,
     PLANNER_OUTPUT_TOKENS_PER_S_PER_GPU,
+    count_prompts_and_turns,
     estimate_cost,
 )
 from datagen.config import RunConfig, parse_run_config
@@ -75,7 +77,8 @@ def test_first_preview_uses_the_mix_quotas_max_tokens_and_the_planner_rate_marke
     assert [(item.dataset, item.prompts) for item in preview.datasets] == [("chat", 600), ("math", 400)]
     assert preview.rate_source == "planner"
     assert preview.output_tokens_per_s == pytest.approx(8 * PLANNER_OUTPUT_TOKENS_PER_S_PER_GPU)
-    assert "planner's estimate" in preview.lines()[2]
+    assert "planner's estimate" in preview.lines()[3]
+    assert preview.lines()[1] == "requests: 1,400"
     expected_tokens = ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS * (600 * 4096 + 400 * 2 * 2048)
     assert preview.output_tokens == pytest.approx(expected_tokens)
     assert not preview.overheads.measured
@@ -180,3 +183,49 @@ def test_the_paused_time_beyond_the_measured_steps_is_an_overhead_of_its_own() -
     # 1000 s paused = 500 s generating + 60 halt + 300 start + 10 stop + 30 restart + 100 s of the rest.
     assert preview.overheads.other_s == 100.0
     assert preview.overheads.total_s == 500.0
+
+
+def test_an_on_policy_dataset_is_priced_per_turn_from_its_own_conversations(tmp_path: Path) -> None:
+    # Conversations of 2, 3 and 4 user turns, each ending with the dataset's answer (dropped: the target answers).
+    rows = []
+    for user_turns in (2, 3, 4):
+        messages = [{"role": "system", "content": f"bot {user_turns}"}]
+        for turn in range(user_turns):
+            messages += [
+                {"role": "user", "content": f"question {user_turns}/{turn}"},
+                {"role": "assistant", "content": f"answer {user_turns}/{turn}"},
+            ]
+        rows.append(json.dumps({"messages": messages}))
+    (tmp_path / "talk.jsonl").write_text("\n".join(rows) + "\n")
+    on_policy = parse_run_config(
+        {
+            "model": {"path": MODEL},
+            "sampling": {"max_tokens": 1000},
+            "mix": {"total_prompts": 30},
+            "datasets": [
+                {
+                    "name": "talk",
+                    "format": "openai_messages",
+                    "path": str(tmp_path / "talk.jsonl"),
+                    "share": 1.0,
+                    "multi_turn": "on_policy",
+                    "sampling": {"samples_per_prompt": 2},
+                }
+            ],
+            "output": "/out",
+        }
+    )
+
+    prompts, turns = count_prompts_and_turns(on_policy)
+    priced = estimate_cost(on_policy, [], turns_by_dataset=turns, gpus=1)
+    unread = estimate_cost(on_policy, [], gpus=1)
+
+    assert (prompts, turns) == ({}, {"talk": 3.0}), "a quota's prompts are not read; its turns are"
+    (talk,) = priced.datasets
+    assert (talk.conversations, talk.requests) == (60, 180)
+    assert priced.output_tokens == pytest.approx(180 * ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS * 1000)
+    assert priced.complete
+    assert priced.lines()[1] == "requests: 180 (talk: 60 conversations, 180 turns)"
+    assert priced.lines()[-1].endswith("x 2 sample(s) x 3.00 turns per conversation")
+    assert not unread.complete and unread.requests == 60
+    assert unread.lines()[1] == "requests: at least 60 (talk: 60 conversations, turns unknown)"

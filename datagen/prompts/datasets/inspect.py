@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from datagen.config import MultiTurnPolicy
+from datagen.conversation_turns import split_conversation
 from datagen.prompts.datasets.identity import prompt_id_for
 from datagen.prompts.datasets.model import Rejection
 from datagen.prompts.datasets.registry import get_normaliser, normalise_row
@@ -25,6 +26,8 @@ class InspectReport(BaseModel):
         path: Where it was read from.
         rows_read: Rows read (up to ``limit``).
         prompts: Distinct prompts produced.
+        turns: Requests each sample of those prompts makes, summed: with ``multi_turn: on_policy`` a prompt is a
+            conversation of one request per turn the target answers; otherwise one request per prompt.
         rejections: Rejected rows or prompts, by reason (duplicates included).
         rejection_samples: A few examples per reason.
         samples: The first few prompts, as JSON data.
@@ -38,9 +41,15 @@ class InspectReport(BaseModel):
     multi_turn: MultiTurnPolicy
     rows_read: int
     prompts: int
+    turns: int
     rejections: dict[str, int] = Field(default_factory=dict)
     rejection_samples: list[dict[str, Any]] = Field(default_factory=list)
     samples: list[dict[str, Any]] = Field(default_factory=list)
+
+    @property
+    def mean_turns(self) -> float:
+        """Requests per prompt and sample (1 unless on-policy; 1 without prompts)."""
+        return self.turns / self.prompts if self.prompts else 1.0
 
     def to_text(self) -> str:
         """A human-readable summary for the terminal."""
@@ -49,6 +58,10 @@ class InspectReport(BaseModel):
             f"  rows read: {self.rows_read}",
             f"  prompts:   {self.prompts}",
         ]
+        if self.multi_turn == "on_policy":
+            lines.append(
+                f"  turns:     {self.turns} (requests per sample, {self.mean_turns:.2f} per conversation)"
+            )
         if self.rejections:
             lines.append("  rejected:")
             lines.extend(f"    {reason}: {count}" for reason, count in self.rejections.items())
@@ -89,6 +102,7 @@ def inspect_dataset(
     seen: set[str] = set()
     samples: list[dict[str, Any]] = []
     rows_read = 0
+    turns = 0
     for row in iter_rows(path, limit=limit):
         rows_read += 1
         if row.error is not None:
@@ -104,6 +118,7 @@ def inspect_dataset(
                 tally.add("duplicate", f"same content as prompt {prompt_id}", row.index)
                 continue
             seen.add(prompt_id)
+            turns += split_conversation(prompt.messages).turns if multi_turn == "on_policy" else 1
             if len(samples) < PROMPT_SAMPLES:
                 samples.append(prompt.model_dump(mode="json", exclude_none=True))
     return InspectReport(
@@ -112,6 +127,7 @@ def inspect_dataset(
         multi_turn=multi_turn,
         rows_read=rows_read,
         prompts=len(seen),
+        turns=turns,
         rejections=tally.as_dict(),
         rejection_samples=tally.samples,
         samples=samples,
