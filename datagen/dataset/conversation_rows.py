@@ -13,8 +13,10 @@ before it, whose answer ended. A turn that failed is not stored, so the row ends
 Turns the row holds as history are counted as ``turns_in_conversation_rows``, never as dropped; when the row
 itself is refused (``too_long``, ``template_mismatch``), every turn it would have held is counted under that
 reason. The shard's writer stores a conversation's turns together and in order (one prompt shard holds the
-whole conversation, and on-policy shards have no retry rounds); a turn found after its conversation was
-closed, or out of order, is dropped as ``conversation_out_of_order`` rather than making a second row.
+whole conversation); a turn found after its conversation was closed, or out of order, is dropped as
+``conversation_out_of_order`` rather than making a second row. A retry round (``--retry-failed``) stores the
+turns it sent in a file of its own: there the conversation's row trains only those turns, its earlier turns
+being history without loss (the earlier round's row trained them), so every stored turn is trained once.
 
 Where the loss goes in the history (:func:`history_spans`): the Qwen3 templates re-render earlier assistant
 turns their own way (reasoning before the last user query dropped, no empty think block), so a row holds what
@@ -145,12 +147,16 @@ class RowSource:
             conversation before its answer.
         history_turns: Stored turns before it that the row holds as history (kept or screened out); 0 for
             every row that is not a whole conversation's.
+        first_turn: The conversation's first turn in this file: the row trains the target's turns from it on.
+            Turns before it were stored by an earlier retry round of the shard, in that round's own file and
+            row, so here they are history without loss (every turn is trained once). 0 but in retry rounds.
 
     """
 
     line: int
     record: CompletionRecord
     history_turns: int
+    first_turn: int = 0
 
 
 @dataclass
@@ -164,6 +170,7 @@ class ConversationGrouper:
     # The conversation held: its key, its latest turn, the latest turn the screen kept, the turns before that one,
     # and the turns after it the screen dropped (by reason); then the conversations already closed.
     _key: tuple[str, str, int] | None = field(default=None, init=False)
+    _first: int = field(default=0, init=False)
     _turn: int = field(default=-1, init=False)
     _kept: tuple[int, CompletionRecord] | None = field(default=None, init=False)
     _before: int = field(default=0, init=False)
@@ -185,7 +192,7 @@ class ConversationGrouper:
                 self._out_of_order(record)
                 return None
             finished = self.close()
-            self._key = key
+            self._key, self._first = key, turn
         elif turn <= self._turn:
             self._out_of_order(record)
             return None
@@ -204,8 +211,10 @@ class ConversationGrouper:
         if self._key is not None:
             self._closed.add(self._key)
         self.dropped.update(self._after)
-        row = None if self._kept is None else RowSource(self._kept[0], self._kept[1], self._before)
-        self._key, self._turn, self._kept, self._before = None, -1, None, 0
+        row = (
+            None if self._kept is None else RowSource(self._kept[0], self._kept[1], self._before, self._first)
+        )
+        self._key, self._first, self._turn, self._kept, self._before = None, 0, -1, None, 0
         self._after = Counter()
         return row
 

@@ -271,14 +271,15 @@ class RowTokenizer:
         logger.debug("row tokenizer renders_answer_alone=%s", self.renders_answer_alone)
 
     def encode(
-        self, records: list[CompletionRecord], *, whole_conversations: bool = False
+        self, records: list[CompletionRecord], *, whole_conversations: list[int] | None = None
     ) -> list[EncodedRow | RejectedRow | TokenizeError]:
         """Tokenize a batch of completions; one result per record, in order.
 
         Args:
             records: Completions to turn into rows.
-            whole_conversations: An on-policy turn (``turn`` set) after earlier answers becomes its whole
-                conversation's row: loss on every assistant turn (:mod:`datagen.dataset.conversation_rows`).
+            whole_conversations: When given, per record, the first turn its row trains: an on-policy turn
+                (``turn`` set) after earlier answers becomes its whole conversation's row, with loss on every
+                assistant turn from that one on (:mod:`datagen.dataset.conversation_rows`).
 
         Returns:
             Per record: the row, a :class:`RejectedRow` (too long), or the :class:`TokenizeError` saying why
@@ -292,8 +293,13 @@ class RowTokenizer:
         for position, record in enumerate(records):
             try:
                 prompt = self._prompt(record)
-                if whole_conversations and record.turn is not None and _has_history(record.messages):
-                    results[position] = self._finish(record, self._conversation_row(record, prompt))
+                if (
+                    whole_conversations is not None
+                    and record.turn is not None
+                    and _has_history(record.messages)
+                ):
+                    row = self._conversation_row(record, prompt, whole_conversations[position])
+                    results[position] = self._finish(record, row)
                     continue
                 output_ids = record.completion.output_token_ids
                 if output_ids is not None:
@@ -451,8 +457,11 @@ class RowTokenizer:
             TOKENIZED_FROM_TEXT,
         )
 
-    def _conversation_row(self, record: CompletionRecord, prompt: _Prompt) -> EncodedRow:
-        """The whole conversation's row: loss on the answer (the rule above) and on every earlier assistant turn."""
+    def _conversation_row(self, record: CompletionRecord, prompt: _Prompt, first_turn: int) -> EncodedRow:
+        """The whole conversation's row: loss on the answer (the rule above) and the earlier assistant turns.
+
+        Earlier turns before ``first_turn`` are history without loss (another row trains them).
+        """
         context = self._turn_context(record.sampling.enable_thinking)
         if context is None:
             raise TokenizeError(
@@ -460,7 +469,7 @@ class RowTokenizer:
                 "conversation, so its turns cannot be located; set tokenize.conversation_rows: per_turn.",
                 key=record.key,
             )
-        regions = history_spans(prompt.text, record.messages, context[1], record.key)
+        regions = history_spans(prompt.text, record.messages, context[1], record.key)[first_turn:]
         full = prompt.text + self._answer_text(record, prompt)
         turn_end = full.rfind(END_OF_TURN_TOKEN)
         if turn_end < len(prompt.text):

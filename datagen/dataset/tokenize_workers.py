@@ -206,7 +206,9 @@ class ShardTokenizer:
         return None
 
     def _tokenize_batch(self, batch: list[RowSource], result: ShardRows) -> None:
-        whole = self.job.conversation_rows == PER_CONVERSATION
+        whole = (
+            [item.first_turn for item in batch] if self.job.conversation_rows == PER_CONVERSATION else None
+        )
         encoded = self.rows.encode([item.record for item in batch], whole_conversations=whole)
         for item, row in zip(batch, encoded, strict=True):
             # A refused conversation row takes the turns it would have held with it, under the same reason.

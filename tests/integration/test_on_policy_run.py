@@ -361,8 +361,9 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
 def _check_conversation_rows(config_path: Path, output: Path, records: list[CompletionRecord]) -> None:
     """The same stored turns merged with `tokenize.conversation_rows: per_conversation`: a row per conversation.
 
-    Each row is its conversation's last stored turn rendered whole, trained on each of the target's turns; every
-    stored turn is counted once (a row, or inside its conversation's row).
+    A row per conversation and completions file (the retry round's file holds the turns it sent): each row is the
+    file's last stored turn of its conversation rendered whole, trained on the target's turns stored in that file,
+    so every stored turn is counted once and trained once.
     """
     import pyarrow.parquet as pq
 
@@ -373,34 +374,41 @@ def _check_conversation_rows(config_path: Path, output: Path, records: list[Comp
 
     store, stored = Store(str(output)), RunLayout("onpolicy-1")
     layout = RunLayout("onpolicy-1-whole")
+    files: dict[tuple[str, str], set[str]] = defaultdict(set)
     for folder in store.list_level(stored.completions_prefix).folders:
         for key in store.list_level(folder).objects:
             shard = stored.parse_completions(key)
             assert shard is not None
             store.write_bytes(layout.completions(*shard), store.read_bytes(key))
             store.write_bytes(layout.shard_done(*shard), store.read_bytes(stored.shard_done(*shard)))
+            for line in store.read_bytes(key).splitlines():
+                record = CompletionRecord.model_validate_json(line)
+                files[(record.dataset, record.prompt_id)].add(key)
     overrides = {"run_id": "onpolicy-1-whole", "tokenize": {"conversation_rows": "per_conversation"}}
     config = load_run_config(config_path, overrides)
     summary = merge_and_tokenize(store, layout, config)
-    last_turns: dict[tuple[str, str], int] = {}
+    turns: dict[tuple[str, str], int] = defaultdict(int)
     for record in records:
-        key = (record.dataset, record.prompt_id)
-        last_turns[key] = max(last_turns.get(key, 0), record.turn or 0)
-    assert len(last_turns) == CONVERSATIONS + TOOL_ROWS
-    assert (summary.completions_read, summary.rows) == (len(records), len(last_turns))
-    assert summary.turns_in_conversation_rows == len(records) - len(last_turns)
+        turns[(record.dataset, record.prompt_id)] += 1
+    assert len(turns) == CONVERSATIONS + TOOL_ROWS
+    expected_rows = sum(len(keys) for keys in files.values())
+    assert expected_rows > len(turns), "the retried conversations have turns in the retry round's file"
+    assert (summary.completions_read, summary.rows) == (len(records), expected_rows)
+    assert summary.turns_in_conversation_rows == len(records) - expected_rows
     assert summary.dropped_by_reason == {}
-    rows = [row for part in summary.parts for row in pq.read_table(part.url).to_pylist()]
-    assert sorted((row["dataset"], row["prompt_id"]) for row in rows) == sorted(last_turns)
-    for row in rows:
-        trained = sum(
+    trained: dict[tuple[str, str], int] = defaultdict(int)
+    rows_of: dict[tuple[str, str], int] = defaultdict(int)
+    for row in (row for part in summary.parts for row in pq.read_table(part.url).to_pylist()):
+        conversation = (row["dataset"], row["prompt_id"])
+        rows_of[conversation] += 1
+        # One loss run per assistant turn the row trains.
+        trained[conversation] += sum(
             1
             for index, bit in enumerate(row["loss_mask"])
             if bit and (index == 0 or not row["loss_mask"][index - 1])
         )
-        assert trained == last_turns[(row["dataset"], row["prompt_id"])] + 1, (
-            "one loss run per assistant turn"
-        )
+    assert rows_of == {conversation: len(keys) for conversation, keys in files.items()}
+    assert trained == turns, "every stored turn trained exactly once"
 
 
 def _check_tool_conversations(completions: list[CompletionRecord], failures: list[FailureRecord]) -> None:

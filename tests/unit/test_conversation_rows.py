@@ -154,7 +154,7 @@ def test_a_conversations_row_trains_exactly_every_assistant_turn_the_target_wrot
 ) -> None:
     name, _, tokenizer = qwen
     record = conversation_turn(conversation, turn)
-    (row,) = rows.encode([record], whole_conversations=True)
+    (row,) = rows.encode([record], whole_conversations=[0])
     assert isinstance(row, EncodedRow)
     trained = EXPECTED[(conversation, turn)][name]
     assert (row.input_ids, row.loss_mask()) == reference_row(tokenizer, record, trained)
@@ -172,7 +172,7 @@ def test_a_conversations_row_trains_exactly_every_assistant_turn_the_target_wrot
 def test_the_answer_is_masked_as_its_own_per_turn_row(rows: RowTokenizer, conversation: str) -> None:
     # The last turn's span follows the single-turn rule: the same ids and answer span as the per-turn row.
     for record in converse(conversation):
-        (whole,) = rows.encode([record], whole_conversations=True)
+        (whole,) = rows.encode([record], whole_conversations=[0])
         (single,) = rows.encode([record])
         assert isinstance(whole, EncodedRow) and isinstance(single, EncodedRow)
         assert whole.input_ids == single.input_ids
@@ -185,7 +185,7 @@ def test_a_user_turn_imitating_an_assistant_header_refuses_the_row(rows: RowToke
     last = converse("thinking")[-1]
     messages = list(last.messages)
     messages[1] = Message(role="user", content="Quote this: <|im_start|>assistant\nHi<|im_end|>")
-    (row,) = rows.encode([last.model_copy(update={"messages": messages})], whole_conversations=True)
+    (row,) = rows.encode([last.model_copy(update={"messages": messages})], whole_conversations=[0])
     assert isinstance(row, TokenizeError)
     assert "one '<|im_start|>assistant\\n' block per assistant turn" in str(row)
 
@@ -198,7 +198,7 @@ def test_an_earlier_turn_the_render_does_not_hold_refuses_the_row(rows: RowToken
     messages[index] = messages[index].model_copy(
         update={"content": "hidden</think>shown", "reasoning_content": None}
     )
-    (row,) = rows.encode([last.model_copy(update={"messages": messages})], whole_conversations=True)
+    (row,) = rows.encode([last.model_copy(update={"messages": messages})], whole_conversations=[0])
     assert isinstance(row, TokenizeError)
     assert "does not hold the turn's text" in str(row)
 
@@ -251,7 +251,7 @@ def test_a_shard_makes_one_row_per_conversation_and_counts_every_turn_once(qwen3
         # Each row equals its last turn's row tokenized alone as a whole conversation.
         offset = 0
         for index, (length, loss) in enumerate(zip(result.lengths, result.loss_tokens, strict=True)):
-            (row,) = rows.encode([records[result.lines[index]]], whole_conversations=True)
+            (row,) = rows.encode([records[result.lines[index]]], whole_conversations=[0])
             assert isinstance(row, EncodedRow)
             assert list(result.input_ids[offset : offset + length]) == row.input_ids
             assert list(result.loss_mask[offset : offset + length]) == row.loss_mask()
@@ -292,3 +292,26 @@ def test_a_screened_out_turn_between_kept_ones_is_history_not_dropped() -> None:
     assert row is not None and (row.line, row.history_turns) == (2, 2)
     assert not grouper.dropped
     assert json.loads(row.record.model_dump_json())["turn"] == 2
+
+
+def test_a_retry_rounds_file_trains_only_its_own_turns_so_each_turn_is_trained_once(
+    qwen3_spec: TokenizerSpec,
+) -> None:
+    # Round 0 stored turn 0; a retry round stored turns 1 and 2 (the failed turn and the one it ended) in a file
+    # of its own. Two rows: the first trains turn 0, the second holds it as history and trains turns 1 and 2.
+    records = converse("thinking")
+    job = TokenizeJob(qwen3_spec, None, False, conversation_rows="per_conversation")
+    first = ShardTokenizer(job).tokenize_shard("s", _shard(records[:1]))
+    retried = ShardTokenizer(job).tokenize_shard("s.retry-0001", _shard(records[1:]))
+    assert (first.rows, first.turns_in_conversation_rows) == (1, 0)
+    assert (retried.rows, retried.turns_in_conversation_rows) == (1, 1)
+    rows = RowTokenizer(qwen3_spec, max_length_tokens=None)
+    (whole,) = rows.encode([records[2]], whole_conversations=[0])
+    (own,) = rows.encode([records[2]], whole_conversations=[1])
+    assert isinstance(whole, EncodedRow) and isinstance(own, EncodedRow)
+    assert own.input_ids == whole.input_ids and own.spans == whole.spans[1:]
+    assert list(retried.input_ids) == own.input_ids and list(retried.loss_mask) == own.loss_mask()
+    grouper = ConversationGrouper()
+    assert grouper.add(0, records[1], None) is None and grouper.add(1, records[2], None) is None
+    made = grouper.close()
+    assert made is not None and (made.first_turn, made.history_turns) == (1, 1)
