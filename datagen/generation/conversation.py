@@ -376,12 +376,14 @@ class ConversationChains:
         return ready, unsent
 
     def follower(
-        self, deliver: Deliver
+        self, deliver: Deliver, broken: Callable[[BaseException], None]
     ) -> Callable[[GenerationRequest, GenerationResult], GenerationRequest | None]:
         """The ``follow`` of the shard's stream: advance the turn's conversation, hand on the turns it ended.
 
         Args:
             deliver: Where the results of turns never sent go (the shard's inbox), like the dispatcher's.
+            broken: Told when building the next turn raised (a bug, not a turn's failure): the shard waiting for
+                that conversation's turns must stop instead of waiting for results that will never come.
 
         Returns:
             A callable giving the next turn's request (None when the conversation is over); it runs on the
@@ -390,15 +392,19 @@ class ConversationChains:
         """
 
         def follow(request: GenerationRequest, result: GenerationResult) -> GenerationRequest | None:
-            conversation = self._by_id[(request.prompt.prompt_id, request.sample_index)]
-            step = conversation.advance(result)
-            for failure in step.ended:
-                deliver(request, failure)
-            if step.request is None:
-                return None
-            ready, unsent = self._prepared([step.request])
-            for failure in unsent:
-                deliver(step.request, failure)
-            return ready[0] if ready else None
+            try:
+                conversation = self._by_id[(request.prompt.prompt_id, request.sample_index)]
+                step = conversation.advance(result)
+                for failure in step.ended:
+                    deliver(request, failure)
+                if step.request is None:
+                    return None
+                ready, unsent = self._prepared([step.request])
+                for failure in unsent:
+                    deliver(step.request, failure)
+                return ready[0] if ready else None
+            except Exception as error:
+                broken(error)
+                raise
 
         return follow

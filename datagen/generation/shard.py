@@ -326,7 +326,7 @@ def generate_shard(
     return summary
 
 
-class _Inbox:
+class ShardInbox:
     """Results handed from the dispatcher's loop to one shard's thread, in batches.
 
     The loop only appends; it wakes the shard's thread when a checkpoint's worth of results is waiting or
@@ -339,6 +339,12 @@ class _Inbox:
         self._event = threading.Event()
         self._expected = expected
         self._batch = batch
+        self._broken: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """Called on the loop thread when results this inbox waits for will never come (a follow raised)."""
+        self._broken = error
+        self._event.set()
 
     def put(self, _request: GenerationRequest, result: GenerationResult) -> None:
         """Called on the dispatcher's loop thread for every result."""
@@ -355,6 +361,17 @@ class _Inbox:
         while self._items:
             items.append(self._items.popleft())
         return items
+
+    def raise_if_broken(self) -> None:
+        """Raise when results this inbox waits for will never come (:meth:`fail`).
+
+        Raises:
+            RuntimeError: Naming what broke; the shard stops and keeps what it took.
+        """
+        if self._broken is not None:
+            raise RuntimeError(
+                f"an on-policy conversation's next turn could not be built: {self._broken!r}"
+            ) from self._broken
 
 
 def _run_requests(
@@ -381,13 +398,13 @@ def _run_requests(
     goes on collecting); results still unstored when this ends with an error are left in ``held``.
     """
     remaining = len(requests) if expected is None else expected
-    inbox = _Inbox(remaining, every)
+    inbox = ShardInbox(remaining, every)
     completions: list[CompletionRecord] = []
     failures: list[FailureRecord] = []
     oldest: float | None = None
     done = already_done
     unserved: Counter[str] = Counter()
-    follow = chains.follower(inbox.put) if chains is not None else None
+    follow = chains.follower(inbox.put, inbox.fail) if chains is not None else None
     stream = dispatcher.submit_stream(requests, inbox.put, follow=follow)
     if progress is not None:
         # Tells the flow's scheduler this shard's requests are now in the dispatcher's backlog.
@@ -408,6 +425,7 @@ def _run_requests(
                     unserved[result.error_type] += 1
                 else:
                     failures.append(result)
+            inbox.raise_if_broken()
             if arrived:
                 remaining -= len(arrived)
                 done += len(arrived)

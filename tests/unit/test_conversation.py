@@ -5,6 +5,7 @@ admitting a conversation's next turn the moment the previous one lands."""
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 
 import pytest
@@ -16,6 +17,7 @@ from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, retried_keys
 from datagen.generation.openai_chat import GenerationRequest
+from datagen.generation.shard import ShardInbox
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -287,8 +289,10 @@ def test_the_dispatcher_admits_each_next_turn_as_the_previous_lands_and_keeps_ev
             [server.url], model="m", engine="external", max_inflight_per_server=4, generation=generation
         ) as dispatcher,
     ):
-        dispatcher.submit_stream(first, deliver, follow=chains.follower(deliver))
+        broken: list[BaseException] = []
+        dispatcher.submit_stream(first, deliver, follow=chains.follower(deliver, broken.append))
         assert done.wait(60)
+        assert not broken
         assert server.max_in_flight == 4, "chains interleave: every slot stays busy"
     for prompt in prompts:
         results = got[prompt.prompt_id]
@@ -316,3 +320,35 @@ def test_on_policy_datasets_take_the_engines_exact_token_mode() -> None:
     }
     assert exact_tokens_enabled(parse_run_config(data)) is True
     assert exact_tokens_enabled(parse_run_config({**data, "generation": {"exact_tokens": False}})) is False
+
+
+def test_a_next_turn_that_cannot_be_built_stops_the_shard_waiting_for_it_instead_of_hanging() -> None:
+    # A bug while building a later turn (here: the exact-token render raising something unexpected) is not a
+    # turn's failure: the shard waiting for that conversation's turns must stop, keeping what it took.
+    prompt = _prompt("c0", ("user", "q0"), ("assistant", "x"), ("user", "q1"))
+
+    def prepare(requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], list[FailureRecord]]:
+        if any(request.turn for request in requests):
+            raise ValueError("render exploded")
+        return requests, []
+
+    chains = ConversationChains(
+        [Conversation(prompt, 0, SamplingParams(max_tokens=8), None, "chat")], prepare
+    )
+    first, _ = chains.resume({})
+    inbox = ShardInbox(len(chains.keys()), 1)
+    generation = GenerationConfig(backoff_initial_s=0.01, request_timeout_s=10)
+    with (
+        FaultServer(FaultPlan(base_delay_s=0.01)) as server,
+        Dispatcher(
+            [server.url], model="m", engine="external", max_inflight_per_server=4, generation=generation
+        ) as dispatcher,
+    ):
+        dispatcher.submit_stream(first, inbox.put, follow=chains.follower(inbox.put, inbox.fail))
+        taken: list[GenerationResult] = []
+        deadline = time.monotonic() + 30
+        with pytest.raises(RuntimeError, match="next turn could not be built: ValueError"):
+            while time.monotonic() < deadline:
+                taken += [result for _, result in inbox.take(0.5)]
+                inbox.raise_if_broken()
+    assert [(r.turn, isinstance(r, CompletionRecord)) for r in taken] == [(0, True)], "turn 0 is kept"
