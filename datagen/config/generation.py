@@ -27,7 +27,8 @@ class GenerationConfig(StrictModel):
         "without publishing a dataset version (everything stays stored; resume or retry the failures). A healthy "
         "fleet fails about 1 in 13,000 (the seed run: 15 of 193,010, 0.008%); 1% is over a hundred times that, "
         "so only a broken fleet, model or server setup crosses it. A dataset whose every request failed ends "
-        "the run Failed whatever this share.",
+        "the run Failed whatever this share. Turns an on-policy conversation never sent because it ended "
+        "earlier (an answer cut at max_tokens, other tool calls than the dataset's) are not counted.",
     )
     backoff_initial_s: float = Field(default=0.5, ge=0)
     backoff_max_s: float = Field(default=30.0, ge=0)

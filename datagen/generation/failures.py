@@ -16,7 +16,8 @@ Before a request resolves, each try is judged by :class:`datagen.generation.retr
 another server where there is one, or give up with a kind). A run whose requests mostly failed must not end
 "complete" with an empty dataset version: past ``generation.max_failed_share`` of failed requests, or when
 every request of a dataset failed, :func:`check_failed_share` raises before the merge, naming the dominant
-failure (its type, count and one example reason) and the fix.
+failure (its type, count and one example reason) and the fix. The share is of requests sent: the turns an
+ended on-policy conversation never sent are left out of both counts.
 """
 
 from __future__ import annotations
@@ -82,6 +83,10 @@ PROMPT_KINDS = frozenset(
         FailureKind.TOOL_CALL_DIVERGED,
     }
 )
+# Kinds of on-policy turns never sent because their conversation ended before them (an earlier turn failed, was
+# cut at max_tokens, or called other tools than the dataset): outcomes of the conversation, not requests that
+# failed, so the failed share leaves them out (the turn that ended it counts, when it failed).
+ENDED_CONVERSATION_KINDS = frozenset({FailureKind.CONVERSATION_ENDED, FailureKind.TOOL_CALL_DIVERGED})
 # 4xx answers about the server rather than the request: auth, not found (the model), timeout, conflict, rate.
 SERVER_STATE_4XX = frozenset({401, 403, 404, 408, 409, 429})
 HTTP_SERVER_ERROR = 500
@@ -209,8 +214,15 @@ def check_failed_share(store: Store, summaries: Sequence[ShardSummary], max_fail
         TooManyFailuresError: The share of failed requests is above ``max_failed_share``, or every request
             of some dataset failed.
     """
-    requests = sum(s.requests for s in summaries)
-    failures = sum(s.failures for s in summaries)
+    # Turns an ended conversation never sent are neither requests nor failures of the fleet (see above).
+    unsent = sum(
+        count
+        for summary in summaries
+        for stored, count in summary.failure_reasons.items()
+        if kind_of(stored) in ENDED_CONVERSATION_KINDS
+    )
+    requests = sum(s.requests for s in summaries) - unsent
+    failures = sum(s.failures for s in summaries) - unsent
     if not requests or not failures:
         return
     by_dataset: dict[str, list[int]] = {}

@@ -175,8 +175,9 @@ def _config(tmp_path: Path, server_url: str, model_dir: Path) -> Path:
             "checkpoint_every": 4,
             "checkpoint_interval_s": 0.2,
             "backoff_initial_s": 0.05,
-            # 4 failures of the prompts' own (6.7%) pass; with the 3 flaky turns' (11.7%) the run fails.
-            "max_failed_share": 0.1,
+            # The failed share counts sent turns: the one 400 (1 of 57; the turns its conversation and the
+            # diverged calls ended are not sent) passes; with the 2 flaky turns (3 of 56) the run fails.
+            "max_failed_share": 0.03,
         },
         "training": {"kind": "none"},
     }

@@ -124,6 +124,22 @@ def test_a_run_within_the_failed_share_publishes_one_past_it_fails_naming_the_do
     assert refused.value.retryable == 4
 
 
+def test_turns_an_ended_conversation_never_sent_are_not_counted_as_failed_requests(tmp_path: Path) -> None:
+    # On-policy: 200 turns planned; conversations ended at answers cut at max_tokens (20 turns never sent) and at
+    # diverged tool calls (10): outcomes of the conversations, not a broken fleet. One turn failed: 1 of 170.
+    store = Store(str(tmp_path / "out"))
+    ended = [_failure("conversation_ended", "turn 0 was cut at max_tokens", None, key=i) for i in range(20)]
+    ended += [
+        _failure("tool_call_diverged", "called x where the dataset called y", None, key=20 + i)
+        for i in range(10)
+    ]
+    flaky = [_failure("retries_exhausted", "reset", key=40 + i) for i in range(3)]
+    check_failed_share(store, [_shard(store, "chat", 0, 200, [*ended, flaky[0]])], 0.01)
+    with pytest.raises(TooManyFailuresError) as refused:
+        check_failed_share(store, [_shard(store, "chat", 1, 200, [*ended, *flaky])], 0.01)
+    assert str(refused.value).startswith("3 of 170 requests failed (1.8% > generation.max_failed_share 1.0%)")
+
+
 def test_a_dataset_without_one_answer_fails_the_run_whatever_the_share(tmp_path: Path) -> None:
     store = Store(str(tmp_path / "out"))
     shards = [
