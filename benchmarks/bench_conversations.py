@@ -15,15 +15,18 @@ servers' own counters); the claim to check is conversations >= 0.95 x independen
 
     python benchmarks/bench_conversations.py                        # 600 conversations of 4 turns, one ABBA round
     python benchmarks/bench_conversations.py --conversations 1200 --rounds 2 --out conversations.json
+    python benchmarks/bench_conversations.py --exact-tokens    # SGLang /generate: later turns rendered on the loop
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
 import sys
+import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Any
@@ -32,15 +35,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from datagen.config import GenerationConfig  # noqa: E402
-from datagen.generation.conversation import Conversation, ConversationChains  # noqa: E402
+from datagen.generation.conversation import Conversation, ConversationChains, Prepare  # noqa: E402
 from datagen.generation.dispatch_state import GenerationResult  # noqa: E402
 from datagen.generation.dispatcher import Dispatcher  # noqa: E402
 from datagen.generation.openai_chat import GenerationRequest  # noqa: E402
-from datagen.records import Message, PromptRecord, SamplingParams  # noqa: E402
+from datagen.generation.sglang_generate import attach_prompt_tokens, prompt_encoder  # noqa: E402
+from datagen.records import CompletionRecord, Message, PromptRecord, SamplingParams  # noqa: E402
 
 try:  # run as `python benchmarks/bench_conversations.py` (benchmarks/ is on the path) or imported as a module
+    from bench import build_tokenizer
     from bench_hosts import MODEL, WORDS, Host, _Results, _wait_up, measure
 except ImportError:
+    from benchmarks.bench import build_tokenizer
     from benchmarks.bench_hosts import MODEL, WORDS, Host, _Results, _wait_up, measure
 
 
@@ -58,13 +64,14 @@ def make_conversations(count: int, turns: int) -> list[PromptRecord]:
     return prompts
 
 
-def _dispatcher(host: Host, slots: int) -> Dispatcher:
+def _dispatcher(host: Host, args: argparse.Namespace) -> Dispatcher:
     return Dispatcher(
         host.urls,
         model=MODEL,
         engine="external",
-        max_inflight_per_server=slots,
+        max_inflight_per_server=args.slots,
         generation=GenerationConfig(request_timeout_s=600),
+        exact_tokens=args.prepare is not None,
     )
 
 
@@ -73,10 +80,13 @@ def run_independent(
 ) -> dict[str, Any]:
     """The conversations' requests, each on its own, in shards of ``shard_size`` requests."""
     results = _Results(len(requests))
+    if args.prepare is not None:
+        # Sent as the flow sends them: each shard's prompts rendered by its own thread, not carried over.
+        requests = [request.model_copy(update={"prompt_tokens": None}) for request in requests]
     shards = deque(requests[i : i + args.shard_size] for i in range(0, len(requests), args.shard_size))
-    with _dispatcher(host, args.slots) as dispatcher:
+    with _dispatcher(host, args) as dispatcher:
         _wait_up(dispatcher, len(host.urls))
-        _feed(dispatcher, shards, results)
+        _feed(dispatcher, shards, results, args.prepare)
         results.done.wait()
     return {"failures": results.failures}
 
@@ -89,13 +99,14 @@ def run_conversations(
 ) -> dict[str, Any]:
     """Each shard's conversations as one following stream (what a shard of an on_policy dataset does).
 
-    ``capture`` receives every request sent, in the order they resolved.
+    ``capture`` receives every request a server answered, in the order they resolved.
     """
     sampling = SamplingParams(max_tokens=args.max_tokens)
     per_shard = max(1, args.shard_size // args.turns)
     shards = deque(
         ConversationChains(
-            Conversation(prompt, 0, sampling, None, "bench") for prompt in prompts[i : i + per_shard]
+            (Conversation(prompt, 0, sampling, None, "bench") for prompt in prompts[i : i + per_shard]),
+            args.prepare,
         )
         for i in range(0, len(prompts), per_shard)
     )
@@ -104,10 +115,13 @@ def run_conversations(
     if capture is not None:
 
         def deliver(request: GenerationRequest, result: GenerationResult) -> None:
-            capture.append(request)
+            # Only requests a server answered: the failure of a turn an ended conversation never sent comes
+            # with the request of the turn before, which must not be sent twice by the independent workload.
+            if isinstance(result, CompletionRecord):
+                capture.append(request)
             results.deliver(request, result)
 
-    with _dispatcher(host, args.slots) as dispatcher:
+    with _dispatcher(host, args) as dispatcher:
         _wait_up(dispatcher, len(host.urls))
         submitted = 0
         while shards:
@@ -118,12 +132,21 @@ def run_conversations(
             chains = shards.popleft()
             first, _ = chains.resume({})
             submitted += len(chains.keys())
-            dispatcher.submit_stream(first, deliver, follow=chains.follower(deliver))
+            dispatcher.submit_stream(first, deliver, follow=chains.follower(deliver, _broken))
         results.done.wait()
     return {"failures": results.failures}
 
 
-def _feed(dispatcher: Dispatcher, shards: deque[list[GenerationRequest]], results: _Results) -> None:
+def _broken(error: BaseException) -> None:
+    raise SystemExit(f"a conversation's next turn could not be built: {error!r}")
+
+
+def _feed(
+    dispatcher: Dispatcher,
+    shards: deque[list[GenerationRequest]],
+    results: _Results,
+    prepare: Prepare | None,
+) -> None:
     submitted = 0
     while shards:
         if submitted - results.count >= 2 * dispatcher.admission_limit:
@@ -131,6 +154,9 @@ def _feed(dispatcher: Dispatcher, shards: deque[list[GenerationRequest]], result
             continue
         shard = shards.popleft()
         submitted += len(shard)
+        if prepare is not None:
+            shard, unrenderable = prepare(shard)
+            assert not unrenderable, unrenderable
         dispatcher.submit_stream(shard, results.deliver)
 
 
@@ -148,8 +174,17 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--shard-size", type=int, default=100, help="requests per shard")
     parser.add_argument("--rounds", type=int, default=1, help="ABBA rounds")
+    parser.add_argument(
+        "--exact-tokens",
+        action="store_true",
+        help="SGLang /generate with rendered prompt ids (each later turn rendered on the dispatcher's loop)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    args.prepare = None
+    if args.exact_tokens:
+        tokenizer = build_tokenizer(Path(tempfile.mkdtemp(prefix="bench-conversations-")) / "tokenizer")
+        args.prepare = functools.partial(attach_prompt_tokens, encoder=prompt_encoder(str(tokenizer)))
     load = os.getloadavg()
     host = Host("bench", args.servers, args)
     prompts = make_conversations(args.conversations, args.turns)
@@ -174,7 +209,8 @@ def main() -> None:
     ratio = medians["conversations"] / medians["independent"]
     print(
         f"load average at start: {load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; at end: {os.getloadavg()[0]:.1f}\n"
-        f"{args.conversations} conversations x {args.turns} turns on {args.servers} servers x {args.slots} slots: "
+        f"{args.conversations} conversations x {args.turns} turns on {args.servers} servers x {args.slots} slots"
+        f"{' (exact tokens)' if args.exact_tokens else ''}: "
         f"tok/s {medians}; conversations / independent: {ratio:.3f}"
     )
     if args.out:

@@ -47,7 +47,7 @@ from typing import Final
 from datagen.conversation_turns import ConversationTurns, split_conversation
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.failures import FailureKind, error_type, is_unfinished
-from datagen.generation.openai_chat import GenerationRequest
+from datagen.generation.openai_chat import GenerationRequest, PromptTokens
 from datagen.records import CompletionRecord, FailureRecord, Message, PromptRecord, SamplingParams, ToolCall
 
 # Finish reasons after which the conversation may go on: the answer is whole.
@@ -303,7 +303,12 @@ def _names(calls: list[ToolCall]) -> str:
 Deliver = Callable[[GenerationRequest, GenerationResult], None]
 # Gives requests their rendered prompt's ids (exact-token mode: sglang_generate.attach_prompt_tokens), failing
 # those the chat template cannot render.
-Prepare = Callable[[list[GenerationRequest]], tuple[list[GenerationRequest], list[FailureRecord]]]
+# Its second argument: per request, the prompt tokens of the conversation's turn before (or None), whose ids of
+# the shared history are reused.
+Prepare = Callable[
+    [list[GenerationRequest], list[PromptTokens | None] | None],
+    tuple[list[GenerationRequest], list[FailureRecord]],
+]
 
 
 class ConversationChains:
@@ -363,12 +368,12 @@ class ConversationChains:
         return ready, ended + unsent
 
     def _prepared(
-        self, requests: list[GenerationRequest]
+        self, requests: list[GenerationRequest], previous: list[PromptTokens | None] | None = None
     ) -> tuple[list[GenerationRequest], list[FailureRecord]]:
         """``requests`` ready to send; a turn the template cannot render fails, ending its conversation."""
         if self.prepare is None or not requests:
             return requests, []
-        ready, unrenderable = self.prepare(requests)
+        ready, unrenderable = self.prepare(requests, previous)
         unsent: list[FailureRecord] = []
         for failure in unrenderable:
             unsent.append(failure)
@@ -399,7 +404,7 @@ class ConversationChains:
                     deliver(request, failure)
                 if step.request is None:
                     return None
-                ready, unsent = self._prepared([step.request])
+                ready, unsent = self._prepared([step.request], [request.prompt_tokens])
                 for failure in unsent:
                     deliver(step.request, failure)
                 return ready[0] if ready else None

@@ -42,6 +42,9 @@ class PromptTokens(BaseModel):
         input_ids: The rendered prompt's token ids, generation prompt included.
         opens_reasoning: The generation prompt leaves a ``<think>`` block open (Qwen3.5/3.6 pre-fill
             ``<think>`` and a newline), so the answer starts inside its reasoning.
+        text: The rendered prompt, kept so the conversation's next turn tokenizes only what changed.
+        cuts: ``(character, ids)`` after each added token of ``text``: its first ``ids`` are the ids of its
+            first ``character`` characters (the tokenizer splits on added tokens before anything else).
 
     """
 
@@ -49,6 +52,8 @@ class PromptTokens(BaseModel):
 
     input_ids: list[int] = Field(min_length=1)
     opens_reasoning: bool = False
+    text: str = Field(default="", exclude=True, repr=False)
+    cuts: tuple[tuple[int, int], ...] = Field(default=(), exclude=True, repr=False)
 
 
 class GenerationRequest(BaseModel):

@@ -9,7 +9,8 @@ reasoning or tool-call parser.
 
 Prompts are rendered in the shard task's thread before its requests reach the dispatcher
 (:func:`attach_prompt_tokens`); the dispatcher's loop only builds bodies and parses answers, except for an
-on-policy conversation's later turn, rendered as the turn before lands (its history is known only then).
+on-policy conversation's later turn, rendered as the turn before lands (its history is known only then): the
+ids of the history it shares with that turn's prompt are taken from it, and only the rest is tokenized.
 """
 
 from __future__ import annotations
@@ -71,17 +72,26 @@ class PromptEncoder:
     def __init__(self, spec: TokenizerSpec) -> None:
         self.spec = spec
         self.backend = spec.backend()
+        self._added_ids = frozenset(int(token_id) for token_id in self.backend.get_added_tokens_decoder())
 
     @classmethod
     def from_tokenizer(cls, tokenizer: Any) -> PromptEncoder:
         """The encoder of a loaded ``transformers`` fast tokenizer."""
         return cls(TokenizerSpec.from_tokenizer(tokenizer))
 
-    def encode(self, prompts: list[tuple[PromptRecord, bool | None]]) -> list[PromptTokens | TokenizeError]:
+    def encode(
+        self,
+        prompts: list[tuple[PromptRecord, bool | None]],
+        previous: list[PromptTokens | None] | None = None,
+    ) -> list[PromptTokens | TokenizeError]:
         """Render and tokenize prompts; one result per ``(prompt, enable_thinking)``, in order.
 
         Args:
             prompts: Each prompt with the thinking switch it is sampled with.
+            previous: Per prompt, the tokens of its conversation's turn before (or None): the ids of the text
+                both renders share, up to an added token, are taken from it, and only the rest is tokenized
+                (a conversation's later turn on the dispatcher's loop: its history is not tokenized again).
+                The ids are the same either way.
 
         Returns:
             Per prompt its ids, or the :class:`TokenizeError` saying why the template cannot render it.
@@ -89,24 +99,54 @@ class PromptEncoder:
         """
         results: list[PromptTokens | TokenizeError | None] = []
         texts: list[str] = []
-        for prompt, thinking in prompts:
+        heads: list[tuple[int, list[int], tuple[tuple[int, int], ...]]] = []
+        for position, (prompt, thinking) in enumerate(prompts):
             try:
-                texts.append(render_prompt(self.spec, prompt.messages, prompt.tools, thinking))
-                results.append(None)
+                text = render_prompt(self.spec, prompt.messages, prompt.tools, thinking)
             except TokenizeError as error:
                 results.append(error)
+                continue
+            before = previous[position] if previous is not None else None
+            start, count, cuts = shared_head(before, text) if before is not None else (0, 0, ())
+            texts.append(text)
+            heads.append((start, before.input_ids[:count] if before is not None else [], cuts))
+            results.append(None)
         # encode_batch encodes each text exactly as the row tokenizer's encode() does, and releases the GIL
         # while it runs, so the dispatcher's loop thread is not held up by a shard's renders.
-        encodings = iter(self.backend.encode_batch(texts, add_special_tokens=False))
-        text_of = iter(texts)
+        tails = [text[start:] for text, (start, _, _) in zip(texts, heads, strict=True)]
+        encodings = iter(self.backend.encode_batch(tails, add_special_tokens=False))
+        rendered = iter(zip(texts, heads, strict=True))
         out: list[PromptTokens | TokenizeError] = []
         for result in results:
             if result is not None:
                 out.append(result)
                 continue
-            ids: list[int] = next(encodings).ids
-            out.append(PromptTokens(input_ids=ids, opens_reasoning=opens_reasoning(next(text_of))))
+            text, (start, head, cuts) = next(rendered)
+            encoding = next(encodings)
+            tail: list[int] = encoding.ids
+            added = [
+                (start + end, len(head) + index + 1)
+                for index, (token, (_, end)) in enumerate(zip(tail, encoding.offsets, strict=True))
+                if token in self._added_ids
+            ]
+            out.append(
+                PromptTokens(
+                    input_ids=head + tail,
+                    opens_reasoning=opens_reasoning(text),
+                    text=text,
+                    cuts=(*cuts, *added),
+                )
+            )
         return out
+
+
+def shared_head(before: PromptTokens, text: str) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """Where ``text`` may take ``before``'s ids: ``(characters, ids, cuts)`` at its last shared added token."""
+    for position in range(len(before.cuts) - 1, -1, -1):
+        end, count = before.cuts[position]
+        if text.startswith(before.text[:end]):
+            return end, count, before.cuts[: position + 1]
+    return 0, 0, ()
 
 
 _encoder_lock = threading.Lock()
@@ -136,12 +176,17 @@ def prompt_encoder(tokenizer_path: str) -> PromptEncoder:
 
 
 def attach_prompt_tokens(
-    requests: list[GenerationRequest], encoder: PromptEncoder
+    requests: list[GenerationRequest],
+    previous: list[PromptTokens | None] | None = None,
+    *,
+    encoder: PromptEncoder,
 ) -> tuple[list[GenerationRequest], list[FailureRecord]]:
     """Give every request its rendered prompt's ids; each prompt is rendered once for all its samples.
 
     Args:
         requests: Requests without ``prompt_tokens``.
+        previous: Per request, the prompt tokens of its conversation's turn before (or None), whose ids of
+            the shared history are reused (:meth:`PromptEncoder.encode`).
         encoder: The run's encoder (:func:`prompt_encoder`).
 
     Returns:
@@ -151,12 +196,14 @@ def attach_prompt_tokens(
     """
     index: dict[tuple[str, bool | None], int] = {}
     unique: list[tuple[PromptRecord, bool | None]] = []
+    befores: list[PromptTokens | None] = []
     keys = [_render_key(request) for request in requests]
-    for request, key in zip(requests, keys, strict=True):
+    for position, (request, key) in enumerate(zip(requests, keys, strict=True)):
         if key not in index:
             index[key] = len(unique)
             unique.append((request.prompt, request.sampling.enable_thinking))
-    encoded = encoder.encode(unique)
+            befores.append(previous[position] if previous is not None else None)
+    encoded = encoder.encode(unique, befores)
     ready: list[GenerationRequest] = []
     failures: list[FailureRecord] = []
     for request, key in zip(requests, keys, strict=True):

@@ -279,7 +279,7 @@ def generate_shard(
     if dispatcher.exact_tokens and chains is None:
         # Rendered here, in the shard task's thread, not on the dispatcher's loop; a prompt the template
         # cannot render fails without being sent (conversations' turns were rendered as they were built).
-        to_send, unrenderable = attach_prompt_tokens(to_send, prompt_encoder(config.model.tokenizer))
+        to_send, unrenderable = attach_prompt_tokens(to_send, encoder=prompt_encoder(config.model.tokenizer))
         kept_failures.extend(unrenderable)
     try:
         writer.flush_patiently(kept_completions, kept_failures)

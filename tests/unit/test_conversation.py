@@ -16,7 +16,7 @@ from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, retried_keys
-from datagen.generation.openai_chat import GenerationRequest
+from datagen.generation.openai_chat import GenerationRequest, PromptTokens
 from datagen.generation.shard import ShardInbox
 from datagen.records import (
     AssistantCompletion,
@@ -327,7 +327,9 @@ def test_a_next_turn_that_cannot_be_built_stops_the_shard_waiting_for_it_instead
     # turn's failure: the shard waiting for that conversation's turns must stop, keeping what it took.
     prompt = _prompt("c0", ("user", "q0"), ("assistant", "x"), ("user", "q1"))
 
-    def prepare(requests: list[GenerationRequest]) -> tuple[list[GenerationRequest], list[FailureRecord]]:
+    def prepare(
+        requests: list[GenerationRequest], previous: list[PromptTokens | None] | None
+    ) -> tuple[list[GenerationRequest], list[FailureRecord]]:
         if any(request.turn for request in requests):
             raise ValueError("render exploded")
         return requests, []

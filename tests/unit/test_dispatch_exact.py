@@ -64,7 +64,7 @@ def requests_for(
         )
         params = SamplingParams.model_validate({"max_tokens": 64, **sampling})
         requests.append(GenerationRequest(prompt=prompt, sampling=params, dataset="unit"))
-    ready, failures = attach_prompt_tokens(requests, encoder)
+    ready, failures = attach_prompt_tokens(requests, encoder=encoder)
     assert not failures
     return ready
 

@@ -9,7 +9,7 @@ import pytest
 
 from datagen.config import SamplingParams
 from datagen.dataset.tokenize import TokenizedRow, tokenize_completion
-from datagen.dataset.tokenizer import load_tokenizer
+from datagen.dataset.tokenizer import TokenizerSpec, load_tokenizer
 from datagen.generation.openai_chat import (
     BadToolArgumentsError,
     GenerationRequest,
@@ -24,6 +24,7 @@ from datagen.generation.sglang_generate import (
     parse_generate_completion,
     parse_generate_response,
     render_prompt_ids,
+    shared_head,
 )
 from datagen.records import (
     AssistantCompletion,
@@ -34,7 +35,8 @@ from datagen.records import (
     TokenUsage,
     ToolCall,
 )
-from tests.support.qwen import tokenizer_with_template
+from tests.support.on_policy import SCRIPTS, converse
+from tests.support.qwen import build_qwen_tokenizer_dir, tokenizer_with_template
 
 WEATHER_TOOL = {
     "type": "function",
@@ -258,7 +260,7 @@ def test_each_prompt_is_rendered_once_for_all_its_samples_and_an_unrenderable_on
         for index in range(2)
     ]
 
-    ready, failures = attach_prompt_tokens(requests, PromptEncoder.from_tokenizer(tokenizer))
+    ready, failures = attach_prompt_tokens(requests, encoder=PromptEncoder.from_tokenizer(tokenizer))
 
     assert [request.key for request in ready] == ["good/0", "good/1"]
     assert ready[0].prompt_tokens is ready[1].prompt_tokens  # one render, shared by the samples
@@ -269,3 +271,30 @@ def test_each_prompt_is_rendered_once_for_all_its_samples_and_an_unrenderable_on
         ("bad/1", "unrenderable_prompt", 0),
     ]
     assert "No user query found" in failures[0].reason
+
+
+@pytest.mark.parametrize("template", ["qwen3", "qwen3.6"])
+def test_a_later_turn_tokenized_after_its_previous_turn_has_the_ids_of_a_whole_render(
+    tmp_path: Path, template: str
+) -> None:
+    # A conversation's later turn takes the ids of the history it shares with the turn before (up to an added
+    # token) and tokenizes only the rest: the ids must be exactly those of tokenizing its whole render, also
+    # where the template re-renders earlier turns (Qwen3 drops their reasoning) or splices tool results.
+    encoder = PromptEncoder(TokenizerSpec.load(str(build_qwen_tokenizer_dir(tmp_path / "tok", template))))
+    reused = 0
+    for name in sorted(SCRIPTS):
+        records = converse(name)
+        before: PromptTokens | None = None
+        for record in records:
+            prompt = PromptRecord(
+                prompt_id=record.prompt_id, dataset="d", messages=record.messages, tools=record.tools
+            )
+            (whole,) = encoder.encode([(prompt, record.sampling.enable_thinking)])
+            (after,) = encoder.encode([(prompt, record.sampling.enable_thinking)], [before])
+            assert isinstance(whole, PromptTokens) and isinstance(after, PromptTokens)
+            assert after.input_ids == whole.input_ids, f"{name} turn {record.turn}"
+            assert after.cuts == whole.cuts and after.opens_reasoning == whole.opens_reasoning
+            if before is not None:
+                reused += shared_head(before, after.text)[1]
+            before = after
+    assert reused > 0, "later turns reuse the history's ids"
