@@ -45,7 +45,9 @@ class GenerationProgress(BaseModel):
     """Generation so far: what the progress artifact, its log line and the run page show."""
 
     answered: int = Field(description="Requests answered: completions and recorded failures.")
-    total: int = Field(description="Requests of the run (prompts times samples).")
+    total: int = Field(
+        description="Requests of the run (prompts times samples; each turn of an on-policy conversation is one)."
+    )
     failed: int = 0
     output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
     elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
