@@ -49,6 +49,10 @@ class GenerationProgress(BaseModel):
         description="Requests of the run (prompts times samples; each turn of an on-policy conversation is one)."
     )
     failed: int = 0
+    conversations: int = Field(default=0, ge=0, description="On-policy conversations of the run (0: none).")
+    conversations_done: int = Field(
+        default=0, ge=0, description="On-policy conversations of the shards finished so far."
+    )
     output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
     elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
     gpus: int = Field(default=0, ge=0, description="GPUs the fleet holds (0: none counted).")
@@ -104,6 +108,7 @@ class GenerationProgress(BaseModel):
         return " · ".join(
             [
                 f"{self.percent:.1f}% · {self.answered}/{self.total} answered",
+                *self.conversation_lines(),
                 f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text} · {self.failed} failed",
                 f"{format_duration(self.elapsed_s)} elapsed",
                 *self.cost_lines(),
@@ -124,6 +129,12 @@ class GenerationProgress(BaseModel):
         left = f"window {format_duration(max(0.0, self.window_left_s or 0.0))} left"
         return f"{left} · draining" if self.window_closing else left
 
+    def conversation_lines(self) -> list[str]:
+        """``3/20 conversations done`` when the run has on-policy conversations (each turn one request)."""
+        if not self.conversations:
+            return []
+        return [f"{self.conversations_done}/{self.conversations} conversations done"]
+
     def cost_lines(self) -> list[str]:
         """The cost so far and the window, each only when the flow filled it."""
         return [
@@ -140,6 +151,7 @@ class GenerationProgress(BaseModel):
         """
         lines = [
             f"**{self.percent:.1f}%** · {self.answered}/{self.total} answered",
+            *self.conversation_lines(),
             f"{self.tokens_per_s:.1f} output tok/s · ETA {self.eta_text}",
             f"{self.failed} failed · {format_duration(self.elapsed_s)} elapsed",
             *self.cost_lines(),

@@ -208,6 +208,16 @@ class PromptShardRef(Record):
     shard_index: int
     path: str
     prompts: int
+    turns: int | None = Field(
+        default=None,
+        description="On-policy conversations: the turns of its prompts (each a request per sample); None: a "
+        "request per prompt and sample.",
+    )
+
+    @property
+    def requests_per_sample(self) -> int:
+        """Requests one sample of every prompt of the shard makes: its turns, else its prompts."""
+        return self.prompts if self.turns is None else self.turns
 
 
 class PreparedDataset(Record):

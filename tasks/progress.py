@@ -55,12 +55,19 @@ def progress_card(
     stats: DispatcherStats,
     elapsed_s: float,
     cost: ServingCost | None = None,
+    conversations: tuple[int, int] | None = None,
 ) -> tuple[GenerationProgress, str]:
-    """Generation so far and the progress artifact's text: the figures, then the dispatcher's queues."""
+    """Generation so far and the progress artifact's text: the figures, then the dispatcher's queues.
+
+    ``conversations``: on-policy conversations of finished shards and of the run (None: the run has none).
+    """
     now = utc_now()
+    done, planned = conversations or (0, 0)
     progress = GenerationProgress(
         answered=answered,
         total=total,
+        conversations_done=done,
+        conversations=planned,
         failed=stats.failed,
         output_tokens=stats.output_tokens,
         elapsed_s=elapsed_s,
@@ -170,9 +177,19 @@ class GenerationProgressReporter:
         self.publisher.close(PROGRESS_CLOSE_TIMEOUT_S)
 
     def report(
-        self, answered: int, total: int, shards_done: int, shards_total: int, *, force: bool = False
+        self,
+        answered: int,
+        total: int,
+        shards_done: int,
+        shards_total: int,
+        *,
+        conversations: tuple[int, int] | None = None,
+        force: bool = False,
     ) -> None:
-        """Show how far generation is: the live view often, the log line and the artifact when due (or forced)."""
+        """Show how far generation is: the live view often, the log line and the artifact when due (or forced).
+
+        ``conversations``: on-policy conversations of finished shards and of the run (None: the run has none).
+        """
         now = time.monotonic()
         due = force or now - self.last_report >= get_settings().progress_interval_s
         if not due and now - self.last_watched < WATCHED_PROGRESS_INTERVAL_S:
@@ -186,7 +203,9 @@ class GenerationProgressReporter:
                 self.last_report = now
                 logger.warning("progress read failed error=%s", error)
             return
-        progress, description = progress_card(answered, total, stats, now - self.started, self.cost)
+        progress, description = progress_card(
+            answered, total, stats, now - self.started, self.cost, conversations
+        )
         report_progress(progress)
         if not due:
             return

@@ -96,6 +96,7 @@ class ShardScheduler:
         self.retry_failed = retry_failed
         self.generated = Generated()
         self.total_requests = 0
+        self.total_conversations = 0
         self.max_tasks = context.config.generation.max_concurrent_shards or MAX_SHARD_TASKS
         self._waiting_prepare = list(prepared_futures)
         self._pending: deque[PromptShardRef] = deque()
@@ -119,13 +120,20 @@ class ShardScheduler:
                 self._report()
         summaries = self.generated.summaries
         answered = sum(s.completions + s.failures for s in summaries)
-        self._progress.report(answered, self.total_requests, len(summaries), len(summaries), force=True)
+        self._progress.report(
+            answered,
+            self.total_requests,
+            len(summaries),
+            len(summaries),
+            conversations=self._conversations(),
+            force=True,
+        )
         self._progress.close()
         self.generated.requests = self.total_requests
         if not self._admitting():
             self._take_prepared(block=True)  # counted as unsent
             self.generated.unsent = sum(
-                shard.prompts * samples_per_prompt(self.context.config, shard.dataset)
+                shard.requests_per_sample * samples_per_prompt(self.context.config, shard.dataset)
                 for shard in self._pending
             ) + sum(
                 int(error.context.get("unanswered", 0))
@@ -148,7 +156,10 @@ class ShardScheduler:
         while self._waiting_prepare and (block or self._waiting_prepare[0].state.is_final()):
             item = self._waiting_prepare.pop(0).result()
             self.generated.prepared.append(item)
-            self.total_requests += item.prompts * samples_per_prompt(self.context.config, item.dataset)
+            samples = samples_per_prompt(self.context.config, item.dataset)
+            self.total_requests += sum(shard.requests_per_sample for shard in item.shards) * samples
+            if self.context.config.dataset(item.dataset).multi_turn == "on_policy":
+                self.total_conversations += item.prompts * samples
             self._pending.extend(item.shards)
             block = False
 
@@ -216,7 +227,15 @@ class ShardScheduler:
             for shard in self._running.values()
         )
         shards_total = len(summaries) + len(self._running) + len(self._pending)
-        self._progress.report(answered, self.total_requests, len(summaries), shards_total)
+        self._progress.report(
+            answered, self.total_requests, len(summaries), shards_total, conversations=self._conversations()
+        )
+
+    def _conversations(self) -> tuple[int, int] | None:
+        """On-policy conversations of finished shards, and of the run (None: the run has none)."""
+        if not self.total_conversations:
+            return None
+        return sum(s.conversations for s in self.generated.summaries), self.total_conversations
 
 
 def generate_all(

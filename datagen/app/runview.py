@@ -218,6 +218,8 @@ class RunView:
         bar.append(BAR_DONE * filled, style="green")
         bar.append(BAR_LEFT * (BAR_WIDTH - filled), style="dim")
         bar.append(f" {progress.percent:.1f}% · {progress.answered}/{progress.total} answered")
+        for line in progress.conversation_lines():
+            bar.append(f" · {line}")
         rates = Text(
             " " * BAR_INDENT + f"{progress.tokens_per_s:.1f} output tok/s · ETA {progress.eta_text} · "
         )

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from datagen.config import DatasetConfig, RunConfig
+from datagen.conversation_turns import split_conversation
 from datagen.dataset.tokenizer import shared_tokenizer
 from datagen.errors import ConfigError, DatasetError, OutputExistsError
 from datagen.output.layout import RunLayout
@@ -78,15 +79,22 @@ def _load_tokenizer(location: str) -> Any:
 class _ShardWriter:
     """Cuts records into shards of ``shard_size`` and writes each one once (verifying earlier writes)."""
 
-    def __init__(self, store: Store, layout: RunLayout, dataset: str, shard_size: int) -> None:
+    def __init__(
+        self, store: Store, layout: RunLayout, dataset: str, shard_size: int, *, on_policy: bool = False
+    ) -> None:
         self.store = store
         self.layout = layout
         self.dataset = dataset
         self.shard_size = shard_size
+        self.on_policy = on_policy
         self.buffer: list[str] = []
+        self.turns = 0
         self.shards: list[PromptShardRef] = []
 
     def add(self, record_json: str) -> None:
+        if self.on_policy:
+            # Each turn of an on-policy conversation is a request: what the run's progress counts.
+            self.turns += split_conversation(PromptRecord.model_validate_json(record_json).messages).turns
         self.buffer.append(record_json)
         if len(self.buffer) >= self.shard_size:
             self.flush()
@@ -110,10 +118,14 @@ class _ShardWriter:
                     key=key,
                 ) from None
             logger.info("prompt shard already written dataset=%s shard=%d", self.dataset, index)
+        turns = self.turns if self.on_policy else None
         self.shards.append(
-            PromptShardRef(dataset=self.dataset, shard_index=index, path=key, prompts=len(self.buffer))
+            PromptShardRef(
+                dataset=self.dataset, shard_index=index, path=key, prompts=len(self.buffer), turns=turns
+            )
         )
         self.buffer = []
+        self.turns = 0
 
 
 def scan_request(config: RunConfig, dataset: DatasetConfig) -> ScanRequest:
@@ -245,7 +257,9 @@ def prepare_prompts(
     if dataset.max_prompt_tokens is not None and tokenizer is None:
         tokenizer = _load_tokenizer(config.model.tokenizer)
     tally = RejectionTally()
-    writer = _ShardWriter(store, layout, dataset.name, dataset.shard_size)
+    writer = _ShardWriter(
+        store, layout, dataset.name, dataset.shard_size, on_policy=dataset.multi_turn == "on_policy"
+    )
     sample = QuotaRule(quota) if quota is not None else None
     length = (
         LengthRule(tokenizer, dataset.max_prompt_tokens, config.sampling_for(dataset).enable_thinking)

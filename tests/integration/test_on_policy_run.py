@@ -265,6 +265,10 @@ def test_on_policy_conversations_are_answered_turn_by_turn_exactly_once_through_
         server.flaky = False
         retried = _start(config, tmp_path, prefect_api, log, "--retry-failed")
         assert retried.wait(FLOW_TIMEOUT_S) == 0, log.read_text()[-4000:]
+        # The progress counts every turn as a request, and the conversations beside them.
+        final = [line for line in log.read_text().splitlines() if "progress 100.0%" in line][-1]
+        planned = (CONVERSATIONS + TOOL_ROWS) * USER_TURNS
+        assert f"{planned}/{planned} answered · {CONVERSATIONS + TOOL_ROWS}/" in final, final
         seen = [request.body for request in server.chat_requests() if request.body is not None]
         max_in_flight = server.max_in_flight
     assert marks[-2] < marks[-1], "the resumed run sent the turns still to do"

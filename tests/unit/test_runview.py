@@ -140,6 +140,7 @@ def test_the_bar_shows_what_training_pays_so_far_and_the_windows_time_left_when_
         )
     text = _render(view)
     assert "paused 1 h 15 min · 10.0 GPU-h · window 2 h 10 min left" in text
+    assert "conversations" not in text, "a run without on-policy conversations shows none"
     assert text.index("output tok/s") < text.index("GPU-h")
     with watching(view):
         report_progress(
@@ -148,3 +149,13 @@ def test_the_bar_shows_what_training_pays_so_far_and_the_windows_time_left_when_
             )
         )
     assert "window 0 s left · draining" in _render(view)
+
+
+def test_a_run_with_on_policy_conversations_counts_their_turns_and_the_conversations_done() -> None:
+    view = RunView("on-policy")
+    with watching(view):
+        report_progress(GenerationProgress(answered=30, total=60, conversations=20, conversations_done=8))
+    assert "30/60 answered · 8/20 conversations done" in _render(view)
+    progress = GenerationProgress(answered=30, total=60, conversations=20, conversations_done=8)
+    assert "30/60 answered · 8/20 conversations done · " in progress.line()
+    assert "8/20 conversations done" in progress.card()
