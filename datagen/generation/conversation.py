@@ -364,11 +364,11 @@ class ConversationChains:
             ended.extend(step.ended)
             if step.request is not None:
                 requests.append(step.request)
-        ready, unsent = self._prepared(requests)
+        ready, unsent = self._prepared(requests, [None] * len(requests))
         return ready, ended + unsent
 
     def _prepared(
-        self, requests: list[GenerationRequest], previous: list[PromptTokens | None] | None = None
+        self, requests: list[GenerationRequest], previous: list[PromptTokens | None]
     ) -> tuple[list[GenerationRequest], list[FailureRecord]]:
         """``requests`` ready to send; a turn the template cannot render fails, ending its conversation."""
         if self.prepare is None or not requests:

@@ -88,10 +88,11 @@ class PromptEncoder:
 
         Args:
             prompts: Each prompt with the thinking switch it is sampled with.
-            previous: Per prompt, the tokens of its conversation's turn before (or None): the ids of the text
-                both renders share, up to an added token, are taken from it, and only the rest is tokenized
-                (a conversation's later turn on the dispatcher's loop: its history is not tokenized again).
-                The ids are the same either way.
+            previous: Given for a conversation's turns: per prompt, the tokens of the turn before (or None for
+                a first turn). The ids of the text both renders share, up to an added token, are taken from it,
+                and only the rest is tokenized (a later turn on the dispatcher's loop: its history is not
+                tokenized again); the ids are the same either way. Only then is the render kept for a next
+                turn. None: prompts no turn follows (nothing is kept).
 
         Returns:
             Per prompt its ids, or the :class:`TokenizeError` saying why the template cannot render it.
@@ -124,6 +125,10 @@ class PromptEncoder:
             text, (start, head, cuts) = next(rendered)
             encoding = next(encodings)
             tail: list[int] = encoding.ids
+            if previous is None:
+                # Not a conversation's turn: nothing follows it, so nothing is kept for a next render.
+                out.append(PromptTokens(input_ids=tail, opens_reasoning=opens_reasoning(text)))
+                continue
             added = [
                 (start + end, len(head) + index + 1)
                 for index, (token, (_, end)) in enumerate(zip(tail, encoding.offsets, strict=True))
@@ -203,7 +208,7 @@ def attach_prompt_tokens(
             index[key] = len(unique)
             unique.append((request.prompt, request.sampling.enable_thinking))
             befores.append(previous[position] if previous is not None else None)
-    encoded = encoder.encode(unique, befores)
+    encoded = encoder.encode(unique, befores if previous is not None else None)
     ready: list[GenerationRequest] = []
     failures: list[FailureRecord] = []
     for request, key in zip(requests, keys, strict=True):

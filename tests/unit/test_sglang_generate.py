@@ -289,11 +289,14 @@ def test_a_later_turn_tokenized_after_its_previous_turn_has_the_ids_of_a_whole_r
             prompt = PromptRecord(
                 prompt_id=record.prompt_id, dataset="d", messages=record.messages, tools=record.tools
             )
-            (whole,) = encoder.encode([(prompt, record.sampling.enable_thinking)])
+            (whole,) = encoder.encode([(prompt, record.sampling.enable_thinking)], [None])
             (after,) = encoder.encode([(prompt, record.sampling.enable_thinking)], [before])
             assert isinstance(whole, PromptTokens) and isinstance(after, PromptTokens)
             assert after.input_ids == whole.input_ids, f"{name} turn {record.turn}"
             assert after.cuts == whole.cuts and after.opens_reasoning == whole.opens_reasoning
+            (plain,) = encoder.encode([(prompt, record.sampling.enable_thinking)])
+            assert isinstance(plain, PromptTokens) and plain.input_ids == whole.input_ids
+            assert not plain.text and not plain.cuts, "a prompt no turn follows keeps nothing"
             if before is not None:
                 reused += shared_head(before, after.text)[1]
             before = after
