@@ -22,13 +22,13 @@ PROMPTS = 12
 CLI_TIMEOUT_S = 300
 
 
-def _cli(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+def _cli(tmp_path: Path, prefect_api: str, *arguments: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api
     return subprocess.run(
         [sys.executable, "-m", "flows.cli_entry", *arguments],
         env=env,
@@ -40,7 +40,7 @@ def _cli(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_run_appends_the_box_history_and_the_next_plan_prices_from_it(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
     with FaultServer() as server:
         config = external_run_config(
@@ -55,11 +55,11 @@ def test_a_run_appends_the_box_history_and_the_next_plan_prices_from_it(
             protected=str(tmp_path / "train"),
             generation={"checkpoint_interval_s": 0.2, "backoff_initial_s": 0.05},
         )
-        first = _cli(tmp_path, "plan", "--config", str(config), "--json")
+        first = _cli(tmp_path, prefect_api, "plan", "--config", str(config), "--json")
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-        ran = _cli(tmp_path, "run", "--config", str(config), "--run-id", "costly-1")
+        ran = _cli(tmp_path, prefect_api, "run", "--config", str(config), "--run-id", "costly-1")
         assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-        second = _cli(tmp_path, "plan", "--config", str(config), "--json")
+        second = _cli(tmp_path, prefect_api, "plan", "--config", str(config), "--json")
         assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
 
     before, after = json.loads(first.stdout), json.loads(second.stdout)

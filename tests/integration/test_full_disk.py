@@ -81,7 +81,7 @@ def _wall_time_of_first_fault(log: str, day_of: float) -> float:
 
 
 def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_the_open_work(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
     if not _namespaces_allowed():
         pytest.skip("unprivileged user and mount namespaces are not allowed here (unshare -Urm)")
@@ -117,7 +117,7 @@ def test_a_full_disk_stops_new_shards_says_so_once_and_the_resume_redoes_only_th
             "PREFECT_HOME": str(seed_prefect_home(tmp_path / "prefect-home")),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
-        env.pop("PREFECT_API_URL", None)
+        env["PREFECT_API_URL"] = prefect_api
         shell = subprocess.Popen(["unshare", "-Urm", "sh", "-c", SCRIPT], env=env, cwd=REPO)
         try:
             deadline = time.monotonic() + RUN_TIMEOUT_S

@@ -39,13 +39,13 @@ def _config(tmp_path: Path, url: str, model_dir: Path) -> Path:
     )
 
 
-def _run(config: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+def _run(config: Path, tmp_path: Path, prefect_api: str, *extra: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api
     command = [
         sys.executable,
         "-m",
@@ -62,11 +62,11 @@ def _run(config: Path, tmp_path: Path, *extra: str) -> subprocess.CompletedProce
 
 
 def test_a_fleet_answering_400_to_everything_ends_failed_without_a_version_and_retry_failed_answers_all(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
     with FaultServer(FaultPlan(pinned_to="someone-elses-model")) as server:
         config = _config(tmp_path, server.url, tiny_model_dir)
-        failed = _run(config, tmp_path)
+        failed = _run(config, tmp_path, prefect_api)
         assert failed.returncode == 1, failed.stdout[-3000:] + failed.stderr[-3000:]
         last = failed.stderr.strip().splitlines()[-1]
         assert "http_400 x12" in last and "12 of 12 requests failed" in last, last
@@ -85,7 +85,7 @@ def test_a_fleet_answering_400_to_everything_ends_failed_without_a_version_and_r
 
         # The fleet is fixed: --retry-failed sends every failure once more, and the run completes.
         server.plan.pinned_to = None
-        retried = _run(config, tmp_path, "--retry-failed")
+        retried = _run(config, tmp_path, prefect_api, "--retry-failed")
         assert retried.returncode == 0, retried.stdout[-3000:] + retried.stderr[-3000:]
         resent = [request.body["messages"][-1]["content"] for request in server.chat_requests()[sent:]]
         assert len(resent) == len(set(resent)) == PROMPTS, "each failure sent again exactly once"

@@ -1,7 +1,7 @@
 """S3 refusing connections for 90 s mid-run: the run rides it out, and the outage costs at most what was in flight.
 
-A real `datagen run` (its own temporary Prefect API server) sends to a simulated OpenAI-compatible server and
-writes to moto's S3 server through a TCP relay. Once part of the run is answered, the relay goes away for
+A real `datagen run` (reporting to the worker's running Prefect API server) sends to a simulated
+OpenAI-compatible server and writes to moto's S3 server through a TCP relay. Once part of the run is answered, the relay goes away for
 :data:`OUTAGE_S`: its listener closes (every new connection is refused) and every open connection is reset,
 as when S3 or the network to it is down; then it listens again on the same port. The run ends Completed
 (exit 0) without a resume: shards keep their results while their writes fail and store them once S3 is back.
@@ -69,7 +69,7 @@ def _final_records(client: Any, bucket: str) -> list[dict[str, Any]]:
 
 
 def test_a_90_s_s3_outage_mid_run_is_ridden_out_and_costs_at_most_what_was_in_flight(
-    tmp_path: Path, tiny_model_dir: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, tiny_model_dir: Path, s3_endpoint: str, monkeypatch: pytest.MonkeyPatch, prefect_api: str
 ) -> None:
     for name, value in S3_ENV.items():
         monkeypatch.setenv(name, value)
@@ -104,7 +104,7 @@ def test_a_90_s_s3_outage_mid_run_is_ridden_out_and_costs_at_most_what_was_in_fl
             "PREFECT_HOME": str(seed_prefect_home(tmp_path / "prefect-home")),
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         }
-        env.pop("PREFECT_API_URL", None)
+        env["PREFECT_API_URL"] = prefect_api
         err = tmp_path / "run.err"
         with err.open("w") as stderr:
             run = subprocess.Popen(

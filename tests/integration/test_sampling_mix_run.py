@@ -30,13 +30,13 @@ MIX = [
 ]
 
 
-def _cli(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
+def _cli(tmp_path: Path, prefect_api: str, *arguments: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api
     return subprocess.run(
         [sys.executable, "-m", "flows.cli_entry", *arguments],
         env=env,
@@ -48,7 +48,7 @@ def _cli(tmp_path: Path, *arguments: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_run_samples_each_prompt_with_the_setting_its_id_draws_and_reports_the_mix(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
     with FaultServer() as server:
         path = external_run_config(
@@ -66,7 +66,7 @@ def test_a_run_samples_each_prompt_with_the_setting_its_id_draws_and_reports_the
         data = yaml.safe_load(path.read_text())
         data["datasets"][0]["sampling_mix"] = MIX
         path.write_text(yaml.safe_dump(data))
-        ran = _cli(tmp_path, "run", "--config", str(path), "--run-id", "mixed-1")
+        ran = _cli(tmp_path, prefect_api, "run", "--config", str(path), "--run-id", "mixed-1")
         assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
         bodies = {
             request.body["messages"][-1]["content"]: request.body

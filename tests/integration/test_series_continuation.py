@@ -55,14 +55,14 @@ def _config(tmp_path: Path, url: str, model_dir: Path) -> Path:
     return path
 
 
-def _env(tmp_path: Path) -> dict[str, str]:
+def _env(tmp_path: Path, prefect_api: str) -> dict[str, str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(tmp_path / "state"),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api
     return env
 
 
@@ -92,9 +92,9 @@ def _sent(server: FaultServer, since: int) -> list[str]:
 
 
 def test_the_series_next_run_finishes_an_unfinished_run_once_then_the_next_takes_new_prompts(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
-    env = _env(tmp_path)
+    env = _env(tmp_path, prefect_api)
     runs = tmp_path / "out" / "runs"
     with FaultServer(FaultPlan(base_delay_s=0.2)) as server, contextlib.ExitStack() as cleanup:
         config = _config(tmp_path, server.url, tiny_model_dir)

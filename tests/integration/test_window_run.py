@@ -48,13 +48,15 @@ CLI_TIMEOUT_S = 300
 RUN_ID = "window-1"
 
 
-def _run(config: Path, state: Path, run_id: str | None = RUN_ID) -> subprocess.CompletedProcess[str]:
+def _run(
+    config: Path, state: Path, prefect_api: str, run_id: str | None = RUN_ID
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "DATAGEN_STATE_DIR": str(state),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
     }
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api
     command = [sys.executable, "-m", "flows.cli_entry", "run", "--config", str(config)]
     command += ["--run-id", run_id] if run_id else []
     return subprocess.run(
@@ -132,7 +134,7 @@ def _series_configs(
 
 
 def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_and_the_next_attempt_the_rest(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
     state = tmp_path / "state"
     _record_fast_hand_back(state, tiny_model_dir)
@@ -140,7 +142,7 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
         config, windowed = _series_configs(tmp_path, server.url, tiny_model_dir)
         data = yaml.safe_load(config.read_text())
 
-        ended = _run(windowed, state)
+        ended = _run(windowed, state, prefect_api)
         assert ended.returncode == 4, ended.stdout[-3000:] + ended.stderr[-3000:]
         last = ended.stderr.strip().splitlines()[-1]
         assert "the generation window ended with" in last and f"of {PROMPTS} requests" in last, last
@@ -166,7 +168,7 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
         data.pop("window", None)
         config.write_text(yaml.safe_dump(data))
         # The series' next run (no run id) continues the window-ended run before it takes new prompts.
-        finished = _run(config, state, run_id=None)
+        finished = _run(config, state, prefect_api, run_id=None)
         assert finished.returncode == 0, finished.stdout[-3000:] + finished.stderr[-3000:]
         assert f"continuing run {RUN_ID} of series nightly" in finished.stderr, finished.stderr[-3000:]
         resent = [request.body["messages"][-1]["content"] for request in server.chat_requests()[sent:]]
@@ -174,7 +176,7 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
         assert len(resent) <= PROMPTS - len(first) + IN_FLIGHT, (len(resent), len(first))
 
         # The run after it takes new prompts only and builds on the continuation's version.
-        after = _run(config, state, run_id=None)
+        after = _run(config, state, prefect_api, run_id=None)
         assert after.returncode == 0, after.stdout[-3000:] + after.stderr[-3000:]
         assert "continuing run" not in after.stderr
 
@@ -234,7 +236,7 @@ def _sigkill_when(run: CliRun, pattern: str, what: str) -> None:
 
 
 def test_a_series_run_sigkilled_at_its_window_end_and_again_while_handing_back_is_finished_by_the_next_runs_each_answer_once(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
 ) -> None:
     state = tmp_path / "state"
     _record_fast_hand_back(state, tiny_model_dir)
@@ -246,7 +248,7 @@ def test_a_series_run_sigkilled_at_its_window_end_and_again_while_handing_back_i
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }
-    env.pop("PREFECT_API_URL", None)
+    env["PREFECT_API_URL"] = prefect_api
     transcript = tmp_path / "transcript.txt"
     runs: list[CliRun] = []
     run_root = tmp_path / "out" / "runs" / RUN_ID
