@@ -116,5 +116,6 @@ PY
   datagen export "$version" --tokenizer /tmp/dg/model > "$OUT/9-export.txt" 2>&1
   echo "export rc=$?"; tail -6 "$OUT/9-export.txt"
   cp /tmp/dg/out/runs/full/report.md "$OUT/6-report.md" 2> /dev/null
+  pkill -f "standin_trainer --pidfile /tmp/dg/trainer.pid"  # one a failed step left unhalted
   ;;
 esac
