@@ -1,9 +1,9 @@
 """S3 refusing connections for 90 s mid-run: the run rides it out, and the outage costs at most what was in flight.
 
 A real `datagen run` (reporting to the worker's running Prefect API server) sends to a simulated
-OpenAI-compatible server and writes to moto's S3 server through a TCP relay. Once part of the run is answered, the relay goes away for
-:data:`OUTAGE_S`: its listener closes (every new connection is refused) and every open connection is reset,
-as when S3 or the network to it is down; then it listens again on the same port. The run ends Completed
+OpenAI-compatible server and writes to moto's S3 server through a TCP relay. Once part of the run is answered,
+the relay goes away for :data:`OUTAGE_S`: its listener closes (every new connection is refused) and every open
+connection is reset, as when S3 or the network to it is down; then it listens again on the same port. The run ends Completed
 (exit 0) without a resume: shards keep their results while their writes fail and store them once S3 is back.
 Counted at the simulated server, the requests generated more than once stay within the fleet's in-flight cap
 (what a shard attempt ending mid-outage could lose); every prompt has exactly one final record; no object
