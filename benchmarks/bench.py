@@ -24,6 +24,11 @@ Scenarios (simulated time runs faster than a GPU so a run takes seconds; the rat
     python benchmarks/bench.py              # every scenario, ABBA (about 10 minutes)
     python benchmarks/bench.py --quick      # fewer prompts, one run per client
     python benchmarks/bench.py --scenarios seed --rounds 2 --out results.json
+    python benchmarks/bench.py --scenarios saturate --shard-sizes 256,2048   # datagen@256, datagen@2048, ideal
+
+``--shard-sizes`` runs datagen once per size (``datasets[].shard_size``; each a client of its own, named
+``datagen@<size>``, in the same ABBA order): each shard is one Prefect task run, so where answers take
+milliseconds the shard size sets how much of the flow process goes to Prefect's per-task work.
 """
 
 from __future__ import annotations
@@ -234,7 +239,12 @@ class CpuSampler:
         return 100.0 * (c1 - c0) / (t1 - t0) if t1 > t0 else None
 
 
-def datagen_config(scenario: Scenario, urls: list[str], prompts: Path, tokenizer: Path, output: Path) -> str:
+def datagen_config(
+    scenario: Scenario, urls: list[str], prompts: Path, tokenizer: Path, output: Path, shard_size: int | None
+) -> str:
+    dataset: dict[str, Any] = {"name": "bench", "format": "openai_messages", "path": str(prompts)}
+    if shard_size is not None:
+        dataset["shard_size"] = shard_size
     config = {
         "run_id": "bench",
         "model": {"path": str(tokenizer), "served_name": "sim"},
@@ -244,7 +254,7 @@ def datagen_config(scenario: Scenario, urls: list[str], prompts: Path, tokenizer
             "max_inflight_per_server": scenario.slots + scenario.margin,
         },
         "sampling": {"temperature": 0.7, "top_p": 0.95, "max_tokens": scenario.max_tokens},
-        "datasets": [{"name": "bench", "format": "openai_messages", "path": str(prompts)}],
+        "datasets": [dataset],
         "output": str(output),
         "generation": {"request_timeout_s": 600},
     }
@@ -263,11 +273,12 @@ def run_client(
     prefect_env: dict[str, str],
 ) -> dict[str, Any]:
     """One run on fresh servers: the client's exit code, and the figures the servers saw."""
-    run_dir = work / f"{scenario.name}-{index:02d}-{client}"
+    run_dir = work / f"{scenario.name}-{index:02d}-{client.replace('@', '-')}"
     run_dir.mkdir(parents=True)
     with Simulator(scenario, run_dir / "simulator.log") as simulator:
-        if client == "datagen":
-            config = datagen_config(scenario, simulator.urls, prompts, tokenizer, run_dir / "out")
+        if is_datagen(client):
+            shard_size = int(client.partition("@")[2]) if "@" in client else None
+            config = datagen_config(scenario, simulator.urls, prompts, tokenizer, run_dir / "out", shard_size)
             command = [PYTHON, "-m", "flows.cli_entry", "run", "--config", config]
             if os.environ.get("BENCH_PROFILE"):
                 # py-spy (pip install py-spy) samples the flow process: folded stacks, one per line.
@@ -331,6 +342,11 @@ def run_client(
     }
 
 
+def is_datagen(client: str) -> bool:
+    """``datagen``, or one of its ``--shard-sizes`` variants (``datagen@<size>``)."""
+    return client == "datagen" or client.startswith("datagen@")
+
+
 def order(clients: tuple[str, ...], rounds: int) -> list[str]:
     """ABBA generalised: the clients in order, then reversed, ``rounds`` times in all."""
     sequence: list[str] = []
@@ -349,7 +365,7 @@ def run_scenario(
         result = run_client(client, scenario, prompts, tokenizer, work, index, prefect_env)
         cpu = result.get("cpu_percent")
         print(
-            f"  {scenario.name:9s} {client:9s} exit={result['exit_code']} gen_s={result.get('generation_s', 0):6.1f} "
+            f"  {scenario.name:9s} {client:12s} exit={result['exit_code']} gen_s={result.get('generation_s', 0):6.1f} "
             f"tok/s={result['tok_per_s']:9.0f} util={result['utilisation']:.2f} req/s={result['requests_per_s']:7.0f} "
             f"cpu%={'-' if cpu is None else f'{cpu:.0f}'} connections={result.get('connections', 0)}",
             flush=True,
@@ -368,8 +384,8 @@ def run_scenario(
         "runs": runs,
         "medians": medians,
         "ratios_vs_ideal": {client: round(m["tok_per_s"] / ideal, 3) for client, m in medians.items()},
-        "datagen_exit_codes": [run["exit_code"] for run in runs if run["client"] == "datagen"],
-        "datagen_cpu_percent": [run["cpu_percent"] for run in runs if run["client"] == "datagen"],
+        "datagen_exit_codes": [run["exit_code"] for run in runs if is_datagen(run["client"])],
+        "datagen_cpu_percent": [run["cpu_percent"] for run in runs if is_datagen(run["client"])],
     }
     return summary
 
@@ -380,7 +396,7 @@ def print_summary(summaries: list[dict[str, Any]]) -> None:
         name = summary["scenario"]["name"]
         for client, medians in summary["medians"].items():
             print(
-                f"{name:10s} {client:10s} {medians['tok_per_s']:13.0f}  {medians['utilisation']:.2f} "
+                f"{name:10s} {client:12s} {medians['tok_per_s']:13.0f}  {medians['utilisation']:.2f} "
                 f"{medians['requests_per_s']:7.0f}   {summary['ratios_vs_ideal'][client]:.3f}"
             )
         cpus = [f"{cpu:.0f}%" for cpu in summary["datagen_cpu_percent"] if cpu is not None]
@@ -400,6 +416,11 @@ def main() -> None:
     parser.add_argument(
         "--clients", default=None, help="Only these clients (comma-separated; ideal is always run)."
     )
+    parser.add_argument(
+        "--shard-sizes",
+        default=None,
+        help="Run datagen once per shard size (comma-separated), each a client named datagen@<size>.",
+    )
     parser.add_argument("--work", type=Path, default=None, help="Keep logs and outputs here.")
     parser.add_argument("--out", type=Path, default=None, help="Write every figure as JSON here.")
     args = parser.parse_args()
@@ -417,6 +438,12 @@ def main() -> None:
             if args.clients:
                 wanted = {*args.clients.split(","), "ideal"}
                 clients = tuple(c for c in scenario.clients if c in wanted)
+                scenario = Scenario(**{**asdict(scenario), "clients": clients})
+            if args.shard_sizes:
+                sizes = [f"datagen@{int(size)}" for size in args.shard_sizes.split(",")]
+                clients = tuple(
+                    c for name in scenario.clients for c in (sizes if name == "datagen" else [name])
+                )
                 scenario = Scenario(**{**asdict(scenario), "clients": clients})
             summaries.append(run_scenario(scenario, rounds, tokenizer, work, prefect_server.env()))
     print_summary(summaries)
