@@ -44,7 +44,8 @@ bench)
 cpubench)
   # P5: `make bench` (simulated servers) on two of the host's cores, away from any other work.
   taskset -c 0,1 python3 benchmarks/bench.py --scenarios "${SCENARIOS:-seed,high-rate,saturate}" \
-    --rounds "${ROUNDS:-2}" --out "$OUT/bench.json" 2>&1 | grep -v "Writing model"
+    --rounds "${ROUNDS:-2}" ${CLIENTS:+--clients "$CLIENTS"} ${SHARD_SIZES:+--shard-sizes "$SHARD_SIZES"} \
+    --out "$OUT/bench.json" 2>&1 | grep -v "Writing model"
   ;;
 tune)
   # P6: `datagen tune` against a real fleet (transformers serve on each GPU).
@@ -96,7 +97,8 @@ PY
   setsid sh /tmp/dg/serve.sh > /tmp/dg/tune-server.log 2>&1 &
   server=$!
   for _ in $(seq 300); do curl -sf "$url/health" > /dev/null || ! kill -0 "$server" 2> /dev/null && break; sleep 1; done
-  served=$(curl -s "$url/v1/models" | python3 -c "import json, sys; print(json.load(sys.stdin)['data'][0]['id'])")
+  # The name requests send: the plan's (transformers serve answers its own /v1/models with HTTP 500 offline).
+  served=$(python3 -c "import json; print(json.load(open('/tmp/dg/plan.json'))['plan']['served_model_name'])")
   datagen tune --engine transformers --model "$served" --url "$url" --levels "${LEVELS:-16,64}" --max-tokens 64 \
     --output /tmp/dg/tune.json > "$OUT/5-tune.txt" 2>&1
   echo "tune rc=$?"; tail -4 "$OUT/5-tune.txt"
@@ -117,5 +119,7 @@ PY
   echo "export rc=$?"; tail -6 "$OUT/9-export.txt"
   cp /tmp/dg/out/runs/full/report.md "$OUT/6-report.md" 2> /dev/null
   pkill -f "standin_trainer --pidfile /tmp/dg/trainer.pid"  # one a failed step left unhalted
+  # One file back (the device tool returns at most 8): every step's output in walk.tgz.
+  (cd "$OUT" && tar czf walk.tgz --remove-files -- *.txt *.log *.md)
   ;;
 esac
