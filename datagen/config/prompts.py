@@ -32,6 +32,13 @@ SHARE_SUM_TOLERANCE: Final = 1e-9
 MAX_SAMPLING_SETTINGS: Final = 16
 # A prompt's draw in [0, 1) comes from these many bytes of its id's SHA-256: fine enough for any weights.
 DRAW_BYTES: Final = 8
+# Prompts per generation shard when a dataset sets no `shard_size`. Each shard is one Prefect task run, whose
+# states, events and logs cost the flow process ~20-30 ms: at 256 prompts a shard, a fleet answering thousands of
+# requests a second made that work the flow's bottleneck (docs/performance.md, "Prompts per shard").
+DEFAULT_SHARD_SIZE: Final = 1024
+MAX_SHARD_SIZE: Final = 100_000
+# The default before DEFAULT_SHARD_SIZE: what an unset `shard_size` meant, and what config hashes recorded for it.
+LEGACY_SHARD_SIZE: Final = 256
 
 
 class SamplingOverrides(StrictModel):
@@ -123,7 +130,13 @@ class DatasetConfig(StrictModel):
         default=None,
         description="Quota as a share of `mix.total_prompts` (instead of `max_prompts`), e.g. 0.3.",
     )
-    shard_size: int = Field(default=256, gt=0, le=100_000, description="Prompts per generation shard.")
+    shard_size: int | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_SHARD_SIZE,
+        description=f"Prompts per generation shard, each one Prefect task run; unset: {DEFAULT_SHARD_SIZE}. Smaller "
+        "shards publish sooner at a window's end; each costs the flow process ~20-30 ms of Prefect's work.",
+    )
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
     sampling_mix: list[SamplingSetting] = Field(
         default_factory=list,
@@ -176,6 +189,11 @@ class DatasetConfig(StrictModel):
     def mix_category(self) -> str:
         """The category the mix counts this dataset in (``uncategorised`` when unset)."""
         return self.category or UNCATEGORISED
+
+    @property
+    def prompts_per_shard(self) -> int:
+        """How many prompts a new shard of this dataset takes: ``shard_size``, or :data:`DEFAULT_SHARD_SIZE`."""
+        return DEFAULT_SHARD_SIZE if self.shard_size is None else self.shard_size
 
 
 class MixConfig(StrictModel):

@@ -16,6 +16,7 @@ from datagen.config.merge import TokenizeConfig
 from datagen.config.model import ModelConfig
 from datagen.config.multihost import HOST_FIXED_FLEET_KEYS, HostConfig, MultiHostConfig
 from datagen.config.prompts import (
+    LEGACY_SHARD_SIZE,
     SHARE_SUM_TOLERANCE,
     DatasetConfig,
     ExistingCorpusConfig,
@@ -235,7 +236,8 @@ class RunConfig(StrictModel):
         guard changes no output, so changing it keeps the run id resumable. ``hosts`` and ``multi_host`` say
         where the run generates, not what: a run resumes on other or fewer hosts. ``series``,
         ``generation.exact_tokens``, ``tokenize.formats`` and ``tokenize.conversation_rows`` joined the model
-        later: each is left out while unset (or at its default) so the hashes of older runs stay the same.
+        later: each is left out while unset (or at its default) so the hashes of older runs stay the same. An
+        unset ``datasets[].shard_size`` is recorded as 256, its default when older runs hashed it.
         """
         exclude: dict[str, Any] = {
             "run_id": True,
@@ -264,7 +266,14 @@ class RunConfig(StrictModel):
         }
         if any(later_tokenize.values()):
             exclude["tokenize"] = {name for name, default in later_tokenize.items() if default}
-        return self.model_dump(mode="json", exclude=exclude)
+        identity = self.model_dump(mode="json", exclude=exclude)
+        for dataset in identity["datasets"]:
+            if dataset["shard_size"] is None:
+                # Recorded as hashes always recorded an unset size: older runs' hashes stay the same. How prompts
+                # are cut changes no answer, and a run's shards, once cut, are what it generates from on every
+                # attempt (datagen.prompts.prepare), whatever the default now.
+                dataset["shard_size"] = LEGACY_SHARD_SIZE
+        return identity
 
     def config_hash(self) -> str:
         """A stable hash of :meth:`identity_dict`; two configs with equal hashes produce the same run."""

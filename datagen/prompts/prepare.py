@@ -23,6 +23,7 @@ events through the rules in config order, so the output is the same either way.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from datagen.config import DatasetConfig, RunConfig
+from datagen.config.prompts import MAX_SHARD_SIZE
 from datagen.conversation_turns import split_conversation
 from datagen.dataset.tokenizer import shared_tokenizer
 from datagen.errors import ConfigError, DatasetError, OutputExistsError
@@ -74,6 +76,26 @@ def _load_tokenizer(location: str) -> Any:
         raise DatasetError(
             f"Cannot load the tokenizer {location} to count prompt tokens (max_prompt_tokens): {error}"
         ) from error
+
+
+def _shard_size(store: Store, layout: RunLayout, dataset: DatasetConfig) -> int:
+    """Prompts per shard: the dataset's ``shard_size``; unset, what an interrupted earlier attempt cut with.
+
+    An attempt that stopped after writing shards and before the summary cut them with the default of its day:
+    its first shard holds that many prompts (or all of them, being the only one), so the rest is cut the same
+    way and the shards it wrote are found unchanged. A count out of the allowed range is not taken.
+    """
+    if dataset.shard_size is not None:
+        return dataset.shard_size
+    try:
+        lines = store.iter_lines(layout.prompt_shard(dataset.name, 0))
+        written = sum(1 for _ in itertools.islice(lines, MAX_SHARD_SIZE + 1))
+    except FileNotFoundError:
+        return dataset.prompts_per_shard
+    if 0 < written <= MAX_SHARD_SIZE and written != dataset.prompts_per_shard:
+        logger.info("prompt shards cut by an earlier attempt dataset=%s shard_size=%d", dataset.name, written)
+        return written
+    return dataset.prompts_per_shard
 
 
 class _ShardWriter:
@@ -258,7 +280,11 @@ def prepare_prompts(
         tokenizer = _load_tokenizer(config.model.tokenizer)
     tally = RejectionTally()
     writer = _ShardWriter(
-        store, layout, dataset.name, dataset.shard_size, on_policy=dataset.multi_turn == "on_policy"
+        store,
+        layout,
+        dataset.name,
+        _shard_size(store, layout, dataset),
+        on_policy=dataset.multi_turn == "on_policy",
     )
     sample = QuotaRule(quota) if quota is not None else None
     length = (

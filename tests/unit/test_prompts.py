@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from datagen.config import RunConfig, parse_run_config
+from datagen.config.prompts import DEFAULT_SHARD_SIZE, LEGACY_SHARD_SIZE
 from datagen.errors import DatasetError
 from datagen.output.layout import RunLayout
 from datagen.output.store import Store
@@ -91,6 +92,35 @@ def test_a_shard_that_differs_from_the_recomputed_one_is_refused(store_root: Pat
     write_metamath(tmp_path / "m.json", ["a?", "changed?", "c?"])
     with pytest.raises(DatasetError, match="exists with different content"):
         prepare_prompts(store, layout, config, "m")
+
+
+def test_an_unset_shard_size_cuts_the_default_and_a_run_begun_under_the_old_one_resumes_with_its_shards(
+    store_root: Path, tmp_path: Path
+) -> None:
+    layout = RunLayout("r1")
+    data = write_metamath(
+        tmp_path / "m.json", [f"question {index}?" for index in range(DEFAULT_SHARD_SIZE + 76)]
+    )
+    unset = make_config([{"name": "m", "format": "metamath", "path": data}])
+    old = make_config([{"name": "m", "format": "metamath", "path": data, "shard_size": LEGACY_SHARD_SIZE}])
+    explicit = make_config(
+        [{"name": "m", "format": "metamath", "path": data, "shard_size": DEFAULT_SHARD_SIZE}]
+    )
+    assert unset.config_hash() == old.config_hash(), "the hash an unset size always had: older runs resume"
+    assert explicit.config_hash() != unset.config_hash()
+
+    fresh = prepare_prompts(Store(str(store_root)), layout, unset, "m")
+    assert [shard.prompts for shard in fresh.shards] == [DEFAULT_SHARD_SIZE, 76]
+
+    # A run begun while an unset size meant 256, stopped after two shards and before its summary.
+    begun_root = tmp_path / "begun"
+    store = Store(str(begun_root))
+    begun = prepare_prompts(store, layout, old, "m")
+    assert [shard.prompts for shard in begun.shards] == [256, 256, 256, 256, 76]
+    (begun_root / layout.prompts_summary("m")).unlink()
+    for index in range(2, len(begun.shards)):
+        (begun_root / layout.prompt_shard("m", index)).unlink()
+    assert prepare_prompts(store, layout, unset, "m") == begun
 
 
 def test_duplicates_across_datasets_are_excluded_and_ids_are_stable_across_runs(
