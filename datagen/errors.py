@@ -135,6 +135,14 @@ class TransientRequestError(TransientError, RuntimeError):
     """A generation request failed in a way a retry may fix (connection reset, 5xx, empty body)."""
 
 
+class TuneFailedError(DatagenError, RuntimeError):
+    """No level of a ``datagen tune`` sweep got usable answers: nothing is recommended or written.
+
+    Every request failed, or every answer carried no output tokens: a result built from that would hand the
+    planner a cap measured on nothing, so the command fails instead (the message names the first failure).
+    """
+
+
 class NoLiveServersError(DatagenError, RuntimeError):
     """Every server of the fleet is down and none came back within the deadline."""
 

@@ -193,6 +193,7 @@ def tune(
     from datagen.app.tune import tune_inflight, tune_result_json, tune_setting_by_restart
     from datagen.engines import engine_class
     from datagen.engines.tune_result import TuneResult
+    from datagen.errors import TuneFailedError
 
     with work_bars():
         try:
@@ -229,6 +230,9 @@ def tune(
                     levels=tuple(int(level) for level in levels.split(",")),
                     max_tokens=max_tokens,
                 )
+        except TuneFailedError as error:
+            # A sweep that measured nothing failed: no file, no history record for the planner to trust.
+            _fail(str(error), EXIT_RUN_FAILED)
         except (ValueError, RuntimeError, TimeoutError) as error:
             _fail(str(error), EXIT_CONFIG_ERROR)
     typer.echo(result.to_table())

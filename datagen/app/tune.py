@@ -21,12 +21,13 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
 from datagen.engines import engine_class
 from datagen.engines.tune_result import TunePoint, TuneResult
-from datagen.errors import ConfigError
+from datagen.errors import ConfigError, TuneFailedError
 from datagen.generation.openai_chat import CHAT_COMPLETIONS_PATH
 from datagen.progress import WorkProgress, report_work
 
@@ -44,6 +45,8 @@ METRICS_POLL_S = 1.0
 RESTART_READY_TIMEOUT_S = 1200.0
 RESTART_STOP_GRACE_S = 30.0
 READY_POLL_S = 0.5
+# Characters of a failed answer's body quoted in the error (the engine's reason fits; a whole page does not).
+FAILURE_EXCERPT_CHARS = 200
 # Fixed, varied prompts: the same set on every run so curves compare across hosts and versions.
 TUNE_PROMPTS = (
     "Explain how a hash map handles collisions, with a short example.",
@@ -86,13 +89,25 @@ def parse_prometheus(text: str, names: dict[str, str]) -> dict[str, float]:
     return values
 
 
-def choose_best(curve: list[TunePoint]) -> TunePoint:
+def choose_best(curve: list[TunePoint], first_failure: str | None = None) -> TunePoint:
     """The smallest level within :data:`SATURATION_SHARE` of the best throughput.
 
     Levels that lost more than :data:`~datagen.engines.tune_result.MAX_FAILED_SHARE` of their requests are not
-    candidates (unless every level did).
+    candidates, unless every level did: then every level that produced tokens is (transformers serve with
+    random weights fails a share of requests at any load, and its sweep must still give a result).
+
+    Args:
+        curve: The measured levels.
+        first_failure: The sweep's first failed request, for the error when no level produced a token.
+
+    Raises:
+        TuneFailedError: No level produced a single output token.
+
     """
-    usable = [point for point in curve if not point.disqualified and point.output_tokens_per_s > 0] or curve
+    producing = [point for point in curve if point.output_tokens > 0]
+    if not producing:
+        raise TuneFailedError(_nothing_measured_message(curve, first_failure), first_failure=first_failure)
+    usable = [point for point in producing if not point.disqualified] or producing
     top = max(point.output_tokens_per_s for point in usable)
     return min(
         (point for point in usable if point.output_tokens_per_s >= SATURATION_SHARE * top),
@@ -100,9 +115,44 @@ def choose_best(curve: list[TunePoint]) -> TunePoint:
     )
 
 
+def _nothing_measured_message(curve: list[TunePoint], first_failure: str | None) -> str:
+    """One line: what each level lost, the first failure, and what to check."""
+    levels = ", ".join(
+        f"{point.failed} of {point.requests} failed at {point.inflight_per_server} in flight"
+        + (f" (setting {point.setting})" if point.setting is not None else "")
+        for point in curve
+    )
+    first = (
+        f"first failure: {first_failure}"
+        if first_failure
+        else "every answer carried no output tokens (usage.completion_tokens 0)"
+    )
+    return (
+        f"datagen tune measured nothing: no level produced an output token ({levels}); {first}; "
+        "nothing was recommended or written: check --model (the name the servers serve, e.g. the plan's "
+        "served_model_name from `datagen probe --model DIR`) and --url"
+    )
+
+
+class _Answered(NamedTuple):
+    """A request that was answered: its output tokens and how long it took."""
+
+    output_tokens: int
+    latency_s: float
+
+
+def _describe_failure(url: str, error: Exception) -> str:
+    """A failed request in a few words: the HTTP status and the start of the body, or the exception."""
+    if isinstance(error, httpx.HTTPStatusError):
+        body = " ".join(error.response.text.split())[:FAILURE_EXCERPT_CHARS]
+        return f"HTTP {error.response.status_code} from {url}: {body}"
+    return f"{type(error).__name__} from {url}: {error}"
+
+
 async def _one_request(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int
-) -> tuple[int, float] | None:
+) -> _Answered | str:
+    """Send one chat request; the answer, or a description of why it failed."""
     body = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
@@ -118,16 +168,16 @@ async def _one_request(
         usage = response.json().get("usage") or {}
     except (httpx.HTTPError, ValueError) as error:
         logger.warning("tune request failed url=%s error=%s", url, error)
-        return None
-    return int(usage.get("completion_tokens") or 0), time.monotonic() - started
+        return _describe_failure(url, error)
+    return _Answered(int(usage.get("completion_tokens") or 0), time.monotonic() - started)
 
 
 async def _server_level(
     client: httpx.AsyncClient, url: str, model: str, level: int, count: int, max_tokens: int, offset: int
-) -> list[tuple[int, float] | None]:
+) -> list[_Answered | str]:
     semaphore = asyncio.Semaphore(level)
 
-    async def run(index: int) -> tuple[int, float] | None:
+    async def run(index: int) -> _Answered | str:
         async with semaphore:
             prompt = TUNE_PROMPTS[(offset + index) % len(TUNE_PROMPTS)]
             return await _one_request(client, url, model, prompt, max_tokens)
@@ -158,7 +208,8 @@ async def _sample_metrics(
 
 async def _measure_level(
     urls: list[str], model: str, level: int, max_tokens: int, metrics_path: str | None
-) -> TunePoint:
+) -> tuple[TunePoint, str | None]:
+    """Measure one level on every server at once: its point, and its first failed request (None: none)."""
     count = level * ROUNDS_PER_LEVEL
     async with httpx.AsyncClient(
         timeout=REQUEST_TIMEOUT_S, limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)
@@ -178,23 +229,25 @@ async def _measure_level(
         stop.set()
         samples = await sampler if sampler is not None else []
     results = [result for server in per_server for result in server]
-    done = [result for result in results if result is not None]
-    tokens = sum(tokens for tokens, _ in done)
+    done = [result for result in results if isinstance(result, _Answered)]
+    failures = [result for result in results if isinstance(result, str)]
+    tokens = sum(answer.output_tokens for answer in done)
     gauges = {
         key: statistics.fmean(sample[key] for sample in samples if key in sample)
         for key in SGLANG_METRICS
         if any(key in sample for sample in samples)
     }
-    return TunePoint(
+    point = TunePoint(
         inflight_per_server=level,
         requests=len(results),
-        failed=len(results) - len(done),
+        failed=len(failures),
         output_tokens=tokens,
         wall_s=round(wall, 3),
         output_tokens_per_s=round(tokens / wall, 2) if wall > 0 else 0.0,
-        median_latency_s=round(statistics.median(latency for _, latency in done), 3) if done else None,
+        median_latency_s=round(statistics.median(answer.latency_s for answer in done), 3) if done else None,
         server_metrics={key: round(value, 4) for key, value in gauges.items()},
     )
+    return point, failures[0] if failures else None
 
 
 def _metrics_path(engine: str) -> str | None:
@@ -231,23 +284,26 @@ def tune_inflight(
 
     Raises:
         ValueError: No URL or no level given.
+        TuneFailedError: No level produced an output token (e.g. every request was refused).
 
     """
     if not urls or not levels:
         raise ValueError("datagen tune needs at least one server URL and one level")
     metrics_path = _metrics_path(engine)
+    bases = [url.rstrip("/") for url in urls]
     curve: list[TunePoint] = []
+    first_failure: str | None = None
     todo = sorted(set(levels))
     for level in todo:
         report_work(_sweep_progress(len(curve), len(todo), f"{level} in flight per server"))
-        bases = [url.rstrip("/") for url in urls]
-        point = asyncio.run(_measure_level(bases, model, level, max_tokens, metrics_path))
+        point, failure = asyncio.run(_measure_level(bases, model, level, max_tokens, metrics_path))
         logger.info(
             "tune level=%d tokens_per_s=%.1f failed=%d", level, point.output_tokens_per_s, point.failed
         )
         curve.append(point)
+        first_failure = first_failure or failure
     report_work(_sweep_progress(len(curve), len(todo), "done"))
-    best = choose_best(curve)
+    best = choose_best(curve, first_failure)
     return TuneResult(
         engine=engine,
         urls=list(urls),
@@ -357,6 +413,7 @@ def tune_setting_by_restart(
     Raises:
         RuntimeError: A start failed (the server died).
         TimeoutError: A start did not become ready in time.
+        TuneFailedError: No value produced an output token.
 
     """
     from datagen.engines.sglang_tuning import inflight_with_margin
@@ -364,6 +421,7 @@ def tune_setting_by_restart(
 
     metrics_path = _metrics_path(engine)
     points: list[TunePoint] = []
+    first_failure: str | None = None
     todo = sorted(set(values))
     for value in todo:
         report_work(_sweep_progress(len(points), len(todo), f"{flag} {value}"))
@@ -373,14 +431,17 @@ def tune_setting_by_restart(
         try:
             _wait_ready(process, url.rstrip("/"), engine, model, ready_timeout_s)
             level = inflight or inflight_with_margin(value)
-            point = asyncio.run(_measure_level([url.rstrip("/")], model, level, max_tokens, metrics_path))
+            point, failure = asyncio.run(
+                _measure_level([url.rstrip("/")], model, level, max_tokens, metrics_path)
+            )
         finally:
             terminate_groups([process.pid], RESTART_STOP_GRACE_S)
             process.wait()
         logger.info("tune restart flag=%s value=%d tokens_per_s=%.1f", flag, value, point.output_tokens_per_s)
         points.append(point.model_copy(update={"setting": value}))
+        first_failure = first_failure or failure
     report_work(_sweep_progress(len(points), len(todo), "done"))
-    best = choose_best(points)
+    best = choose_best(points, first_failure)
     assert best.setting is not None
     return best.setting, points
 

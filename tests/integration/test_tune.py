@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,12 +11,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from datagen.app.history import history_dir
+from datagen.app.terminal import EXIT_RUN_FAILED
 from datagen.app.tune import choose_best, parse_prometheus, tune_setting_by_restart, with_setting
 from datagen.config import RunConfig
 from datagen.engines.tune_result import TunePoint, TuneResult, load_tune_result
+from datagen.errors import TuneFailedError
 from datagen.host.plan import plan_servers
 from datagen.host.probe import build_report
-from tests.support.fault_server import FaultServer
+from tests.support.fault_server import FaultPlan, FaultServer
 from tests.support.transformers_servers import TransformersServer, TransformersServerPool, free_port
 from tests.support.workers import worker_port
 
@@ -72,6 +76,42 @@ def test_tune_sweeps_live_cpu_servers_and_the_plan_takes_its_result(
     assert any("datagen tune" in reason for reason in plan.reasons)
 
 
+def _tune_cli(urls: list[str], model: str, output: Path, state_dir: Path) -> subprocess.CompletedProcess[str]:
+    """``datagen tune`` as a user runs it, on the tiny levels, with its own history folder."""
+    argv = [
+        sys.executable, "-m", "flows.cli_entry", "tune", *[arg for url in urls for arg in ("--url", url)],
+        "--model", model, "--engine", "transformers", "--levels", "1,2", "--max-tokens", str(MAX_TOKENS),
+        "--output", str(output),
+    ]  # fmt: skip
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, DATAGEN_STATE_DIR=str(state_dir)),
+    )
+
+
+def test_a_sweep_whose_every_request_is_refused_exits_1_naming_the_answer_and_writes_nothing(
+    tmp_path: Path,
+) -> None:
+    # As on the H200: a server pinned to its model answers HTTP 400 to a request naming another one, and its
+    # model list is unusable (here 404; transformers serve 5.17 answers 500 offline), so only the sweep tells.
+    with FaultServer(FaultPlan(pinned_to="/models/Qwen3-1.7B")) as server:
+        result = _tune_cli([server.url], "", tmp_path / "tune.json", tmp_path / "state")
+        requests = len(server.chat_requests())
+
+    assert result.returncode == EXIT_RUN_FAILED, result.stderr
+    assert requests == 3 * (1 + 2)  # every level was tried before giving up
+    message = result.stderr
+    assert "3 of 3 failed at 1 in flight, 6 of 6 failed at 2 in flight" in message
+    assert f"first failure: HTTP 400 from {server.url}" in message
+    assert "pinned to '/models/Qwen3-1.7B'" in message
+    assert "check --model" in message and "best:" not in result.stdout
+    assert not (tmp_path / "tune.json").exists()
+    assert not history_dir(tmp_path / "state").exists()  # nothing for `datagen plan` to read
+
+
 def test_best_level_is_the_smallest_within_reach_of_the_top_throughput() -> None:
     def point(level: int, tokens_per_s: float, failed: int = 0) -> TunePoint:
         return TunePoint(
@@ -86,6 +126,25 @@ def test_best_level_is_the_smallest_within_reach_of_the_top_throughput() -> None
     curve = [point(1, 100), point(4, 370), point(8, 398), point(16, 400), point(32, 500, failed=3)]
 
     assert choose_best(curve).inflight_per_server == 8
+
+
+def test_a_curve_without_a_token_raises_and_one_that_only_lost_too_many_still_chooses() -> None:
+    def point(level: int, failed: int, output_tokens: int) -> TunePoint:
+        return TunePoint(
+            inflight_per_server=level,
+            requests=3 * level,
+            failed=failed,
+            output_tokens=output_tokens,
+            wall_s=1.0,
+            output_tokens_per_s=float(output_tokens),
+        )
+
+    with pytest.raises(TuneFailedError, match=r"48 of 48 failed at 16 in flight.*first failure: HTTP 400"):
+        choose_best([point(16, 48, 0), point(64, 192, 0)], "HTTP 400 from http://x: bad model")
+    with pytest.raises(TuneFailedError, match=r"every answer carried no output tokens"):
+        choose_best([point(16, 0, 0)])
+    # Every level lost more than 1% (random weights: HTTP 500 at any load), but they produced: still a result.
+    assert choose_best([point(16, 5, 300), point(64, 20, 900), point(128, 40, 0)]).inflight_per_server == 64
 
 
 def test_a_rare_failure_does_not_hide_a_faster_level_and_a_rising_curve_says_so() -> None:
