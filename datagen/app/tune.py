@@ -45,6 +45,8 @@ METRICS_POLL_S = 1.0
 RESTART_READY_TIMEOUT_S = 1200.0
 RESTART_STOP_GRACE_S = 30.0
 READY_POLL_S = 0.5
+# Asking a server its model list before a sweep: a live server answers in milliseconds, even under load.
+MODELS_TIMEOUT_S = 10.0
 # Characters of a failed answer's body quoted in the error (the engine's reason fits; a whole page does not).
 FAILURE_EXCERPT_CHARS = 200
 # Fixed, varied prompts: the same set on every run so curves compare across hosts and versions.
@@ -257,6 +259,27 @@ def _metrics_path(engine: str) -> str | None:
         raise ValueError(str(error)) from None
 
 
+def _refuse_other_models(urls: list[str], model: str, engine: str) -> None:
+    """Refuse at once when a server's model list does not name ``model``: every request would fail.
+
+    A server without a usable list (transformers serve 5.17 answers 500 to it offline) is not refused: the
+    sweep's answers then tell.
+
+    Raises:
+        ConfigError: A server lists models and ``model`` is not among them.
+
+    """
+    from datagen.host.server_process import list_served_models
+
+    models_path = engine_class(engine).models_path
+    with httpx.Client(timeout=MODELS_TIMEOUT_S, trust_env=False) as client:
+        for url in urls:
+            models = list_served_models(client, url + models_path, {})
+            if models is not None and model not in models:
+                served = ", ".join(repr(name) for name in models) or "no model"
+                raise ConfigError(f"{url} serves {served}, not {model!r}: give --model the name it serves")
+
+
 def _sweep_progress(done: int, total: int, now: str) -> WorkProgress:
     """A sweep's progress: ``done`` of ``total`` settings measured, ``now`` the one under way."""
     return WorkProgress(what="tune", done=done, total=total, unit="settings", detail=now)
@@ -283,7 +306,8 @@ def tune_inflight(
         The curve and the recommended in-flight count per server.
 
     Raises:
-        ValueError: No URL or no level given.
+        ValueError: No URL or no level given, or a server's model list does not name ``model`` (before any
+            request is sent).
         TuneFailedError: No level produced an output token (e.g. every request was refused).
 
     """
@@ -291,6 +315,7 @@ def tune_inflight(
         raise ValueError("datagen tune needs at least one server URL and one level")
     metrics_path = _metrics_path(engine)
     bases = [url.rstrip("/") for url in urls]
+    _refuse_other_models(bases, model, engine)
     curve: list[TunePoint] = []
     first_failure: str | None = None
     todo = sorted(set(levels))

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from datagen.app.history import history_dir
-from datagen.app.terminal import EXIT_RUN_FAILED
+from datagen.app.terminal import EXIT_REFUSED, EXIT_RUN_FAILED
 from datagen.app.tune import choose_best, parse_prometheus, tune_setting_by_restart, with_setting
 from datagen.config import RunConfig
 from datagen.engines.tune_result import TunePoint, TuneResult, load_tune_result
@@ -110,6 +110,23 @@ def test_a_sweep_whose_every_request_is_refused_exits_1_naming_the_answer_and_wr
     assert "check --model" in message and "best:" not in result.stdout
     assert not (tmp_path / "tune.json").exists()
     assert not history_dir(tmp_path / "state").exists()  # nothing for `datagen plan` to read
+
+
+def test_a_server_listing_another_model_is_refused_before_any_request_naming_what_it_serves(
+    transformers_pool: TransformersServerPool, tmp_path: Path
+) -> None:
+    # The first server lists the name asked for and the second does not: nothing is sent to either.
+    with FaultServer() as first:
+        first.models = ["other"]
+        result = _tune_cli([first.url, transformers_pool.urls[0]], "other", tmp_path / "tune.json", tmp_path)
+        assert first.chat_requests() == []
+
+    assert result.returncode == EXIT_REFUSED, result.stderr
+    assert (
+        f"{transformers_pool.urls[0]} serves {transformers_pool.model!r}, not 'other': "
+        "give --model the name it serves"
+    ) in result.stderr
+    assert not (tmp_path / "tune.json").exists()
 
 
 def test_best_level_is_the_smallest_within_reach_of_the_top_throughput() -> None:
