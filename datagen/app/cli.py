@@ -326,7 +326,9 @@ def _plan_for_model(report: Any, model: Path, engine: str) -> Any:
         },
         source="datagen probe --model",
     )
-    return plan_servers(report, config, Path(tempfile.mkdtemp(prefix="datagen-probe-plan-")))
+    # The plan only names its log folder there; nothing is started, so the folder goes when the plan is made.
+    with tempfile.TemporaryDirectory(prefix="datagen-probe-plan-") as logs:
+        return plan_servers(report, config, Path(logs))
 
 
 @datasets_app.command("inspect")

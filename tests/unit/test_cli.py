@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -184,8 +185,10 @@ FIXTURES_ROOT = Path(__file__).resolve().parents[1] / "fixtures"
     [("qwen3-27b-shaped", "dp", [[0], [1]]), ("dense-70b-shaped", "tp", [[0, 1]])],
 )
 def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
-    model: str, mode: str, gpu_groups: list[list[int]]
+    model: str, mode: str, gpu_groups: list[list[int]], tmp_path: Path
 ) -> None:
+    temp = tmp_path / "temp"
+    temp.mkdir()
     result = subprocess.run(
         [
             sys.executable,
@@ -202,8 +205,10 @@ def test_probe_from_recorded_h200_pair_reports_nvlink_and_proposes_the_plan(
         text=True,
         timeout=120,
         check=True,
+        env={**os.environ, "TMPDIR": str(temp)},
     )
     report = json.loads(result.stdout)
+    assert not list(temp.iterdir())  # the plan's log folder is not left behind
     assert len(report["gpus"]) == 2
     assert {gpu["compute_capability"] for gpu in report["gpus"]} == {"9.0"}
     assert report["interconnect"]["kind"] == "nvlink"
