@@ -371,6 +371,8 @@ class WindowEndedError(DatagenError):
         requests: The run's requests in all.
         published: The URL of the dataset version published with what was generated (None: nothing yet).
         published_rows: The rows this run added to that version.
+        unpublished_because: Why nothing was published (no shard finished, too many failures, every finished
+            answer dropped); None when something was.
     """
 
     def __init__(
@@ -381,6 +383,7 @@ class WindowEndedError(DatagenError):
         requests: int,
         published: str | None = None,
         published_rows: int = 0,
+        unpublished_because: str | None = None,
         **context: Any,
     ) -> None:
         super().__init__(
@@ -389,8 +392,10 @@ class WindowEndedError(DatagenError):
             requests=requests,
             published=published,
             published_rows=published_rows,
+            unpublished_because=unpublished_because,
             **context,
         )
+        self.unpublished_because = unpublished_because
         self.unsent = unsent
         self.requests = requests
         self.published = published

@@ -81,23 +81,41 @@ def _publish_window_part(
 ) -> WindowEndedError:
     """Publish the shards finished so far as the run's next merge round; the error that ends the attempt.
 
-    Nothing is published when no shard finished or too many of the finished shards' requests failed (the
-    continuation judges the whole run); the report and the manifest wait for the run's last request.
+    Nothing is published when no shard finished, too many of the finished shards' requests failed (the
+    continuation judges the whole run) or every finished answer was dropped (its round is closed without a
+    version: the continuation's rows make the next); the report and the manifest wait for the run's last request.
     """
     logger = get_run_logger()
     published: str | None = None
     rows = 0
-    outcome = "nothing is published yet (no shard finished)"
+    unpublished_because: str | None = "no shard finished"
     if generated.summaries:
         try:
             check_failed_share(context.store, generated.summaries, context.config.generation.max_failed_share)
         except TooManyFailuresError as failed:
-            outcome = f"nothing is published yet: {failed}"
+            unpublished_because = str(failed)
         else:
             enter_stage(logger, Stage.MERGE_AND_TOKENIZE)
-            merged = merge_and_tokenize(_merge_context(context, series_entry), generated.summaries)
-            published, rows = str(merged["dataset_version_url"]), int(merged["rows"])
-            outcome = f"published {published} with the {rows} rows of its finished shards"
+            merged = merge_and_tokenize(
+                _merge_context(context, series_entry), generated.summaries, window_part=True
+            )
+            if merged["dataset_version_url"] is None:
+                # A version without a row would read as done; the round is closed, the continuation's rows follow.
+                dropped = ", ".join(
+                    f"{reason} {count}" for reason, count in merged["dropped_by_reason"].items()
+                )
+                unpublished_because = (
+                    f"every one of the {merged['completions_read']} answers of its finished shards was dropped: "
+                    f"{dropped}"
+                )
+            else:
+                published, rows = str(merged["dataset_version_url"]), int(merged["rows"])
+                unpublished_because = None
+    outcome = (
+        f"published {published} with the {rows} rows of its finished shards"
+        if published
+        else f"nothing is published yet ({unpublished_because})"
+    )
     logger.info(
         "window ended run_id=%s unsent=%d requests=%d published=%s rows=%d",
         context.run_id,
@@ -114,5 +132,6 @@ def _publish_window_part(
         requests=generated.requests,
         published=published,
         published_rows=rows,
+        unpublished_because=unpublished_because,
         run_id=context.run_id,
     )

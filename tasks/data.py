@@ -226,12 +226,17 @@ def _merge_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str
     cache_key_fn=_merge_cache_key,
     **TRANSIENT_RETRIES,
 )
-def merge_and_tokenize(context: RunContext, shards: list[ShardSummary]) -> dict[str, Any]:
+def merge_and_tokenize(
+    context: RunContext, shards: list[ShardSummary], window_part: bool = False
+) -> dict[str, Any]:
     """Tokenize the finished completions not merged yet into Parquet and a dataset version (a merge round).
 
+    ``window_part``: a window-ended attempt's merge (see :func:`datagen.dataset.merge.merge_and_tokenize`).
     Returns the run's merge over all its rounds.
     """
-    summary = datagen.dataset.merge.merge_and_tokenize(context.store, context.layout, context.config)
+    summary = datagen.dataset.merge.merge_and_tokenize(
+        context.store, context.layout, context.config, window_part=window_part
+    )
     data: dict[str, Any] = summary.model_dump(mode="json")
     get_run_logger().info(
         "tokenized rows=%s loss_tokens=%s dataset_version=%s",

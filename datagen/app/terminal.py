@@ -281,11 +281,10 @@ def run_in_terminal(
             return EXIT_RUN_FAILED, None
         except WindowEndedError as ended:
             _FILE_ONLY.info("window ended", exc_info=True)
-            published = (
-                f"{ended.published_rows} rows published as {ended.published}"
-                if ended.published
-                else "nothing published yet"
-            )
+            published = f"{ended.published_rows} rows published as {ended.published}"
+            if not ended.published:
+                because = ended.unpublished_because
+                published = f"nothing published yet ({because})" if because else "nothing published yet"
             _echo_error(
                 f"datagen: run {run_id}: the generation window ended with {ended.unsent} of {ended.requests} "
                 f"requests not yet answered; training runs again, every answer is stored, {published}. Send the "

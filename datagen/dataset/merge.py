@@ -92,7 +92,12 @@ class PartsTally(RowTally):
 
 
 def merge_and_tokenize(
-    store: Store, layout: RunLayout, config: RunConfig, *, in_process_below: int = IN_PROCESS_BELOW_BYTES
+    store: Store,
+    layout: RunLayout,
+    config: RunConfig,
+    *,
+    in_process_below: int = IN_PROCESS_BELOW_BYTES,
+    window_part: bool = False,
 ) -> TokenizeSummary:
     """Merge every finished completion shard of a run not merged yet: Parquet parts and a new dataset version.
 
@@ -107,13 +112,17 @@ def merge_and_tokenize(
             the base of the run's first round).
         in_process_below: Without ``tokenize.workers``, fewer bytes of completions than this are tokenized
             in this process (see :func:`~datagen.dataset.tokenize_workers.plan_workers`).
+        window_part: A window-ended attempt's merge, not the run's last: a round whose every completion is
+            dropped is finished without a version, so the continuation's files make the next round.
 
     Returns:
         The run's merge over all its rounds (:func:`combine_rounds`; one round: its stored summary, untouched).
+        Its ``dataset_version`` is None only for a window part whose rounds all published nothing.
 
     Raises:
         ConfigError: The tokenizer or the base version cannot be read.
         TokenizeError: Parts of an interrupted round do not match the completions any more.
+        NoTrainingRowsError: Not a window part, and the round (or every round of the run) made no row.
 
     """
     merged = 0
@@ -122,11 +131,26 @@ def merge_and_tokenize(
         round_shards = next_merge_round(store, layout, list(finished), config.tokenize.base_version)
         if round_shards is None:
             break
-        _merge_round(store, layout, config, round_shards, finished, incomplete, in_process_below)
+        _merge_round(store, layout, config, round_shards, finished, incomplete, in_process_below, window_part)
         merged += 1
     if not merged:
         logger.info("merge already complete run_id=%s", layout.run_id)
-    return combine_rounds(finished_rounds(store, layout))
+    combined = combine_rounds(finished_rounds(store, layout))
+    if not window_part and combined.dataset_version is None:
+        # Every round was a window part that published nothing, and the run's end brought no file of its own.
+        raise _no_rows(layout, combined.completions_read, combined.dropped_by_reason)
+    return combined
+
+
+def _no_rows(layout: RunLayout, completions: int, dropped: dict[str, int]) -> NoTrainingRowsError:
+    reasons = ", ".join(f"{reason} {count}" for reason, count in sorted(dropped.items()))
+    return NoTrainingRowsError(
+        f"run {layout.run_id}: every one of the {completions} completions merged was dropped ({reasons}), so no "
+        "dataset version was published; every answer stays stored. Answers that hit max_tokens are kept only "
+        "with tokenize.include_truncated: true; a new run id with a larger sampling.max_tokens or that setting "
+        "makes training rows.",
+        run_id=layout.run_id,
+    )
 
 
 def _merge_round(
@@ -137,8 +161,13 @@ def _merge_round(
     finished: dict[str, int],
     incomplete: list[str],
     in_process_below: int,
+    window_part: bool,
 ) -> TokenizeSummary:
-    """Tokenize one merge round's files into its parts, publish its version, write its summary last."""
+    """Tokenize one merge round's files into its parts, publish its version, write its summary last.
+
+    A round without a row publishes no version (one would read as done): a window part's round is finished
+    without one (:func:`merge_and_tokenize`), any other is refused and stays open.
+    """
     settings = config.tokenize
     number = round_shards.merge_round
     missing = [key for key in round_shards.shards if key not in finished]
@@ -161,17 +190,17 @@ def _merge_round(
         in_process_below=in_process_below,
         merge_round=number,
     )
-    if tally.completions_read and not tally.rows:
+    empty = bool(tally.completions_read) and not tally.rows
+    if empty and not window_part:
         # A version without a row would read as done; the answers stay stored for a run that keeps them.
-        dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(tally.dropped.items()))
-        raise NoTrainingRowsError(
-            f"run {layout.run_id}: every one of the {tally.completions_read} completions merged was dropped "
-            f"({dropped}), so no dataset version was published; every answer stays stored. Answers that hit "
-            "max_tokens are kept only with tokenize.include_truncated: true; a new run id with a larger "
-            "sampling.max_tokens or that setting makes training rows.",
-            run_id=layout.run_id,
-        )
-    version_key, version = _write_dataset_version(store, layout, config, parts, base, number)
+        raise _no_rows(layout, tally.completions_read, dict(tally.dropped))
+    version_key: str | None = None
+    version_url: str | None = None
+    version_rows = base[1].rows if base else 0
+    exports: list[ExportRecord] = []
+    if not empty:
+        version_key, version = _write_dataset_version(store, layout, config, parts, base, number)
+        version_url, version_rows, exports = store.url(version_key), version.rows, version.exports
     summary = TokenizeSummary(
         run_id=layout.run_id,
         tokenizer=config.model.tokenizer,
@@ -189,10 +218,10 @@ def _merge_round(
         resumed_parts=resumed,
         dataset_name=settings.dataset_name,
         dataset_version=version_key,
-        dataset_version_url=store.url(version_key),
-        dataset_version_rows=version.rows,
+        dataset_version_url=version_url,
+        dataset_version_rows=version_rows,
         base_version=round_shards.base_version,
-        exports=version.exports,
+        exports=exports,
         merge_round=number,
         shards_merged=round_shards.shards,
     )

@@ -12,6 +12,11 @@ a dataset version on top of the previous round's. Each round has, under ``layout
 So every completions file lands in exactly one round (a round takes only files no earlier round listed), a
 finished round is never redone (its summary is checked first), and an interrupted round resumes with the
 files and base it fixed, even when more files finished meanwhile (those wait for the next round).
+
+A window-ended attempt's round whose every completion was dropped is finished without a version (its summary
+names none): the continuation's files then make the next round, on the last version a round did publish. The
+run's last round is never finished that way (``datagen.dataset.merge`` refuses it, and it stays open for a merge
+that keeps those answers).
 """
 
 from __future__ import annotations
@@ -61,9 +66,16 @@ class TokenizeSummary(BaseModel):
     parts: list[TokenizedPartRef] = Field(default_factory=list)
     resumed_parts: int = Field(default=0, description="Parts found from an interrupted attempt and kept.")
     dataset_name: str
-    dataset_version: str = Field(description="Key of the dataset version manifest written for this run.")
-    dataset_version_url: str
-    dataset_version_rows: int = Field(description="Rows of the whole version (base shards included).")
+    dataset_version: str | None = Field(
+        description="Key of the dataset version manifest this round published; None: every completion it merged "
+        "was dropped, so it published none (a window-ended attempt's round, closed so that the continuation's "
+        "files make the next round)."
+    )
+    dataset_version_url: str | None
+    dataset_version_rows: int = Field(
+        description="Rows of the whole version (base shards included); without a version, the rows of the "
+        "version the round would have extended (0 without one)."
+    )
     base_version: str | None = None
     exports: list[ExportRecord] = Field(
         default_factory=list, description="Trainer exports of the version (`tokenize.formats`)."
@@ -87,7 +99,8 @@ class MergeRoundShards(BaseModel):
     merge_round: int = Field(ge=0)
     shards: list[str] = Field(description="Completions files (keys), in the order their rows are written.")
     base_version: str | None = Field(
-        description="The version this round's version extends: round 0 the run's base, round r round r-1's."
+        description="The version this round's version extends: round 0 the run's base, a later round the last "
+        "version an earlier round published (the run's base when none did)."
     )
     created_at: dt.datetime = Field(default_factory=utc_now)
 
@@ -98,6 +111,11 @@ def finished_rounds(store: Store, layout: RunLayout) -> list[TokenizeSummary]:
     while store.exists(key := layout.merge_summary(len(rounds))):
         rounds.append(TokenizeSummary.model_validate(store.read_json(key)))
     return rounds
+
+
+def published_version(rounds: Sequence[TokenizeSummary]) -> str | None:
+    """The key of the last version the rounds published (None: none did, every completion was dropped)."""
+    return next((summary.dataset_version for summary in reversed(rounds) if summary.dataset_version), None)
 
 
 def next_merge_round(
@@ -112,7 +130,8 @@ def next_merge_round(
         store: The run's store.
         layout: The run's keys.
         finished: Every completions file with its done marker, in row order.
-        base_version: The run's base version (round 0's); later rounds build on the round before.
+        base_version: The run's base version (round 0's); later rounds build on the last version a round
+            published (the run's base when none did).
 
     Raises:
         TokenizeError: A merge written before merges had rounds stands for fewer files than are finished now.
@@ -144,7 +163,7 @@ def next_merge_round(
         run_id=layout.run_id,
         merge_round=number,
         shards=todo,
-        base_version=rounds[-1].dataset_version if rounds else base_version,
+        base_version=published_version(rounds) or base_version,
     )
     try:
         store.write_json(key, round_shards)
@@ -162,7 +181,7 @@ def next_merge_round(
 
 
 def combine_rounds(rounds: Sequence[TokenizeSummary]) -> TokenizeSummary:
-    """The run's merge over its rounds: counts and parts summed, the last round's version (what the report shows).
+    """The run's merge over its rounds: counts and parts summed, the last published version (what the report shows).
 
     One round is returned as it is.
     """
@@ -171,6 +190,8 @@ def combine_rounds(rounds: Sequence[TokenizeSummary]) -> TokenizeSummary:
     if len(rounds) == 1:
         return rounds[0]
     first, last = rounds[0], rounds[-1]
+    published = [summary for summary in rounds if summary.dataset_version is not None]
+    version = published[-1] if published else last
 
     def added(field: str) -> dict[str, int]:
         total: Counter[str] = Counter()
@@ -193,5 +214,9 @@ def combine_rounds(rounds: Sequence[TokenizeSummary]) -> TokenizeSummary:
             "resumed_parts": sum(summary.resumed_parts for summary in rounds),
             "base_version": first.base_version,
             "shards_merged": [file for summary in rounds for file in summary.shards_merged or []],
+            "dataset_version": version.dataset_version,
+            "dataset_version_url": version.dataset_version_url,
+            "dataset_version_rows": version.dataset_version_rows,
+            "exports": version.exports,
         }
     )

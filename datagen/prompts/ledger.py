@@ -90,15 +90,16 @@ def _ledger_runs(store: Store, series: str) -> list[str]:
 
 
 def _published_version(store: Store, run_id: str) -> tuple[dt.datetime, str] | None:
-    """When and under which key a run published its last dataset version (None: not merged yet).
+    """When and under which key a run published its last dataset version (None: it published none yet).
 
     A run merged in rounds (a window ended it, its continuation published the rest) published one version per
-    round, each on top of the one before: the last one holds all of them.
+    round, each on top of the one before: the last one holds all of them. A round whose every answer was dropped
+    published none.
     """
-    rounds = finished_rounds(store, RunLayout(run_id))
-    if not rounds:
+    published = [summary for summary in finished_rounds(store, RunLayout(run_id)) if summary.dataset_version]
+    if not published:
         return None
-    return rounds[-1].created_at, rounds[-1].dataset_version
+    return published[-1].created_at, str(published[-1].dataset_version)
 
 
 def open_series_entry(store: Store, config: RunConfig) -> SeriesEntry:

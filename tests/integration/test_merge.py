@@ -495,3 +495,45 @@ def test_a_round_whose_every_completion_is_dropped_publishes_no_version_and_says
     # The round was not spent: merged keeping truncated answers, the same files make its rows.
     kept = merge_and_tokenize(store, layout, make_config(store_root, tiny_model_dir, include_truncated=True))
     assert kept.rows == 3 and kept.dataset_version_rows == 3
+
+
+def test_a_window_part_whose_every_completion_is_dropped_publishes_nothing_and_the_continuation_publishes_the_rest(
+    store_root: Path, tiny_model_dir: Path
+) -> None:
+    store, layout = Store(str(store_root)), RunLayout(RUN_ID)
+    base_key = str(store_root / "existing" / "v0001.json")
+    Store(str(store_root / "existing")).write_json(
+        "v0001.json", DatasetVersion(name="legacy", version=1, run_id="legacy", rows=0, shards=[])
+    )
+    config = make_config(store_root, tiny_model_dir, base_version=base_key)
+    # The attempt a window ended finished one shard, every answer of it cut off at max_tokens.
+    write_shard(
+        store,
+        layout,
+        "alpha",
+        0,
+        [completion("alpha", i, "cut off", finish_reason="length") for i in range(3)],
+    )
+
+    part = merge_and_tokenize(store, layout, config, window_part=True)
+
+    assert (part.dataset_version, part.dataset_version_url, part.rows) == (None, None, 0)
+    assert part.completions_read == 3 and part.dropped_by_reason == {"truncated": 3}
+    assert store.exists(layout.merge_summary(0)), "the round is finished: its files are spent"
+    assert not (store_root / "datasets").exists(), "a version without a row would read as done"
+    assert merge_and_tokenize(store, layout, config, window_part=True) == part  # nothing new: it stands
+    # The run's end with nothing more finished: no row in the whole run, refused, no resume suggested.
+    with pytest.raises(NoTrainingRowsError, match=r"every one of the 3 completions merged was dropped"):
+        merge_and_tokenize(store, layout, config)
+
+    # The continuation finishes the rest: the next round takes only its files, on the run's base.
+    write_shard(store, layout, "alpha", 1, [completion("alpha", i, f"Answer {i}.") for i in (4, 5)])
+    merged = merge_and_tokenize(store, layout, config)
+
+    second = TokenizeSummary.model_validate(store.read_json(layout.merge_summary(1)))
+    assert second.shards_merged == [layout.completions("alpha", 1)] and second.base_version == base_key
+    assert merged.dataset_version == second.dataset_version == dataset_version("drafter-expansion", 1)
+    assert (merged.rows, merged.completions_read, merged.dropped_by_reason) == (2, 5, {"truncated": 3})
+    version = DatasetVersion.model_validate(store.read_json(second.dataset_version))
+    assert version.rows == 2 and sorted(own_rows(store_root, version)) == ["alpha-004", "alpha-005"]
+    assert merge_and_tokenize(store, layout, config) == merged

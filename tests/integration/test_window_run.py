@@ -203,6 +203,54 @@ def test_a_window_shorter_than_the_work_ends_in_time_publishes_what_it_finished_
     }
 
 
+def test_a_window_whose_finished_answers_are_all_dropped_publishes_nothing_and_the_continuation_publishes_them(
+    tmp_path: Path, tiny_model_dir: Path, prefect_api: str
+) -> None:
+    state = tmp_path / "state"
+    _record_fast_hand_back(state, tiny_model_dir)
+    run_id = "window-dropped"
+    with FaultServer(FaultPlan(base_delay_s=ANSWER_DELAY_S)) as server:
+        config, windowed = _series_configs(tmp_path, server.url, tiny_model_dir)
+        server.cut_off = True  # every answer of the window's attempt hits max_tokens: dropped at the merge
+
+        ended = _run(windowed, state, prefect_api, run_id=run_id)
+
+        assert ended.returncode == 4, ended.stdout[-3000:] + ended.stderr[-3000:]
+        run_root = tmp_path / "out" / "runs" / run_id
+        finished = _done_completions(run_root)
+        assert 0 < finished < PROMPTS, finished
+        last = ended.stderr.strip().splitlines()[-1]
+        because = (
+            f"every one of the {finished} answers of its finished shards was dropped: truncated {finished}"
+        )
+        assert f"nothing published yet ({because})" in last and f"--run-id {run_id}" in last, last
+        assert not (tmp_path / "out" / "datasets").exists(), "a version without a row would read as done"
+
+        server.cut_off = False
+        finished_run = _run(config, state, prefect_api, run_id=run_id)
+        assert finished_run.returncode == 0, finished_run.stdout[-3000:] + finished_run.stderr[-3000:]
+
+    answered = _stored(run_root, "completions")
+    assert len(answered) == len(set(answered)) == PROMPTS, (
+        "every request stored exactly once over both attempts"
+    )
+    # The continuation's answers make the run's one version; the window's stay stored, counted as dropped.
+    (version_file,) = (tmp_path / "out" / "datasets" / "drafter-expansion").glob("v*.json")
+    version = json.loads(version_file.read_text())
+    assert version["base_version"] is None and version["rows"] == PROMPTS - finished
+    assert sorted(_own_rows(version)) == sorted(set(answered) - set(_rows_of_round(run_root, 0)))
+    manifest = json.loads((run_root / "manifest.json").read_text())
+    assert manifest["dataset_version"] == "datasets/drafter-expansion/v0001.json"
+
+
+def _rows_of_round(run_root: Path, merge_round: int) -> list[str]:
+    """The requests of the completions files a merge round took."""
+    rounds = sorted(run_root.rglob("shards.json"))
+    (shards,) = [path for path in rounds if json.loads(path.read_text())["merge_round"] == merge_round]
+    files = [run_root.parents[1] / key for key in json.loads(shards.read_text())["shards"]]
+    return [f"{row['prompt_id']}/{row['sample_index']}" for row in _rows(files)]
+
+
 def _rows(files: list[Path]) -> list[dict[str, Any]]:
     return [row for file in files for row in map(json.loads, file.read_text().splitlines())]
 

@@ -74,6 +74,8 @@ class FaultServer:
         self.healthy = True
         # GET /health requests answered so far (a fleet waiting for readiness polls it).
         self.health_checks = 0
+        # When set, every answer ends as one that hit max_tokens (finish_reason "length").
+        self.cut_off = False
         # Answers wait until this is set; a test clears it to hold a run mid-generation, then sets it.
         self.answering = threading.Event()
         self.answering.set()
@@ -301,7 +303,10 @@ class FaultServer:
 
     def _success(self, fault: str, body: dict[str, Any], content: str) -> dict[str, Any]:
         """The body of a 200 answer (``fault`` is ``ok`` or a directive the base server does not inject)."""
-        return _completion(body, content)
+        answer = _completion(body, content)
+        if self.cut_off:
+            answer["choices"][0]["finish_reason"] = "length"
+        return answer
 
 
 def _completion(body: dict[str, Any], content: str) -> dict[str, Any]:
