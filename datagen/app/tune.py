@@ -365,7 +365,7 @@ def _wait_ready(
 
     """
     from datagen import processes
-    from datagen.host.server_process import list_served_models, port_listener, wrong_model_message
+    from datagen.host.server_process import list_served_models, port_listener
 
     recipe = engine_class(engine)
     address = httpx.URL(url)
@@ -387,7 +387,12 @@ def _wait_ready(
             if listener.verdict != "none" and _answers(client, url + recipe.health_path):
                 models = list_served_models(client, url + recipe.models_path, {})
                 if models is not None and model not in models:
-                    raise RuntimeError(f"{url} {wrong_model_message(models, model, recipe.models_path)}")
+                    # The port is this process's, so no other program answers here: the name is what is wrong.
+                    served = ", ".join(repr(name) for name in models) or "no model"
+                    raise RuntimeError(
+                        f"{url}: the server datagen tune started serves {served}, not {model!r} "
+                        f"(GET {recipe.models_path}): give --model the name its command serves"
+                    )
                 return
             time.sleep(READY_POLL_S)
     raise TimeoutError(f"{url} was not ready within {timeout_s:.0f}s")

@@ -285,7 +285,9 @@ def test_a_restarted_server_that_serves_another_model_is_refused_naming_both(
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     port = free_port()
-    with pytest.raises(RuntimeError, match=r"serves 'other', not the planned 'sim'"):
+    with pytest.raises(
+        RuntimeError, match=r"tune started serves 'other', not 'sim'.*give --model the name its"
+    ):
         tune_setting_by_restart(
             _standin_argv(port, "other"), f"http://127.0.0.1:{port}", "sim", "transformers", "--load-s", (1,),
             inflight=1, max_tokens=MAX_TOKENS, ready_timeout_s=60, log_path=tmp_path / "server.log",
