@@ -288,6 +288,33 @@ def measured_overheads(records: Sequence[BoxRecord]) -> Overheads:
     return Overheads(**figures, measured=bool(figures))
 
 
+def run_overheads(config: RunConfig, records: Sequence[BoxRecord]) -> Overheads:
+    """What each attempt of ``config`` pays besides generating: :func:`measured_overheads`, none for a skipped step.
+
+    ``training.kind: none`` halts nothing, and training is started again only with
+    ``training.restart_after_run``. Servers the run did not launch (``external``) load no model: their start and
+    stop cost what this box measured for them (checking they answer), never the launch defaults. Reserving a
+    default for a step that does not happen would overstate the paused time and end a windowed run's generation
+    early for nothing.
+
+    Args:
+        config: The run's config.
+        records: The box's records of the run's model and engine (:func:`datagen.app.history.matching`).
+    """
+    from datagen.engines import engine_class
+
+    overheads = measured_overheads(records)
+    skipped: dict[str, float] = {}
+    if not engine_class(config.fleet.engine).launches_processes:
+        fleet = ("fleet_start_s", "fleet_stop_s")
+        skipped |= {name: 0.0 for name in fleet if name not in overheads.model_fields_set}
+    if config.training.kind == "none":
+        skipped["training_halt_s"] = 0.0
+    if not config.training.restart_after_run:
+        skipped["training_restart_s"] = 0.0
+    return overheads.model_copy(update=skipped)
+
+
 def estimate_cost(
     config: RunConfig,
     history: Sequence[BoxRecord],
@@ -353,7 +380,7 @@ def estimate_cost(
         rate_source=rate_source,
         rate_detail=detail,
         gpus=gpus,
-        overheads=measured_overheads(records),
+        overheads=run_overheads(config, records),
     )
 
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from datagen.app.history import BoxRecord, matching
-from datagen.app.preview import measured_overheads
+from datagen.app.preview import run_overheads
 from datagen.config import RunConfig
 from datagen.generation.window import WindowPolicy
 
@@ -46,7 +46,7 @@ def window_policy(
     now = now or dt.datetime.now(dt.UTC)
     clock_now = time.monotonic() if clock_now is None else clock_now
     names = {config.model.path, *([config.model.served_name] if config.model.served_name else [])}
-    overheads = measured_overheads(matching(history, names, config.fleet.engine))
+    overheads = run_overheads(config, matching(history, names, config.fleet.engine))
     generation_end = clock_now + (deadline - now).total_seconds() - overheads.after_generation_s
     longest_tokens = max(config.sampling_for(dataset).max_tokens for dataset in config.datasets)
     initial_answer_s = min(config.generation.request_timeout_s, longest_tokens / ASSUMED_REQUEST_TOKENS_PER_S)

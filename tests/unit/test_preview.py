@@ -14,6 +14,8 @@ from datagen.app.history import BoxRecord, DatasetAnswers, append_record, plan_k
 from datagen.app.preview import (
     ASSUMED_ANSWER_SHARE_OF_MAX_TOKENS,
     DEFAULT_FLEET_START_S,
+    DEFAULT_TRAINING_HALT_S,
+    DEFAULT_TRAINING_RESTART_S,
     PLANNER_OUTPUT_TOKENS_PER_S_PER_GPU,
     count_prompts_and_turns,
     estimate_cost,
@@ -42,6 +44,13 @@ def config(**extra: Any) -> RunConfig:
                 },
             ],
             "output": "/out",
+            # A box whose training job is halted for the run and started again after it.
+            "training": {
+                "kind": "pidfile",
+                "pidfile": "/run/trainer.pid",
+                "restart_after_run": True,
+                "restart_command": ["true"],
+            },
             **extra,
         }
     )
@@ -86,6 +95,31 @@ def test_first_preview_uses_the_mix_quotas_max_tokens_and_the_planner_rate_marke
     paused = expected_tokens / preview.output_tokens_per_s + preview.overheads.total_s
     assert preview.training_paused_s == pytest.approx(paused)
     assert preview.gpu_hours == pytest.approx(8 * paused / 3600)
+
+
+def test_steps_a_run_skips_cost_nothing_and_the_others_keep_their_defaults() -> None:
+    external = config(
+        fleet={"engine": "external", "external_urls": ["http://127.0.0.1:30000"]},
+        training={"kind": "none", "restart_after_run": True, "restart_command": ["true"]},
+    )
+
+    overheads = estimate_cost(external, [], gpus=0).overheads
+
+    # Nothing launched, nothing halted: only the restart it was asked for (a default: no history).
+    assert (overheads.fleet_start_s, overheads.fleet_stop_s, overheads.training_halt_s) == (0.0, 0.0, 0.0)
+    assert overheads.training_restart_s == DEFAULT_TRAINING_RESTART_S
+    assert overheads.total_s == DEFAULT_TRAINING_RESTART_S
+    # What this box measured for its external servers (checking they answer) counts; a trainer's halt does not.
+    checked = run_record(500.0).model_copy(update={"engine": "external", "fleet_start_s": 1.5})
+    measured = estimate_cost(external, [checked], gpus=0).overheads
+    assert (measured.fleet_start_s, measured.fleet_stop_s, measured.training_halt_s) == (1.5, 10.0, 0.0)
+    halted = config(training={"kind": "pidfile", "pidfile": "/run/trainer.pid"})
+    launched = estimate_cost(halted, [], gpus=8).overheads
+    assert (
+        launched.training_halt_s == DEFAULT_TRAINING_HALT_S
+        and launched.fleet_start_s == DEFAULT_FLEET_START_S
+    )
+    assert launched.training_restart_s == 0.0  # restart_after_run is off: training is not started again
 
 
 def test_history_of_the_same_model_gives_the_rate_answer_lengths_and_overheads() -> None:

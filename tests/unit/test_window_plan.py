@@ -13,7 +13,8 @@ from datagen.config import RunConfig
 HALTED = dt.datetime(2026, 12, 6, 1, 0, tzinfo=dt.UTC)
 
 
-def _config(tmp_path: Path, window: dict[str, object] | None) -> RunConfig:
+def _config(tmp_path: Path, window: dict[str, object] | None, *, launched: bool = False) -> RunConfig:
+    """External servers and no training job; ``launched``: servers the run starts and a trainer it restarts."""
     data: dict[str, object] = {
         "model": {"path": str(tmp_path / "model")},
         "fleet": {"engine": "external", "external_urls": ["http://127.0.0.1:30000"]},
@@ -22,12 +23,20 @@ def _config(tmp_path: Path, window: dict[str, object] | None) -> RunConfig:
         "output": str(tmp_path / "out"),
         "training": {"kind": "none"},
     }
+    if launched:
+        data["fleet"] = {"engine": "sglang"}
+        data["training"] = {
+            "kind": "pidfile",
+            "pidfile": str(tmp_path / "trainer.pid"),
+            "restart_after_run": True,
+            "restart_command": ["true"],
+        }
     if window is not None:
         data["window"] = window
     return RunConfig.model_validate(data)
 
 
-def _record(tmp_path: Path, stop_s: float, restart_s: float, engine: str = "external") -> BoxRecord:
+def _record(tmp_path: Path, stop_s: float, restart_s: float, engine: str = "sglang") -> BoxRecord:
     return BoxRecord(
         kind="run",
         model=str(tmp_path / "model"),
@@ -44,18 +53,29 @@ def test_an_unbounded_window_has_no_policy(tmp_path: Path) -> None:
 
 
 def test_generation_ends_before_the_window_by_the_measured_stop_and_restart(tmp_path: Path) -> None:
-    config = _config(tmp_path, {"max_hours": 6})
+    config = _config(tmp_path, {"max_hours": 6}, launched=True)
     now = HALTED + dt.timedelta(minutes=10)
     measured = window_policy(config, HALTED, [_record(tmp_path, 20.0, 40.0)], now=now, clock_now=1000.0)
     assert measured is not None
     assert measured.generation_end == 1000.0 + (6 * 3600 - 600) - 60.0
     # Another engine's records do not count: the preview's named defaults stand in.
     default = window_policy(
-        config, HALTED, [_record(tmp_path, 20.0, 40.0, "sglang")], now=now, clock_now=1000.0
+        config, HALTED, [_record(tmp_path, 20.0, 40.0, "external")], now=now, clock_now=1000.0
     )
     assert default is not None
     expected = 1000.0 + (6 * 3600 - 600) - (DEFAULT_FLEET_STOP_S + DEFAULT_TRAINING_RESTART_S)
     assert default.generation_end == expected
+
+
+def test_a_run_that_stops_no_server_and_restarts_no_training_generates_until_the_window_ends(
+    tmp_path: Path,
+) -> None:
+    # External servers stay up after the run, and no training job comes back: nothing to reserve after it.
+    config = _config(tmp_path, {"max_hours": 6})
+    now = HALTED + dt.timedelta(minutes=10)
+    policy = window_policy(config, HALTED, [], now=now, clock_now=1000.0)
+    assert policy is not None
+    assert policy.generation_end == 1000.0 + (6 * 3600 - 600)
 
 
 def test_the_first_drain_allowance_is_the_longest_answer_at_an_assumed_rate(tmp_path: Path) -> None:
