@@ -4,19 +4,23 @@ admitting a conversation's next turn the moment the previous one lands."""
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
 from datagen.config import GenerationConfig, parse_run_config
+from datagen.dataset.tokenizer import load_tokenizer
 from datagen.engines import exact_tokens_enabled
 from datagen.generation.conversation import Conversation, ConversationChains
 from datagen.generation.dispatch_state import GenerationResult
 from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, retried_keys
 from datagen.generation.openai_chat import GenerationRequest, PromptTokens
+from datagen.generation.sglang_generate import PromptEncoder, attach_prompt_tokens
 from datagen.generation.shard import ShardInbox
 from datagen.records import (
     AssistantCompletion,
@@ -31,6 +35,7 @@ from datagen.records import (
     ToolCall,
 )
 from tests.support.fault_server import FaultPlan, FaultServer
+from tests.support.qwen import tokenizer_with_template
 
 
 def _prompt(prompt_id: str, *turns: tuple[str, str]) -> PromptRecord:
@@ -354,3 +359,42 @@ def test_a_next_turn_that_cannot_be_built_stops_the_shard_waiting_for_it_instead
                 taken += [result for _, result in inbox.take(0.5)]
                 inbox.raise_if_broken()
     assert [(r.turn, isinstance(r, CompletionRecord)) for r in taken] == [(0, True)], "turn 0 is kept"
+
+
+def test_a_later_turn_the_template_cannot_render_fails_unsent_and_ends_the_rest_of_its_conversation(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Exact-token mode renders each turn when the turn before lands. The first turn renders; the second's
+    # history holds the dataset's mid-conversation system message, which the Qwen3.6 template refuses.
+    tokenizer = load_tokenizer(str(tokenizer_with_template(tiny_model_dir, tmp_path / "qwen3.6", "qwen3.6")))
+    prompt = _prompt(
+        "mid-system",
+        ("user", "Q1"),
+        ("assistant", "dataset answer 1"),
+        ("system", "From now on, answer in French."),
+        ("user", "Q2"),
+        ("assistant", "dataset answer 2"),
+        ("user", "Q3"),
+    )
+    prepare = functools.partial(attach_prompt_tokens, encoder=PromptEncoder.from_tokenizer(tokenizer))
+    chains = ConversationChains([_conversation(prompt)], prepare)
+    (first,), nothing_ended = chains.resume({})
+    assert not nothing_ended and first.turn == 0 and first.prompt_tokens is not None
+    delivered: list[tuple[int, FailureRecord]] = []
+    broken: list[BaseException] = []
+
+    def deliver(request: GenerationRequest, result: GenerationResult) -> None:
+        assert isinstance(result, FailureRecord), "only the turns never sent are handed on"
+        delivered.append((request.turn, result))
+
+    follow = chains.follower(deliver, broken.append)
+
+    assert follow(first, _answer(first, "target answer 1")) is None  # no turn left to send
+
+    assert not broken
+    assert [(turn, result.turn, result.error_type, result.attempts) for turn, result in delivered] == [
+        (1, 1, "unrenderable_prompt", 0),
+        (1, 2, "conversation_ended", 0),
+    ]
+    assert "System message must be at the beginning" in delivered[0][1].reason
+    assert delivered[1][1].reason.startswith("turn 1 failed: unrenderable_prompt")
