@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -421,7 +422,12 @@ def main() -> None:
         default=None,
         help="Run datagen once per shard size (comma-separated), each a client named datagen@<size>.",
     )
-    parser.add_argument("--work", type=Path, default=None, help="Keep logs and outputs here.")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=None,
+        help="Keep logs and outputs here (default: a temporary folder, removed once the benchmark succeeded).",
+    )
     parser.add_argument("--out", type=Path, default=None, help="Write every figure as JSON here.")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="datagen-bench-"))
@@ -429,7 +435,8 @@ def main() -> None:
     rounds = 1 if args.quick else args.rounds
     tokenizer = build_tokenizer(work / "tokenizer")
     summaries = []
-    print(f"datagen bench: work dir {work}", flush=True)
+    kept = "" if args.work else " (removed at the end unless something fails; --work DIR keeps it)"
+    print(f"datagen bench: work dir {work}{kept}", flush=True)
     with PrefectServer(work / "prefect-home") as prefect_server:
         for name in args.scenarios.split(","):
             scenario = SCENARIOS[name]
@@ -449,6 +456,8 @@ def main() -> None:
     print_summary(summaries)
     if args.out:
         args.out.write_text(json.dumps(summaries, indent=2))
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)  # each run's outputs and logs are tens of MB
 
 
 if __name__ == "__main__":
