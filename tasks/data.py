@@ -66,7 +66,7 @@ def _series_held(config: RunConfig, run: RunHandle, store: Store) -> dict[str, i
 
 
 class ShardProgress:
-    """Requests answered so far per running shard (stored results included), read by the flow's scheduler.
+    """Requests answered and conversations over so far per running shard (stored ones included), for the scheduler.
 
     The flow's scheduler makes one and hands it to every shard task it starts. A shard appears here once its
     requests are registered with the dispatcher (``done`` may still be 0). It also holds the results shard
@@ -75,18 +75,25 @@ class ShardProgress:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._done: dict[tuple[str, str, int], int] = {}
+        self._done: dict[tuple[str, str, int], tuple[int, int]] = {}
         self.held = datagen.generation.shard.HeldResults()
 
-    def update(self, run_id: str, dataset: str, shard_index: int, done: int) -> None:
-        """Record that ``done`` requests of one shard have a result."""
+    def update(
+        self, run_id: str, dataset: str, shard_index: int, done: int, conversations_done: int | None = None
+    ) -> None:
+        """Record that ``done`` requests of one shard have a result (and ``conversations_done`` on-policy ones are over)."""
         with self._lock:
-            self._done[(run_id, dataset, shard_index)] = done
+            self._done[(run_id, dataset, shard_index)] = (done, conversations_done or 0)
 
     def done(self, run_id: str, dataset: str, shard_index: int) -> int:
         """Requests of one shard with a result so far (0 before its task started)."""
         with self._lock:
-            return self._done.get((run_id, dataset, shard_index), 0)
+            return self._done.get((run_id, dataset, shard_index), (0, 0))[0]
+
+    def conversations_done(self, run_id: str, dataset: str, shard_index: int) -> int:
+        """On-policy conversations of one shard that are over so far (0 before its task started, or none)."""
+        with self._lock:
+            return self._done.get((run_id, dataset, shard_index), (0, 0))[1]
 
     def registered(self, run_id: str, dataset: str, shard_index: int) -> bool:
         """Whether the shard's task has handed its requests to the dispatcher (or finished)."""
@@ -195,7 +202,9 @@ def generate_shard(
         context.config,
         shard,
         dispatcher,
-        progress=lambda done, total: progress.update(run_id, shard.dataset, shard.shard_index, done),
+        progress=lambda done, _total, conversations: progress.update(
+            run_id, shard.dataset, shard.shard_index, done, conversations
+        ),
         held=progress.held,
         retry_failed=retry_failed,
     )

@@ -59,7 +59,7 @@ def progress_card(
 ) -> tuple[GenerationProgress, str]:
     """Generation so far and the progress artifact's text: the figures, then the dispatcher's queues.
 
-    ``conversations``: on-policy conversations of finished shards and of the run (None: the run has none).
+    ``conversations``: on-policy conversations over so far and of the run (None: the run has none).
     """
     now = utc_now()
     done, planned = conversations or (0, 0)
@@ -188,7 +188,7 @@ class GenerationProgressReporter:
     ) -> None:
         """Show how far generation is: the live view often, the log line and the artifact when due (or forced).
 
-        ``conversations``: on-policy conversations of finished shards and of the run (None: the run has none).
+        ``conversations``: on-policy conversations over so far and of the run (None: the run has none).
         """
         now = time.monotonic()
         due = force or now - self.last_report >= get_settings().progress_interval_s

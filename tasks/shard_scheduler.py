@@ -232,10 +232,15 @@ class ShardScheduler:
         )
 
     def _conversations(self) -> tuple[int, int] | None:
-        """On-policy conversations of finished shards, and of the run (None: the run has none)."""
+        """On-policy conversations over (finished shards' all, running shards' so far), and of the run (None: none)."""
         if not self.total_conversations:
             return None
-        return sum(s.conversations for s in self.generated.summaries), self.total_conversations
+        run_id = self.context.run.run_id
+        running = sum(
+            self._shard_progress.conversations_done(run_id, shard.dataset, shard.shard_index)
+            for shard in self._running.values()
+        )
+        return sum(s.conversations for s in self.generated.summaries) + running, self.total_conversations
 
 
 def generate_all(

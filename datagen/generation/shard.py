@@ -82,7 +82,9 @@ from datagen.records import CompletionRecord, FailureRecord, PromptShardRef, Sha
 
 logger = logging.getLogger(__name__)
 
-ProgressCallback = Callable[[int, int], None]
+# ``progress(done, total, conversations_done)``: requests of the shard with a result and in all, and (on-policy)
+# its conversations whose last turn has one (None for a shard of single requests).
+ProgressCallback = Callable[[int, int, int | None], None]
 
 
 class HeldResults:
@@ -157,8 +159,9 @@ def generate_shard(
         config: The run configuration (sampling and checkpoint settings).
         shard: The prompt shard; ``shard.path`` is a key in ``store`` holding PromptRecord JSON lines.
         dispatcher: The running, shared dispatcher.
-        progress: Called as ``progress(done, total)`` once the requests are handed to the dispatcher and
-            after each result (``done`` includes requests finished by an earlier attempt).
+        progress: Called as ``progress(done, total, conversations_done)`` once the requests are handed to the
+            dispatcher and after each result (``done`` includes requests finished by an earlier attempt;
+            ``conversations_done``: on-policy conversations over, their last turn answered or ended; else None).
         held: Results earlier attempts of shards could not store (stored first here); this attempt leaves
             its own there when it ends without storing them.
         retry_failed: Send the retryable failures of a done shard again (a new retry round).
@@ -240,6 +243,8 @@ def generate_shard(
     # A conversations' stream delivers one result per turn left (``expected``); a plain one, one per request it
     # is given, after exact-token mode failed the unrenderable prompts without sending them (below).
     expected: int | None = None
+    last_turns: set[str] = set()
+    conversations_done: int | None = None
     if chains is None:
         to_send = [request for request in requests if request.key not in finished]
         left = len(to_send)
@@ -256,6 +261,10 @@ def generate_shard(
         to_send, ended = chains.resume(stored)
         kept_failures.extend(ended)
         expected = left = sum(1 for key in keys if key not in stored) - len(ended)
+        # A conversation is over once its last turn has a result; a retry round's others were over before it.
+        over = stored.keys() | {record.key for record in kept_failures}
+        last_turns = {conversation.turn_keys()[-1] for conversation in chains.conversations}
+        conversations_done = len(shard_conversations or []) - len(last_turns) + len(last_turns & over)
     resent = len(to_send) if earlier.part_count or attempted_before else 0
     logger.info(
         "generate shard dataset=%s shard=%d requests=%d finished_earlier=%d to_send=%d resent=%d",
@@ -298,6 +307,7 @@ def generate_shard(
         held=held,
         expected=expected,
         chains=chains,
+        conversations=(conversations_done, last_turns) if conversations_done is not None else None,
     )
     summary = assemble(
         store,
@@ -387,12 +397,14 @@ def _run_requests(
     held: HeldResults,
     expected: int | None = None,
     chains: ConversationChains | None = None,
+    conversations: tuple[int, set[str]] | None = None,
 ) -> None:
     """Hand every request to the dispatcher as one stream, collect results in batches, checkpoint them.
 
     With ``chains`` (on-policy conversations), ``requests`` are each conversation's next turn and the stream
     follows them: each turn that lands brings its conversation's next one (or the failures of the turns it
-    ended), ``expected`` results in all.
+    ended), ``expected`` results in all. ``conversations``: the shard's conversations over before this attempt
+    and the last turns' keys of the others, so that progress counts each as its last turn's result lands.
 
     A checkpoint that fails transiently keeps its results and is tried again one interval later (the shard
     goes on collecting); results still unstored when this ends with an error are left in ``held``.
@@ -403,12 +415,13 @@ def _run_requests(
     failures: list[FailureRecord] = []
     oldest: float | None = None
     done = already_done
+    conversations_done, last_turns = conversations if conversations is not None else (None, set())
     unserved: Counter[str] = Counter()
     follow = chains.follower(inbox.put, inbox.fail) if chains is not None else None
     stream = dispatcher.submit_stream(requests, inbox.put, follow=follow)
     if progress is not None:
         # Tells the flow's scheduler this shard's requests are now in the dispatcher's backlog.
-        progress(done, total)
+        progress(done, total, conversations_done)
     try:
         while remaining:
             # Look at least twice per checkpoint interval, so no result waits much longer than that.
@@ -423,14 +436,17 @@ def _run_requests(
                     completions.append(result)
                 elif is_unfinished(result):
                     unserved[result.error_type] += 1
+                    continue  # handed back: its conversation goes on in the next attempt
                 else:
                     failures.append(result)
+                if conversations_done is not None and result.key in last_turns:
+                    conversations_done += 1
             inbox.raise_if_broken()
             if arrived:
                 remaining -= len(arrived)
                 done += len(arrived)
                 if progress is not None:
-                    progress(done, total)
+                    progress(done, total, conversations_done)
             buffered = len(completions) + len(failures)
             if not buffered:
                 oldest = None

@@ -147,7 +147,7 @@ def test_interrupted_shard_resends_only_the_requests_missing_from_its_parts(
         make_config(tiny_model_dir, tmp_path / "resumed"),
         shard,
         dispatcher,
-        progress=lambda done, total: progress.append((done, total)),
+        progress=lambda done, total, _conversations: progress.append((done, total)),
     )
 
     missing = PROMPTS - len(kept)
@@ -210,7 +210,7 @@ def test_shard_survives_a_killed_server_and_a_rerun_is_skipped(
     victim = transformers_pool.servers[1]
     killed_at: list[int] = []
 
-    def kill_mid_run(done: int, total: int) -> None:
+    def kill_mid_run(done: int, total: int, _conversations: int | None) -> None:
         if done >= 8 and not killed_at:
             victim.kill()
             killed_at.append(done)
@@ -344,7 +344,7 @@ def test_requests_that_found_no_server_are_not_final_and_a_rerun_sends_only_them
     ) as dispatcher:
         wait_until(lambda: dispatcher.stats().servers_up == [server.url])
 
-        def stop_after_first(done: int, total: int) -> None:
+        def stop_after_first(done: int, total: int, _conversations: int | None) -> None:
             if done == 1:
                 server.stop()
 
@@ -390,7 +390,7 @@ def test_a_closing_window_ends_the_shard_with_a_non_transient_error_and_the_next
         ) as dispatcher:
             wait_until(lambda: dispatcher.stats().servers_up == [server.url])
 
-            def close_after_first(done: int, _total: int) -> None:
+            def close_after_first(done: int, _total: int, _conversations: int | None) -> None:
                 if done == 1:  # b is in flight now; c and d wait
                     dispatcher.stop_admission(WindowClosingError("the generation window is closing"))
 

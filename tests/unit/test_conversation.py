@@ -5,6 +5,7 @@ admitting a conversation's next turn the moment the previous one lands."""
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 from collections import defaultdict
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from datagen.config import GenerationConfig, parse_run_config
+from datagen.config import GenerationConfig, RunConfig, parse_run_config
 from datagen.dataset.tokenizer import load_tokenizer
 from datagen.engines import exact_tokens_enabled
 from datagen.generation.conversation import Conversation, ConversationChains
@@ -21,7 +22,9 @@ from datagen.generation.dispatcher import Dispatcher
 from datagen.generation.failures import FailureKind, is_retryable, retried_keys
 from datagen.generation.openai_chat import GenerationRequest, PromptTokens
 from datagen.generation.sglang_generate import PromptEncoder, attach_prompt_tokens
-from datagen.generation.shard import ShardInbox
+from datagen.generation.shard import ShardInbox, generate_shard
+from datagen.output.layout import RunLayout
+from datagen.output.store import Store
 from datagen.records import (
     AssistantCompletion,
     CompletionRecord,
@@ -30,6 +33,7 @@ from datagen.records import (
     FunctionCall,
     Message,
     PromptRecord,
+    PromptShardRef,
     SamplingParams,
     TokenUsage,
     ToolCall,
@@ -398,3 +402,54 @@ def test_a_later_turn_the_template_cannot_render_fails_unsent_and_ends_the_rest_
     ]
     assert "System message must be at the beginning" in delivered[0][1].reason
     assert delivered[1][1].reason.startswith("turn 1 failed: unrenderable_prompt")
+
+
+def test_a_shards_progress_counts_each_conversation_as_its_last_turn_lands_not_when_the_shard_ends(
+    tmp_path: Path,
+) -> None:
+    layout = RunLayout("live")
+    store = Store(str(tmp_path / "out"))
+    prompts = [
+        _prompt(
+            f"c{i}", ("user", "q0"), ("assistant", "x"), ("user", "q1"), ("assistant", "y"), ("user", "q2")
+        )
+        for i in range(6)
+    ]
+    store.write_jsonl(layout.prompt_shard("chat", 0), prompts)
+    shard = PromptShardRef(dataset="chat", shard_index=0, path=layout.prompt_shard("chat", 0), prompts=6)
+    config = RunConfig.model_validate(
+        {
+            "model": {"path": "/models/m"},
+            "fleet": {"engine": "external", "external_urls": ["http://127.0.0.1:9"]},
+            "datasets": [
+                {"name": "chat", "format": "openai_messages", "path": "x", "multi_turn": "on_policy"}
+            ],
+            "output": str(tmp_path / "out"),
+            "generation": {"checkpoint_every": 2, "backoff_initial_s": 0.01, "request_timeout_s": 10},
+        }
+    )
+    reports: list[tuple[int, int, int | None]] = []
+    with (
+        FaultServer(FaultPlan(base_delay_s=0.02)) as server,
+        Dispatcher(
+            [server.url],
+            model="m",
+            engine="external",
+            max_inflight_per_server=2,
+            generation=config.generation,
+        ) as dispatcher,
+    ):
+        summary = generate_shard(
+            store,
+            layout,
+            config,
+            shard,
+            dispatcher,
+            progress=lambda done, total, conversations: reports.append((done, total, conversations)),
+        )
+
+    assert summary.conversations == 6 and summary.completions == 18
+    assert reports[0] == (0, 18, 0) and reports[-1] == (18, 18, 6)
+    assert all(a[0] <= b[0] and (a[2] or 0) <= (b[2] or 0) for a, b in itertools.pairwise(reports))
+    # Conversations are counted while the shard still generates: two slots, so some end before the others.
+    assert any(0 < (conversations or 0) < 6 and done < 18 for done, _, conversations in reports), reports
