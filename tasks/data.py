@@ -81,7 +81,7 @@ class ShardProgress:
     def update(
         self, run_id: str, dataset: str, shard_index: int, done: int, conversations_done: int | None = None
     ) -> None:
-        """Record that ``done`` requests of one shard have a result (and ``conversations_done`` on-policy ones are over)."""
+        """Record that ``done`` requests of one shard have a result, ``conversations_done`` conversations are over."""
         with self._lock:
             self._done[(run_id, dataset, shard_index)] = (done, conversations_done or 0)
 
