@@ -51,7 +51,9 @@ class GenerationProgress(BaseModel):
     failed: int = 0
     conversations: int = Field(default=0, ge=0, description="On-policy conversations of the run (0: none).")
     conversations_done: int = Field(
-        default=0, ge=0, description="On-policy conversations over so far (their last turn answered or ended)."
+        default=0,
+        ge=0,
+        description="On-policy conversations over so far (their last turn answered or ended).",
     )
     output_tokens: int = Field(default=0, description="Output tokens of the completions so far.")
     elapsed_s: float = Field(default=0.0, description="Generation wall time so far.")
