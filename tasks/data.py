@@ -224,9 +224,11 @@ def generate_shard(
 def _merge_cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     run: RunHandle = parameters["context"].run
     # The finished files decide what the merge publishes: a window-ended attempt's merge (its finished shards)
-    # never stands for the continuation's, which merges the rest as the run's next round.
+    # never stands for the continuation's, which merges the rest as the run's next round; nor does it stand for
+    # the run's last merge of the same files, which refuses a run without a version where a window part does not.
     files = sorted(path for shard in parameters["shards"] for path in shard.all_completions_paths)
-    return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash, *files)
+    part = ["window-part"] if parameters.get("window_part") else []
+    return stage_cache_key(context.task.name, run.run_id, run.incarnation, run.config_hash, *part, *files)
 
 
 @task(
