@@ -226,6 +226,7 @@ def test_a_window_whose_finished_answers_are_all_dropped_publishes_nothing_and_t
         assert f"nothing published yet ({because})" in last and f"--run-id {run_id}" in last, last
         assert not (tmp_path / "out" / "datasets").exists(), "a version without a row would read as done"
 
+        sent_cut_off = len(server.chat_requests())
         server.cut_off = False
         finished_run = _run(config, state, prefect_api, run_id=run_id)
         assert finished_run.returncode == 0, finished_run.stdout[-3000:] + finished_run.stderr[-3000:]
@@ -234,21 +235,19 @@ def test_a_window_whose_finished_answers_are_all_dropped_publishes_nothing_and_t
     assert len(answered) == len(set(answered)) == PROMPTS, (
         "every request stored exactly once over both attempts"
     )
-    # The continuation's answers make the run's one version; the window's stay stored, counted as dropped.
+    # The rows are the answers not cut off: the continuation's. The window's attempt's stay stored, dropped at the
+    # merge: its finished shards' and those a cut shard had checkpointed (merged with that shard, in the next round).
+    records = _rows(sorted((run_root / "completions").rglob("*.jsonl")))
+    kept = {
+        f"{row['prompt_id']}/{row['sample_index']}" for row in records if row["finish_reason"] != "length"
+    }
+    assert finished <= len(records) - len(kept) <= sent_cut_off and kept, (len(records), len(kept), finished)
     (version_file,) = (tmp_path / "out" / "datasets" / "drafter-expansion").glob("v*.json")
     version = json.loads(version_file.read_text())
-    assert version["base_version"] is None and version["rows"] == PROMPTS - finished
-    assert sorted(_own_rows(version)) == sorted(set(answered) - set(_rows_of_round(run_root, 0)))
+    assert version["base_version"] is None and version["rows"] == len(kept)
+    assert sorted(_own_rows(version)) == sorted(kept)
     manifest = json.loads((run_root / "manifest.json").read_text())
     assert manifest["dataset_version"] == "datasets/drafter-expansion/v0001.json"
-
-
-def _rows_of_round(run_root: Path, merge_round: int) -> list[str]:
-    """The requests of the completions files a merge round took."""
-    rounds = sorted(run_root.rglob("shards.json"))
-    (shards,) = [path for path in rounds if json.loads(path.read_text())["merge_round"] == merge_round]
-    files = [run_root.parents[1] / key for key in json.loads(shards.read_text())["shards"]]
-    return [f"{row['prompt_id']}/{row['sample_index']}" for row in _rows(files)]
 
 
 def _rows(files: list[Path]) -> list[dict[str, Any]]:
